@@ -1,0 +1,132 @@
+"""Sampler throughput: ``build_batch`` samples/s on one core vs the pure-Python reference and the goal.
+
+Builds a synthetic store with realistic per-user lengths (5k-30k events, Yambda's action mix,
+Yambda-5b's 9.39M items with Zipf-like popularity, so the per-item tables do not fit in cache),
+then times consecutive batches of a window's anchors at the reference history length and at 1,024.
+Prints a table and writes results/sampler.json and results/sampler.md.
+
+    python benchmarks/bench_sampler.py [--users 384] [--batches 8] [--repeats 5] [--item-zipf 0.9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))  # the store factory and the reference live with the tests
+
+from dlrmv4.config import SamplerConfig  # noqa: E402
+from dlrmv4.data.sampler import build_batch, pack_item_sides  # noqa: E402
+from dlrmv4.data.store import open_store  # noqa: E402
+from store_factory import random_store  # noqa: E402
+from test_sampler import reference_sample  # noqa: E402
+
+GOAL_SAMPLES_PER_S = 2_500
+REFERENCE_MIN_HISTORY = 4_086
+YAMBDA_5B_ITEMS = 9_390_623
+
+
+def time_fast(store, batches: list[np.ndarray], cfg: SamplerConfig, repeats: int,
+              item_sides: np.ndarray | None) -> dict:
+    """Best-of-repeats wall and CPU time over all batches (the box is shared; best is least disturbed)."""
+    walls, cpus, tokens = [], [], 0
+    for _ in range(repeats):
+        w0, c0 = time.perf_counter(), time.process_time()
+        tokens = sum(build_batch(store, b, cfg, item_sides).total_tokens for b in batches)
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+    n = sum(len(b) for b in batches)
+    return {"samples": n, "tokens_per_sample": tokens / n, "wall_s": min(walls), "cpu_s": min(cpus),
+            "samples_per_s": n / min(walls), "samples_per_cpu_s": n / min(cpus)}
+
+
+def time_reference(store, anchors: np.ndarray, cfg: SamplerConfig) -> float:
+    t0 = time.perf_counter()
+    for g in anchors.tolist():
+        reference_sample(store, g, cfg)
+    return len(anchors) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--users", type=int, default=384)
+    parser.add_argument("--item-zipf", type=float, default=0.9, help="item popularity exponent; 0 = uniform")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--batches", type=int, default=8, help="consecutive batches timed per history length")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--reference-samples", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args()
+
+    rng = np.random.default_rng(args.seed)
+    lengths = rng.integers(5_000, 30_001, size=args.users)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        store = open_store(random_store(Path(tmp) / "store", seed=args.seed, lengths=lengths, num_items=YAMBDA_5B_ITEMS,
+                                        num_artists=1_000_000, num_albums=3_000_000, min_history=REFERENCE_MIN_HISTORY,
+                                        window_seconds=86_400, num_windows=30, item_zipf=args.item_zipf or None))
+        build_s = time.perf_counter() - t0
+        window = int(np.argmax(np.diff(store.window_offsets)))
+        anchors = np.asarray(store.window_anchors(window))
+        need = args.batches * args.batch_size
+        if len(anchors) < need:
+            raise SystemExit(f"window {window} has {len(anchors)} anchors, fewer than {need}; raise --users")
+        batches = [anchors[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.batches)]
+        item_sides = pack_item_sides(store)
+        rows = []
+        for label, cfg in (("reference (max_seq_len 4096)", SamplerConfig()),
+                           ("history 1,024", SamplerConfig(max_seq_len=1_024 + 9))):
+            build_batch(store, batches[0], cfg)  # warm the page cache and allocator
+            fast = time_fast(store, batches, cfg, args.repeats, item_sides)
+            plain = time_fast(store, batches, cfg, args.repeats, None)
+            ref = time_reference(store, anchors[:args.reference_samples], cfg)
+            rows.append({"config": label, "max_seq_len": cfg.max_seq_len, "history_length": cfg.history_length,
+                         "per_pool_length": cfg.per_pool_length, "scan_window": cfg.scan_window,
+                         "batch_size": args.batch_size, **fast, "python_reference_samples_per_s": ref,
+                         "samples_per_s_without_item_sides": plain["samples_per_s"],
+                         "speedup_vs_python": fast["samples_per_s"] / ref,
+                         "ratio_vs_goal": fast["samples_per_s"] / GOAL_SAMPLES_PER_S})
+
+    header = ("| config | history | tokens/sample | samples/s (wall) | samples/CPU-s | without item_sides "
+              "| python ref samples/s | × python | × goal 2,500/s |\n|---|---|---|---|---|---|---|---|---|\n")
+    table = header + "".join(
+        f"| {r['config']} | {r['history_length']} ({r['per_pool_length']}/pool) | {r['tokens_per_sample']:.0f} "
+        f"| {r['samples_per_s']:,.0f} | {r['samples_per_cpu_s']:,.0f} | {r['samples_per_s_without_item_sides']:,.0f} "
+        f"| {r['python_reference_samples_per_s']:.1f} "
+        f"| {r['speedup_vs_python']:,.0f} | {r['ratio_vs_goal']:.2f} |\n" for r in rows)
+    machine = {"nproc": os.cpu_count(), "affinity_cpus": len(os.sched_getaffinity(0)),
+               "platform": platform.platform(), "processor": platform.processor(),
+               "python": platform.python_version(), "numpy": np.__version__}
+    store_facts = {"users": args.users, "events": int(lengths.sum()), "events_per_user": [5_000, 30_000],
+                   "items": YAMBDA_5B_ITEMS, "item_zipf": args.item_zipf,
+                   "min_history": REFERENCE_MIN_HISTORY, "window": window, "window_anchors": len(anchors),
+                   "build_s": build_s}
+    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__)] + sys.argv[1:])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sampler.json").write_text(json.dumps(
+        {"command": command, "machine": machine, "store": store_facts, "goal_samples_per_s": GOAL_SAMPLES_PER_S,
+         "timing": f"best of {args.repeats} over {args.batches} consecutive batches, one process, wall clock",
+         "rows": rows}, indent=2) + "\n")
+    (args.out / "sampler.md").write_text(
+        f"# Sampler throughput (`{command}`)\n\n{table}\nOne process (numpy is single-threaded here), "
+        f"{machine['nproc']} CPUs visible; synthetic store of {args.users} users with 5k-30k events each, "
+        f"{YAMBDA_5B_ITEMS:,} items (Zipf {args.item_zipf}), scan window {rows[0]['scan_window']:,}, "
+        f"batch {args.batch_size}, Yambda action mix. `samples/CPU-s` discounts time lost to other "
+        "processes on a shared box; `without item_sides` is `build_batch` without the packed item table.\n")
+    print(table)
+    print(json.dumps({"machine": machine, "store": store_facts}))
+
+
+if __name__ == "__main__":
+    main()

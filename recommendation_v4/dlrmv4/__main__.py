@@ -1,0 +1,5 @@
+import sys
+
+from dlrmv4.cli import main
+
+sys.exit(main())

@@ -1,0 +1,184 @@
+"""Command line: ``python -m dlrmv4 <command> [--preset NAME] [--config FILE] [--<field> VALUE ...]``.
+
+Every failure the user can fix is one line on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args, list_presets, to_toml
+from dlrmv4.errors import UserError
+
+
+def _say(msg: str) -> None:
+    print(f"[dlrmv4] {msg}", flush=True)
+
+
+def _raw_files(cfg: BenchmarkConfig, progress: bool):
+    """The raw parquet of the configured source: generated once, or fetched from the hub."""
+    from dlrmv4.data.paths import synthetic_raw_root
+    from dlrmv4.data.yambda_schema import RawFiles
+
+    ds = cfg.dataset
+    if ds.source == "synthetic":
+        root = synthetic_raw_root(ds)
+        files = RawFiles.under(root, ds.size)
+        if all(p.exists() for p in files.all()):
+            _say(f"synthetic raw data already at {root}")
+        else:
+            from dlrmv4.data.synthetic import generate
+
+            _say(f"generating synthetic Yambda-schema data ({ds.size}, seed {ds.synthetic_seed}) into {root}")
+            files = generate(root, ds.size, ds.synthetic_seed, progress=progress)
+        return files, None
+    from dlrmv4.data.download import download_yambda
+
+    _say(f"downloading {ds.hub_repo_id} flat/{ds.size} at revision {ds.hub_revision}")
+    return download_yambda(ds, progress=progress)
+
+
+def cmd_download(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    files, revision = _raw_files(cfg, not args.no_progress)
+    for p in files.all():
+        _say(f"raw file {p}")
+    if revision:
+        _say(f"resolved revision {revision}")
+
+
+def cmd_preprocess(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    from dlrmv4.data.paths import store_dir
+    from dlrmv4.data.preprocess import preprocess
+
+    files, revision = _raw_files(cfg, not args.no_progress)
+    out = store_dir(cfg.dataset)
+    _say(f"preprocessing into {out}")
+    meta = preprocess(files, out, cfg.dataset, cfg.preprocess, resolved_revision=revision,
+                      progress=not args.no_progress)
+    c = meta["counts"]
+    _say(f"store ready: {c['train_events']:,} train events of {c['train_users']:,} users, "
+         f"{c['test_events']:,} test events, {c['anchors']:,} anchors in {cfg.preprocess.num_train_days} windows, "
+         f"{c['num_items']:,} items ({meta['seconds']:.1f} s, "
+         f"{c['raw_events'] / max(meta['seconds'], 1e-9) / 1e6:.2f} M raw events/s)")
+    if c["dropped_null_ratio_listens"]:
+        _say(f"dropped {c['dropped_null_ratio_listens']:,} listens with a null played_ratio_pct")
+
+
+def cmd_verify(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    from dlrmv4.data.paths import store_dir
+    from dlrmv4.data.verify import check_reference_md5s, read_reference_md5s, verify_store
+
+    path = Path(args.store) if getattr(args, "store", None) else store_dir(cfg.dataset)
+    problems = verify_store(path, progress=not args.no_progress, on_step=_say)
+    reference_file = getattr(args, "reference_md5s", None)
+    if not problems and reference_file:
+        reference = read_reference_md5s(Path(reference_file), cfg.dataset.name)
+        if reference:
+            problems = check_reference_md5s(path, reference)
+            if not problems:
+                _say(f"all {len(reference)} files match the published sums for {cfg.dataset.name} in {reference_file}")
+        else:
+            _say(f"no published sums for {cfg.dataset.name} in {reference_file} (see README: Dataset checksums)")
+    if problems:
+        for p in problems[1:]:
+            print(f"[dlrmv4]   also: {p}", file=sys.stderr)
+        raise UserError(f"verification failed: {problems[0]}")
+    _say(f"verified {path}: md5 sums and store invariants OK")
+
+
+def cmd_prepare(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    cmd_preprocess(cfg, args)
+    cmd_verify(cfg, args)
+
+
+def cmd_sample(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    from dlrmv4.data.loader import make_window_loader
+    from dlrmv4.data.paths import store_dir
+    from dlrmv4.data.store import open_store
+
+    store = open_store(store_dir(cfg.dataset))
+    windows = [w for w in range(store.num_windows) if store.window_offsets[w + 1] > store.window_offsets[w]]
+    if not windows:
+        raise UserError(f"{store.path}: no anchors in any window (min_history too large for this data?)")
+    window = windows[0]
+    loader = make_window_loader(store, [window], cfg)
+    started = time.perf_counter()
+    samples = 0
+    for i, batch in enumerate(loader):
+        if i >= args.batches:
+            break
+        samples += batch.num_samples
+        _say(f"window {window} batch {i}: {batch.num_samples} samples, {batch.total_tokens:,} history tokens "
+             f"(max {batch.max_history_length}, mean {batch.total_tokens / batch.num_samples:.0f}), "
+             f"label mean {float(batch.label.float().mean()):.3f}")
+    seconds = time.perf_counter() - started
+    _say(f"assembled {samples} samples in {seconds:.2f} s with {cfg.loader.num_workers} workers")
+
+
+def cmd_pipeline(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    cmd_prepare(cfg, args)
+    cmd_sample(cfg, args)
+
+
+def cmd_show_config(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    print(to_toml(cfg), end="")
+
+
+COMMANDS: dict[str, tuple[Callable[[BenchmarkConfig, argparse.Namespace], None], str]] = {
+    "download": (cmd_download, "fetch (yambda) or generate (synthetic) the raw parquet"),
+    "preprocess": (cmd_preprocess, "raw parquet -> processed store (downloads first if needed)"),
+    "verify": (cmd_verify, "check a store's md5 sums and invariants"),
+    "prepare": (cmd_prepare, "download + preprocess + verify (what download_dataset.sh runs)"),
+    "sample": (cmd_sample, "assemble a few jagged batches from the first window and print them"),
+    "pipeline": (cmd_pipeline, "prepare + sample: the data path end to end"),
+    "show-config": (cmd_show_config, "print the resolved configuration as TOML"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dlrmv4", description="DLRMv4 HSTU benchmark")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_config_arguments(p)
+        p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        if name in ("verify", "prepare", "pipeline"):
+            p.add_argument("--reference-md5s", default=None,
+                           help="published checksum file (the repository's md5sums) to compare the store with")
+        if name == "verify":
+            p.add_argument("--store", default=None, help="store directory (default: from the dataset config)")
+        if name in ("sample", "pipeline"):
+            p.add_argument("--batches", type=int, default=3, help="batches to assemble")
+    return parser
+
+
+def _preset_from_dataset_flags(args: argparse.Namespace, argv: list[str]) -> None:
+    """``--source yambda --size 5b`` without ``--preset`` selects the ``yambda-5b`` preset."""
+    if "--preset" in argv or any(a.startswith("--preset=") for a in argv):
+        return
+    source = getattr(args, "cfg__dataset__source", None)
+    size = getattr(args, "cfg__dataset__size", None)
+    if source or size:
+        name = f"{source or 'synthetic'}-{size or 'tiny'}"
+        if name in list_presets():
+            args.preset = name
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    try:
+        _preset_from_dataset_flags(args, argv)
+        cfg = config_from_args(args)
+        COMMANDS[args.command][0](cfg, args)
+    except UserError as exc:
+        print(f"[dlrmv4] error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("[dlrmv4] interrupted", file=sys.stderr)
+        return 130
+    return 0

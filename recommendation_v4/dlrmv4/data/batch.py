@@ -1,0 +1,128 @@
+"""A jagged batch of samples: per-token history values plus per-sample lengths/offsets.
+
+Nothing is padded: sample b's history is ``history_*[history_offsets[b]:history_offsets[b + 1]]``
+in time order. ``JaggedBatch`` holds numpy arrays on the host; ``TorchJaggedBatch`` is its torch
+twin (same fields) and also carries the host-side sizes as plain ints, so the training step never
+has to read them back from the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dlrmv4.data.hashing import NUM_CONTEXTUAL
+
+# Field -> dtype; the order is the dataclasses' field order.
+BATCH_DTYPES: dict[str, np.dtype] = {
+    "history_lengths": np.dtype(np.int32),    # [B]
+    "history_offsets": np.dtype(np.int64),    # [B+1]
+    "history_item_id": np.dtype(np.int64),    # [T]
+    "history_artist_id": np.dtype(np.int64),  # [T]
+    "history_album_id": np.dtype(np.int64),   # [T]
+    "history_action": np.dtype(np.int64),     # [T] pool bit 1 listen_plus, 2 like, 4 skip
+    "history_timestamp": np.dtype(np.int64),  # [T]
+    "contextual_ids": np.dtype(np.int64),     # [B, 8] rows, hashing.CONTEXTUAL_FEATURES order
+    "candidate_item_id": np.dtype(np.int64),  # [B]
+    "candidate_artist_id": np.dtype(np.int64),
+    "candidate_album_id": np.dtype(np.int64),
+    "candidate_timestamp": np.dtype(np.int64),
+    "query_time": np.dtype(np.int64),         # [B] last history timestamp (anchor's if empty)
+    "label": np.dtype(np.float32),            # [B] 1.0 when the anchor is listen_plus
+    "anchor_index": np.dtype(np.int64),       # [B] global train event index (tracing)
+}
+PER_SAMPLE = ("history_lengths", "candidate_item_id", "candidate_artist_id", "candidate_album_id",
+              "candidate_timestamp", "query_time", "label", "anchor_index")
+PER_TOKEN = ("history_item_id", "history_artist_id", "history_album_id", "history_action", "history_timestamp")
+
+
+# eq=False: arrays have no single truth value, so a generated __eq__ would only raise.
+@dataclass(frozen=True, eq=False)
+class JaggedBatch:
+    history_lengths: np.ndarray
+    history_offsets: np.ndarray
+    history_item_id: np.ndarray
+    history_artist_id: np.ndarray
+    history_album_id: np.ndarray
+    history_action: np.ndarray
+    history_timestamp: np.ndarray
+    contextual_ids: np.ndarray
+    candidate_item_id: np.ndarray
+    candidate_artist_id: np.ndarray
+    candidate_album_id: np.ndarray
+    candidate_timestamp: np.ndarray
+    query_time: np.ndarray
+    label: np.ndarray
+    anchor_index: np.ndarray
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.history_lengths)
+
+    @property
+    def max_history_length(self) -> int:
+        return int(self.history_lengths.max()) if self.num_samples else 0
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.history_offsets[-1])
+
+    def validate(self) -> None:
+        """Raise ValueError when dtypes, shapes or offsets are inconsistent."""
+        b, t = self.num_samples, self.total_tokens
+        for name, dtype in BATCH_DTYPES.items():
+            arr = getattr(self, name)
+            if arr.dtype != dtype:
+                raise ValueError(f"JaggedBatch.{name}: dtype {arr.dtype}, expected {dtype}")
+        shapes = {name: (b,) for name in PER_SAMPLE} | {name: (t,) for name in PER_TOKEN}
+        shapes |= {"history_offsets": (b + 1,), "contextual_ids": (b, NUM_CONTEXTUAL)}
+        for name, shape in shapes.items():
+            if getattr(self, name).shape != shape:
+                raise ValueError(f"JaggedBatch.{name}: shape {getattr(self, name).shape}, expected {shape}")
+        if self.history_offsets[0] != 0 or not np.array_equal(np.diff(self.history_offsets), self.history_lengths):
+            raise ValueError("JaggedBatch: history_offsets are not the running sum of history_lengths")
+
+    def to_torch(self, device: torch.device | str | None = None, pin_memory: bool = False) -> TorchJaggedBatch:
+        """Torch twin: zero-copy CPU tensors, optionally pinned, then non-blocking copies to ``device``."""
+        tensors = {name: torch.from_numpy(np.ascontiguousarray(getattr(self, name))) for name in BATCH_DTYPES}
+        out = TorchJaggedBatch(**tensors, num_samples=self.num_samples,
+                               max_history_length=self.max_history_length, total_tokens=self.total_tokens)
+        if pin_memory:
+            out = out.pin_memory()
+        return out.to(device) if device is not None else out
+
+
+@dataclass(frozen=True, eq=False)
+class TorchJaggedBatch:
+    history_lengths: torch.Tensor
+    history_offsets: torch.Tensor
+    history_item_id: torch.Tensor
+    history_artist_id: torch.Tensor
+    history_album_id: torch.Tensor
+    history_action: torch.Tensor
+    history_timestamp: torch.Tensor
+    contextual_ids: torch.Tensor
+    candidate_item_id: torch.Tensor
+    candidate_artist_id: torch.Tensor
+    candidate_album_id: torch.Tensor
+    candidate_timestamp: torch.Tensor
+    query_time: torch.Tensor
+    label: torch.Tensor
+    anchor_index: torch.Tensor
+    # Host-side sizes (plain ints): the model needs them without a device sync.
+    num_samples: int
+    max_history_length: int
+    total_tokens: int
+
+    def _map(self, fn) -> TorchJaggedBatch:
+        return dataclasses.replace(self, **{name: fn(getattr(self, name)) for name in BATCH_DTYPES})
+
+    def pin_memory(self) -> TorchJaggedBatch:
+        """Page-locked copy; the DataLoader's pin thread calls this by name."""
+        return self._map(lambda t: t.pin_memory())
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> TorchJaggedBatch:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))

@@ -1,0 +1,102 @@
+"""Streaming loader: jagged batches of one or more windows, in strict time order (SPEC §4).
+
+A window's anchors are cut into consecutive batches (``store.window_anchors`` is already in
+time order; the optional in-window shuffle permutes it first with a generator seeded from
+(seed, window)). Batches never span two windows. Batch i of the plan is built by worker
+i mod num_workers, which is exactly the order the DataLoader's round-robin collects them in,
+so the stream is identical for any number of workers. Workers convert numpy to torch (zero
+copy); the main process pins them when a GPU is present.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, NamedTuple, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from dlrmv4.config import BenchmarkConfig, SamplerConfig
+from dlrmv4.data.batch import TorchJaggedBatch
+from dlrmv4.data.sampler import build_batch, pack_item_sides
+from dlrmv4.data.store import Store, open_store
+
+
+class BatchSlice(NamedTuple):
+    """Batch = anchors ``order[start:stop]`` of ``window`` (``order`` = the window's anchors, maybe shuffled)."""
+    window: int
+    start: int
+    stop: int
+
+
+def plan_batches(window_sizes: Sequence[tuple[int, int]], batch_size: int, drop_last: bool) -> list[BatchSlice]:
+    """Consecutive batches of each (window, num_anchors), windows in the given order."""
+    plan: list[BatchSlice] = []
+    for window, size in window_sizes:
+        stop = size - size % batch_size if drop_last else size
+        plan.extend(BatchSlice(window, s, min(s + batch_size, size)) for s in range(0, stop, batch_size))
+    return plan
+
+
+def window_order(store: Store, window: int, shuffle: bool, seed: int) -> np.ndarray:
+    """The window's anchors in batch order: time order, or a permutation seeded by (seed, window)."""
+    anchors = np.asarray(store.window_anchors(window))
+    if not shuffle:
+        return anchors
+    return anchors[np.random.default_rng([seed, window]).permutation(len(anchors))]
+
+
+class WindowDataset(IterableDataset):
+    """Yields ``TorchJaggedBatch`` for the batches ``plan[start_batch:]``.
+
+    Holds the store's path, not its arrays, so it pickles cheaply into workers under any start
+    method; each worker opens the store (memory maps) and packs the per-item table once.
+    """
+
+    def __init__(self, store: Store, windows: Sequence[int], cfg: SamplerConfig, *, batch_size: int,
+                 shuffle: bool = False, seed: int = 0, drop_last: bool = False, start_batch: int = 0) -> None:
+        super().__init__()
+        windows = [int(w) for w in windows]
+        bad = [w for w in windows if not 0 <= w < store.num_windows]
+        if bad:
+            raise ValueError(f"windows {bad} are outside the store's [0, {store.num_windows})")
+        offsets = np.asarray(store.window_offsets)
+        sizes = [(w, int(offsets[w + 1] - offsets[w])) for w in windows]
+        self.plan = plan_batches(sizes, batch_size, drop_last)
+        if not 0 <= start_batch <= len(self.plan):
+            raise ValueError(f"start_batch {start_batch} is outside [0, {len(self.plan)}] for these windows")
+        self.store_path: Path = store.path
+        self.cfg = cfg
+        self.shuffle = shuffle
+        self.seed = seed
+        self.start_batch = start_batch
+
+    def __len__(self) -> int:
+        return len(self.plan) - self.start_batch
+
+    def __iter__(self) -> Iterator[TorchJaggedBatch]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        mine = self.plan[self.start_batch + worker::num_workers]
+        if not mine:
+            return
+        store = open_store(self.store_path)
+        item_sides = pack_item_sides(store)
+        order_window, order = -1, np.zeros(0, dtype=np.int64)
+        for part in mine:
+            if part.window != order_window:
+                order_window, order = part.window, window_order(store, part.window, self.shuffle, self.seed)
+            yield build_batch(store, order[part.start:part.stop], self.cfg, item_sides).to_torch()
+
+
+def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfig, start_batch: int = 0,
+                       drop_last: bool = False) -> DataLoader:
+    """A DataLoader over ``windows`` (in the given order) that starts at batch ``start_batch`` (resume)."""
+    dataset = WindowDataset(store, windows, cfg.sampler, batch_size=cfg.loader.batch_size,
+                            shuffle=cfg.loader.shuffle_within_window, seed=cfg.seed, drop_last=drop_last,
+                            start_batch=start_batch)
+    workers = cfg.loader.num_workers
+    return DataLoader(dataset, batch_size=None, num_workers=workers,
+                      prefetch_factor=cfg.loader.prefetch_batches if workers else None,
+                      pin_memory=torch.cuda.is_available())

@@ -1,0 +1,351 @@
+"""Synthetic Yambda: the three raw files, same schema and layout, with a learnable signal.
+
+The generative story (docs/synthetic_data.md says it in full):
+
+* Catalog. Items belong to one album, albums to one artist (ids start at 0; 0 is a real id).
+  Item popularity is Zipf over a random ranking; each item has a hidden quality and a track
+  length. About 1 % of items get no row in each mapping file ("missing -> 0" path).
+* Users. A lognormal number of listens (heavy tail); a few affine artists with Dirichlet
+  weights; an exploration rate; a skip bias. Each user starts at a random time and listens in
+  sessions: events every 5-60 s, sessions separated by at least an hour.
+* A listen picks its item from a mixture of: a repeat of one of the user's recent listens, an
+  item of an affine artist (by popularity within the artist), or global popularity.
+  Recommendation-driven listens (is_organic = 0) come mostly from the popularity branch.
+* listen_plus (played_ratio_pct >= 50) follows a logistic model: much more likely for affine
+  artists and repeats, more likely for organic listens, shifted by item quality and user bias.
+  Full listens sit at 100, some replays go up to 300; skips are skewed towards 0.
+* Likes follow some listen_plus (same or next 5-s bin), dislikes follow some skips, and a few
+  likes/dislikes are undone later (unlike/undislike at a later listen of the same user).
+
+Randomness: one ``SeedSequence`` per user (spawn key ``(_USER_STREAM, uid)``) and one for the
+catalog, so the output depends on the seed only, never on the block size. The work is
+vectorized per block of users; blocks stream into a ``ParquetWriter`` with ~1M-row groups.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from dlrmv4.config import SYNTHETIC_SIZES
+from dlrmv4.data.yambda_schema import (DISLIKE, EVENT_TYPES, LIKE, LISTEN, MULTI_EVENT_SCHEMA,
+                                       TIMESTAMP_BIN_SECONDS, UNDISLIKE, UNLIKE, RawFiles)
+from dlrmv4.errors import UserError
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    users: int
+    items: int
+    artists: int
+    albums: int
+    mean_listens: int  # per user, before the cap that keeps a user's sessions inside the span
+    days: int
+
+
+SPECS: dict[str, SyntheticSpec] = {
+    "tiny": SyntheticSpec(users=300, items=20_000, artists=1_000, albums=4_000, mean_listens=650, days=20),
+    "small": SyntheticSpec(users=1_000, items=50_000, artists=2_500, albums=10_000, mean_listens=1_000, days=40),
+    "medium": SyntheticSpec(users=2_500, items=200_000, artists=10_000, albums=40_000, mean_listens=2_000,
+                            days=100),
+    "50m": SyntheticSpec(users=10_000, items=934_057, artists=50_000, albums=200_000, mean_listens=4_750,
+                         days=300),
+}
+assert tuple(SPECS) == SYNTHETIC_SIZES
+
+ROW_GROUP_ROWS = 1 << 20
+BLOCK_LISTENS = 500_000  # listens per user block: bounds memory, not the output
+
+_CATALOG_STREAM, _USER_STREAM = 0, 1
+_ZIPF_EXPONENT = 1.0
+_UNMAPPED_FRACTION = 0.01
+_LISTENS_SIGMA = 1.0  # lognormal sigma: Yambda's per-user p95/median ~ 5.5
+_MIN_LISTENS = 5
+_MAX_AFFINE = 8
+_P_REPEAT = 0.3
+_REPEAT_WINDOW = 30  # a repeat copies one of the user's last 30 listens
+_SESSION_MEAN_LISTENS = 25
+_INTRA_GAP_BINS = 12  # 1..12 bins = 5..60 s between events of a session
+_MIN_SESSION_GAP_BINS = 3_600 // TIMESTAMP_BIN_SECONDS  # an hour, so a 1,800 s gap rule splits them
+_SPAN_FILL = 0.6  # a user's sessions with minimal gaps fill at most this share of the span
+# listen_plus logit = base + affine + repeat + organic + item quality + user bias
+_PLUS_BASE, _PLUS_AFFINE, _PLUS_REPEAT, _PLUS_ORGANIC = -1.3, 1.9, 0.9, 0.6
+_QUALITY_SD, _USER_BIAS_SD = 0.5, 0.5
+_P_ORGANIC_CHOSEN, _P_ORGANIC_POPULAR = 0.8, 0.25
+_P_LIKE_AFFINE, _P_LIKE_OTHER = 0.04, 0.013  # given listen_plus
+_P_DISLIKE_AFFINE, _P_DISLIKE_OTHER = 0.003, 0.012  # given a skip
+_P_UNDO = 0.1
+_UNDO_MEAN_LISTENS = 200
+_P_FULL, _P_REPLAY = 0.55, 0.08  # of listen_plus: exactly 100 %, or a replay 101..300 %
+
+# Per-listen uniform columns, one row each in the (N_COLS, n) matrix a user draws.
+(_C_CHOICE, _C_PICK_A, _C_PICK_B, _C_ORGANIC, _C_PLUS, _C_RATIO_A, _C_RATIO_B, _C_FEEDBACK,
+ _C_FEEDBACK_BIN, _C_UNDO, _C_UNDO_DELAY, _C_BREAK, _C_INTRA, _C_INTER, _N_COLS) = range(15)
+
+
+def spec_for(size: str) -> SyntheticSpec:
+    if size not in SPECS:
+        raise UserError(f"unknown synthetic size {size!r}; choose one of {', '.join(SPECS)}")
+    return SPECS[size]
+
+
+@dataclass(frozen=True)
+class _Catalog:
+    item_artist: np.ndarray    # int64 per item
+    item_album: np.ndarray     # int64 per item
+    cum_pop: np.ndarray        # cumulative item popularity (sums to 1)
+    by_artist: np.ndarray      # item ids ordered by artist
+    cum_pop_by_artist: np.ndarray
+    artist_lo: np.ndarray      # per artist: cumulative popularity before its first item
+    artist_hi: np.ndarray
+    artist_first: np.ndarray   # per artist: first/last index into by_artist
+    artist_last: np.ndarray
+    cum_artist_pref: np.ndarray  # how likely an artist is to be someone's favourite
+    quality: np.ndarray
+    track_length: np.ndarray
+    artist_rows: np.ndarray    # items with an artist mapping row
+    album_rows: np.ndarray
+
+
+def _catalog(spec: SyntheticSpec, seed: int) -> _Catalog:
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_CATALOG_STREAM,)))
+    n_items, n_albums, n_artists = spec.items, spec.albums, spec.artists
+    # arange first so every album/artist is used; item 0 -> album 0 -> artist 0 keeps id 0 real.
+    album_artist = np.concatenate([np.arange(n_artists), rng.integers(0, n_artists, n_albums - n_artists)])
+    album_artist[1:] = rng.permutation(album_artist[1:])
+    item_album = np.concatenate([np.arange(n_albums), rng.integers(0, n_albums, n_items - n_albums)])
+    item_album[1:] = rng.permutation(item_album[1:])
+    item_artist = album_artist[item_album]
+    rank = np.concatenate([[0], 1 + rng.permutation(n_items - 1)])  # item 0 is the most popular
+    pop = 1.0 / (rank + 1.0) ** _ZIPF_EXPONENT
+    pop /= pop.sum()
+    by_artist = np.argsort(item_artist, kind="stable")
+    cum_by_artist = np.cumsum(pop[by_artist])
+    counts = np.bincount(item_artist, minlength=n_artists)
+    artist_last = np.cumsum(counts) - 1
+    artist_first = artist_last - counts + 1
+    artist_hi = cum_by_artist[artist_last]
+    artist_lo = np.concatenate([[0.0], artist_hi[:-1]])
+    # sqrt flattens the artist ranking so niche artists have fans too.
+    pref = np.sqrt(np.bincount(item_artist, weights=pop, minlength=n_artists))
+    cum_pref = np.cumsum(pref / pref.sum())
+    quality = rng.normal(0.0, _QUALITY_SD, n_items)
+    track_length = np.clip(rng.lognormal(np.log(200.0), 0.35, n_items), 30, 900).astype(np.uint32)
+    keep = [np.flatnonzero((rng.random(n_items) >= _UNMAPPED_FRACTION) | (np.arange(n_items) == 0))
+            for _ in range(2)]
+    return _Catalog(item_artist, item_album, np.cumsum(pop), by_artist, cum_by_artist, artist_lo, artist_hi,
+                    artist_first, artist_last, cum_pref, quality, track_length, keep[0], keep[1])
+
+
+def _sample(cum: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Index drawn from a cumulative distribution; clipped against float round-off at the top."""
+    return np.minimum(np.searchsorted(cum, u * cum[-1], side="right"), len(cum) - 1)
+
+
+@dataclass
+class _UserDraws:
+    n: np.ndarray          # listens per user
+    affine: np.ndarray     # (users, _MAX_AFFINE) artist ids, -1 where unused
+    cum_weight: np.ndarray  # (users, _MAX_AFFINE) cumulative Dirichlet weights, 2.0 past the last used
+    explore: np.ndarray
+    bias: np.ndarray
+    start_frac: np.ndarray
+    tail_weight: np.ndarray
+    u: np.ndarray          # (_N_COLS, total listens)
+
+
+def _draw_users(uids: range, seed: int, cat: _Catalog, max_listens: int, mean_listens: int) -> _UserDraws:
+    m = len(uids)
+    n = np.empty(m, np.int64)
+    affine = np.full((m, _MAX_AFFINE), -1, np.int64)
+    cum_weight = np.full((m, _MAX_AFFINE), 2.0)
+    explore, bias, start_frac, tail_weight = (np.empty(m) for _ in range(4))
+    mu = np.log(mean_listens) - _LISTENS_SIGMA ** 2 / 2
+    cols = []
+    for j, uid in enumerate(uids):
+        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_USER_STREAM, uid)))
+        n[j] = int(np.clip(rng.lognormal(mu, _LISTENS_SIGMA), _MIN_LISTENS, max_listens))
+        k = int(rng.integers(1, _MAX_AFFINE + 1))
+        affine[j, :k] = _sample(cat.cum_artist_pref, rng.random(k))
+        cum_weight[j, :k - 1] = np.cumsum(rng.dirichlet(np.ones(k)))[:-1]
+        explore[j] = rng.beta(2.0, 5.0)
+        bias[j] = rng.normal(0.0, _USER_BIAS_SD)
+        start_frac[j] = 0.0 if uid == 0 else rng.random() ** 2  # uid 0 starts the dataset at t = 0
+        tail_weight[j] = rng.exponential()
+        cols.append(rng.random((_N_COLS, n[j])))
+    return _UserDraws(n, affine, cum_weight, explore, bias, start_frac, tail_weight, np.concatenate(cols, axis=1))
+
+
+def _resolve_repeats(src: np.ndarray) -> np.ndarray:
+    """Pointer jumping: follow repeat-of-a-repeat chains to the listen that chose the item."""
+    while True:
+        nxt = src[src]
+        if np.array_equal(nxt, src):
+            return src
+        src = nxt
+
+
+def _block_events(uids: range, seed: int, cat: _Catalog, span_bins: int, max_listens: int,
+                  mean_listens: int) -> pa.Table:
+    d = _draw_users(uids, seed, cat, max_listens, mean_listens)
+    u = d.u
+    total = int(d.n.sum())
+    user = np.repeat(np.arange(len(uids)), d.n)
+    first = np.cumsum(d.n) - d.n
+    pos = np.arange(total) - first[user]
+
+    # Item choice: repeat / affine artist / global popularity.
+    choice = u[_C_CHOICE]
+    popular = choice >= 1.0 - d.explore[user]
+    repeat = (choice < _P_REPEAT * (1.0 - d.explore[user])) & (pos > 0)
+    slot = (d.cum_weight[user] < u[_C_PICK_A][:, None]).sum(axis=1)
+    artist = d.affine[user, slot]
+    lo, hi = cat.artist_lo[artist], cat.artist_hi[artist]
+    in_artist = np.searchsorted(cat.cum_pop_by_artist, lo + u[_C_PICK_B] * (hi - lo), side="right")
+    item = cat.by_artist[np.clip(in_artist, cat.artist_first[artist], cat.artist_last[artist])]
+    item[popular] = _sample(cat.cum_pop, u[_C_PICK_B][popular])
+    back = 1 + (u[_C_PICK_A] * np.minimum(pos, _REPEAT_WINDOW)).astype(np.int64)
+    src = _resolve_repeats(np.where(repeat, np.arange(total) - back, np.arange(total)))
+    item = item[src]
+
+    # Outcome of the listen.
+    affine = (d.affine[user] == cat.item_artist[item][:, None]).any(axis=1)
+    organic = u[_C_ORGANIC] < np.where(popular, _P_ORGANIC_POPULAR, _P_ORGANIC_CHOSEN)
+    logit = (_PLUS_BASE + _PLUS_AFFINE * affine + _PLUS_REPEAT * repeat + _PLUS_ORGANIC * organic
+             + cat.quality[item] + d.bias[user])
+    plus = u[_C_PLUS] < 1.0 / (1.0 + np.exp(-logit))
+    ra, rb = u[_C_RATIO_A], u[_C_RATIO_B]
+    ratio = np.where(ra < _P_REPLAY, 101 + (199 * rb ** 2).astype(np.int64),
+                     np.where(ra < _P_REPLAY + _P_FULL, 100, 50 + (50 * rb).astype(np.int64)))
+    ratio = np.where(plus, ratio, np.minimum(49, (50 * ra ** 1.5).astype(np.int64)))
+
+    # Time: sessions of 5-60 s steps; the user's slack is spread over the session gaps.
+    brk = (u[_C_BREAK] < 1.0 / _SESSION_MEAN_LISTENS) & (pos > 0)
+    intra = 1 + (u[_C_INTRA] * _INTRA_GAP_BINS).astype(np.int64)
+    gap = np.where(brk, _MIN_SESSION_GAP_BINS, np.where(pos > 0, intra, 0))
+    weight = np.where(brk, -np.log1p(-u[_C_INTER]), 0.0)
+    needed = np.bincount(user, weights=gap, minlength=len(uids))
+    slack = np.maximum(span_bins - 1 - needed, 0)
+    start = np.floor(slack * d.start_frac)
+    spread = (slack - start) / (np.bincount(user, weights=weight, minlength=len(uids)) + d.tail_weight)
+    gap = gap + np.floor(weight * spread[user]).astype(np.int64)
+    gap[first] = start.astype(np.int64)
+    cs = np.cumsum(gap)
+    ts = cs - (cs[first] - gap[first])[user]
+
+    # Feedback: likes after some listen_plus, dislikes after some skips, rare undo later on.
+    fb = u[_C_FEEDBACK]
+    like = plus & (fb < np.where(affine, _P_LIKE_AFFINE, _P_LIKE_OTHER))
+    dislike = ~plus & (fb < np.where(affine, _P_DISLIKE_AFFINE, _P_DISLIKE_OTHER))
+    fb_idx = np.flatnonzero(like | dislike)
+    fb_ts = ts[fb_idx] + (u[_C_FEEDBACK_BIN][fb_idx] < 0.5)
+    undo = u[_C_UNDO][fb_idx] < _P_UNDO
+    undo_idx = fb_idx[undo]
+    last = (first + d.n - 1)[user[undo_idx]]
+    delay = 1 + np.floor(-np.log1p(-u[_C_UNDO_DELAY][undo_idx]) * _UNDO_MEAN_LISTENS).astype(np.int64)
+    undo_at = np.minimum(undo_idx + delay, last)
+    undo_ts = np.maximum(ts[undo_at], fb_ts[undo])
+
+    listen_idx = np.arange(total)
+    src_idx = np.concatenate([listen_idx, fb_idx, undo_idx])  # the listen each row is about
+    etype = np.concatenate([np.full(total, LISTEN), np.where(like[fb_idx], LIKE, DISLIKE),
+                            np.where(like[undo_idx], UNLIKE, UNDISLIKE)])
+    row_ts = np.concatenate([ts, fb_ts, undo_ts])
+    # Ties at one timestamp keep generation order: a listen, then its like, then an undo.
+    gen = np.concatenate([4 * listen_idx, 4 * fb_idx + 1, 4 * undo_at + 2])
+    row_user = user[src_idx]
+    order = np.lexsort((gen, row_ts, row_user))
+    src_idx, etype, row_ts, row_user = src_idx[order], etype[order], row_ts[order], row_user[order]
+    is_listen = etype == LISTEN
+    row_item = item[src_idx]
+    return pa.Table.from_arrays([
+        pa.array((uids.start + row_user).astype(np.uint32)),
+        pa.array(row_item.astype(np.uint32)),
+        pa.array((row_ts * TIMESTAMP_BIN_SECONDS).astype(np.uint32)),
+        pa.array(organic[src_idx].astype(np.uint8)),
+        pa.DictionaryArray.from_arrays(pa.array(etype.astype(np.int8)), pa.array(EVENT_TYPES, pa.string())),
+        pa.array(ratio[src_idx].astype(np.uint16), mask=~is_listen),
+        pa.array(cat.track_length[row_item], mask=~is_listen),
+    ], schema=MULTI_EVENT_SCHEMA)
+
+
+def _temp_path(final: Path) -> Path:
+    """A fresh hidden name beside ``final``, created now (umask permissions) so a bad root fails early."""
+    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.touch(exist_ok=False)
+    except OSError as exc:
+        raise UserError(f"cannot write synthetic data under {final.parent}: {exc.strerror or exc} "
+                        "(choose a writable dataset.data_path)")
+    return tmp
+
+
+def _write_atomic(final: Path, write) -> None:
+    """``write(tmp)`` fills a temp file beside ``final``; only a complete file gets the final name."""
+    tmp = _temp_path(final)
+    try:
+        write(tmp)
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_mapping(path: Path, id_name: str, ids: np.ndarray, items: np.ndarray) -> None:
+    table = pa.table({id_name: pa.array(ids.astype(np.uint32)), "item_id": pa.array(items.astype(np.uint32))},
+                     schema=pa.schema([pa.field(id_name, pa.uint32(), nullable=False),
+                                       pa.field("item_id", pa.uint32(), nullable=False)]))
+    _write_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+
+
+def _write_events(tmp: Path, blocks, bar: tqdm) -> None:
+    pending: list[pa.Table] = []
+    buffered = 0
+    with pq.ParquetWriter(tmp, MULTI_EVENT_SCHEMA, compression="zstd") as writer:
+        # Row groups are cut from the concatenated stream, so they do not depend on the block size.
+        for table in blocks:
+            pending.append(table)
+            buffered += table.num_rows
+            if buffered >= ROW_GROUP_ROWS:
+                stream = pa.concat_tables(pending)
+                full = buffered - buffered % ROW_GROUP_ROWS
+                writer.write_table(stream.slice(0, full), row_group_size=ROW_GROUP_ROWS)
+                pending, buffered = [stream.slice(full)], buffered - full
+            bar.update(1)
+        if buffered:
+            writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
+
+
+def generate(root: Path, size: str, seed: int, *, num_days: int | None = None, progress: bool = True) -> RawFiles:
+    """Write the synthetic raw files for ``size`` under ``root`` (hub layout) and return their paths."""
+    spec = spec_for(size)
+    days = spec.days if num_days is None else num_days
+    if days < 1:
+        raise UserError(f"synthetic num_days must be at least 1, got {days}")
+    files = RawFiles.under(Path(root), size)
+    # A stale events file must not pair with freshly written mappings if this run fails.
+    try:
+        files.multi_event.unlink(missing_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot write synthetic data under {files.multi_event.parent}: {exc.strerror or exc}")
+    cat = _catalog(spec, seed)
+    _write_mapping(files.artist_mapping, "artist_id", cat.item_artist[cat.artist_rows], cat.artist_rows)
+    _write_mapping(files.album_mapping, "album_id", cat.item_album[cat.album_rows], cat.album_rows)
+
+    span_bins = days * 86_400 // TIMESTAMP_BIN_SECONDS
+    per_listen = (1 + _INTRA_GAP_BINS) / 2 + _MIN_SESSION_GAP_BINS / _SESSION_MEAN_LISTENS
+    max_listens = max(_MIN_LISTENS, int(_SPAN_FILL * span_bins / per_listen))
+    step = max(1, BLOCK_LISTENS // spec.mean_listens)
+    starts = range(0, spec.users, step)
+    blocks = (_block_events(range(s, min(s + step, spec.users)), seed, cat, span_bins, max_listens,
+                            spec.mean_listens) for s in starts)
+    with tqdm(total=len(starts), desc=f"synthetic {size}", unit="block", disable=not progress) as bar:
+        _write_atomic(files.multi_event, lambda tmp: _write_events(tmp, blocks, bar))
+    return files

@@ -1,0 +1,110 @@
+"""The streaming window loader: order, resume, shuffle, worker sharding, no padding."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dlrmv4.config import BenchmarkConfig, LoaderConfig, SamplerConfig
+from dlrmv4.data.batch import BATCH_DTYPES, TorchJaggedBatch
+from dlrmv4.data.loader import WindowDataset, make_window_loader, plan_batches
+from dlrmv4.data.sampler import build_batch
+from dlrmv4.data.store import open_store
+from store_factory import random_store
+
+BATCH = 7
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("loader") / "store"
+    return open_store(random_store(path, seed=11, lengths=[40, 90, 0, 130, 25], min_history=5, num_windows=4))
+
+
+def config(workers: int = 0, shuffle: bool = False, seed: int = 0) -> BenchmarkConfig:
+    return BenchmarkConfig(seed=seed, sampler=SamplerConfig(max_seq_len=39, scan_window=60),
+                           loader=LoaderConfig(batch_size=BATCH, num_workers=workers, shuffle_within_window=shuffle))
+
+
+def anchors_of(loader) -> list[list[int]]:
+    return [b.anchor_index.tolist() for b in loader]
+
+
+def test_windows_are_nonempty_and_uneven(store):
+    sizes = np.diff(store.window_offsets)
+    assert (sizes > 2 * BATCH).all() and (sizes % BATCH != 0).any()
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_time_order_same_for_0_1_2_workers(store, drop_last):
+    windows = [2, 0, 1]
+    expected = []
+    for w in windows:
+        anchors = np.asarray(store.window_anchors(w)).tolist()
+        cut = len(anchors) - len(anchors) % BATCH if drop_last else len(anchors)
+        expected += [anchors[s:min(s + BATCH, cut)] for s in range(0, cut, BATCH)]
+    for workers in (0, 1, 2):
+        loader = make_window_loader(store, windows, config(workers), drop_last=drop_last)
+        assert len(loader) == len(expected)
+        assert anchors_of(loader) == expected, workers
+    ts = np.asarray(store.train.timestamp)
+    for w in windows:  # within a window, anchors stream in time order
+        got = [a for b in make_window_loader(store, [w], config()) for a in b.anchor_index.tolist()]
+        assert np.all(np.diff(ts[got]) >= 0)
+
+
+def test_batches_equal_the_sampler_and_are_not_padded(store):
+    cfg = config(workers=2)
+    order = np.asarray(store.window_anchors(1))
+    lengths = []
+    for i, tb in enumerate(make_window_loader(store, [1], cfg)):
+        assert isinstance(tb, TorchJaggedBatch)
+        host = build_batch(store, order[i * BATCH:(i + 1) * BATCH], cfg.sampler)
+        for name in BATCH_DTYPES:
+            assert np.array_equal(getattr(tb, name).numpy(), getattr(host, name)), name
+        assert tb.history_item_id.shape == (int(tb.history_lengths.sum()),) == (tb.total_tokens,)
+        assert tb.max_history_length == int(tb.history_lengths.max())
+        lengths += tb.history_lengths.tolist()
+    assert len(set(lengths)) > 1 and min(lengths) < cfg.sampler.history_length
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_start_batch_skips_exactly(store, workers):
+    full = anchors_of(make_window_loader(store, [0, 3], config()))
+    for start in (0, 1, 2, len(full) - 1, len(full)):
+        loader = make_window_loader(store, [0, 3], config(workers), start_batch=start)
+        assert len(loader) == len(full) - start
+        assert anchors_of(loader) == full[start:]
+    with pytest.raises(ValueError, match="start_batch"):
+        make_window_loader(store, [0, 3], config(), start_batch=len(full) + 1)
+
+
+def test_shuffle_is_seeded_per_window(store):
+    def stream(seed: int, workers: int = 0) -> list[list[int]]:
+        return anchors_of(make_window_loader(store, [1, 2], config(workers, shuffle=True, seed=seed)))
+
+    a = stream(5)
+    assert a == stream(5, workers=2) == stream(5)
+    assert a != stream(6)
+    plain = anchors_of(make_window_loader(store, [1, 2], config()))
+    assert a != plain
+    # Still a permutation inside each window, and batches never mix windows.
+    n1 = len(store.window_anchors(1))
+    flat = [x for b in a for x in b]
+    assert sorted(flat[:n1]) == sorted(np.asarray(store.window_anchors(1)).tolist())
+    assert sorted(flat[n1:]) == sorted(np.asarray(store.window_anchors(2)).tolist())
+    # The permutation of a window does not depend on which other windows are streamed.
+    alone = [x for b in anchors_of(make_window_loader(store, [2], config(shuffle=True, seed=5))) for x in b]
+    assert alone == flat[n1:]
+
+
+def test_plan_and_errors(store):
+    assert plan_batches([(3, 10), (1, 0), (0, 7)], 4, drop_last=False) == [
+        (3, 0, 4), (3, 4, 8), (3, 8, 10), (0, 0, 4), (0, 4, 7)]
+    assert plan_batches([(3, 10), (0, 7)], 4, drop_last=True) == [(3, 0, 4), (3, 4, 8), (0, 0, 4)]
+    with pytest.raises(ValueError, match="windows"):
+        WindowDataset(store, [store.num_windows], SamplerConfig(), batch_size=4)
+    cfg = dataclasses.replace(config(workers=2), loader=LoaderConfig(batch_size=10_000, num_workers=2))
+    assert [len(b) for b in anchors_of(make_window_loader(store, [0], cfg))] == [len(store.window_anchors(0))]

@@ -1,0 +1,225 @@
+"""The synthetic Yambda generator: schema, order, time bins, signal, determinism, atomic writes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dlrmv4.data import synthetic
+from dlrmv4.data.yambda_schema import (DISLIKE, EVENT_TYPES, LIKE, LISTEN, MULTI_EVENT_SCHEMA, UNLIKE,
+                                       RawFiles)
+from dlrmv4.errors import UserError
+
+SEED = 7
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> RawFiles:
+    return synthetic.generate(tmp_path_factory.mktemp("tiny"), "tiny", SEED, progress=False)
+
+
+@pytest.fixture(scope="module")
+def events(tiny) -> dict[str, np.ndarray]:
+    table = pq.read_table(tiny.multi_event)
+    out = {name: table.column(name).to_numpy() for name in ("uid", "item_id", "timestamp", "is_organic")}
+    out["event_type"] = table.column("event_type").combine_chunks().indices.to_numpy().astype(np.int64)
+    for name in ("played_ratio_pct", "track_length_seconds"):
+        col = table.column(name).combine_chunks()
+        out[name] = col.fill_null(0).to_numpy()
+        out[name + "_valid"] = col.is_valid().to_numpy(zero_copy_only=False)
+    return out
+
+
+def _table_hash(path: Path) -> str:
+    sink = pa.BufferOutputStream()
+    table = pq.read_table(path).combine_chunks()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return hashlib.sha256(sink.getvalue().to_pybytes()).hexdigest()
+
+
+def _leftovers(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_schema_is_exactly_yambda(tiny):
+    assert pq.read_schema(tiny.multi_event).equals(MULTI_EVENT_SCHEMA)
+    for path, id_name in ((tiny.artist_mapping, "artist_id"), (tiny.album_mapping, "album_id")):
+        schema = pq.read_schema(path)
+        assert schema.names == [id_name, "item_id"]
+        assert all(t == pa.uint32() for t in schema.types)
+    values = pq.read_table(tiny.multi_event, columns=["event_type"]).column("event_type").chunk(0).dictionary
+    assert values.to_pylist() == list(EVENT_TYPES)
+
+
+def test_sorted_by_user_then_time(events):
+    uid, ts = events["uid"].astype(np.int64), events["timestamp"].astype(np.int64)
+    assert np.all((np.diff(uid) > 0) | ((np.diff(uid) == 0) & (np.diff(ts) >= 0)))
+    assert uid[0] == 0 and len(np.unique(uid)) == synthetic.SPECS["tiny"].users
+
+
+def test_timestamps_are_5s_bins_from_zero_within_span(events):
+    ts = events["timestamp"]
+    assert np.all(ts % 5 == 0)
+    assert ts.min() == 0
+    assert ts.max() < synthetic.SPECS["tiny"].days * 86_400 + 5
+
+
+def test_sessions_are_bursts_separated_by_long_gaps(events):
+    uid, ts = events["uid"].astype(np.int64), events["timestamp"].astype(np.int64)
+    gaps = np.diff(ts)[np.diff(uid) == 0]
+    assert not np.any((gaps > 65) & (gaps < 1_800))  # 5-60 s steps (+5 s for a late like) or a new session
+    sessions_per_user = np.bincount(uid[1:][np.diff(uid) == 0], weights=gaps >= 1_800) + 1
+    assert np.median(sessions_per_user) >= 5
+
+
+def test_listen_columns_are_null_exactly_off_listens(events):
+    listen = events["event_type"] == LISTEN
+    assert np.array_equal(events["played_ratio_pct_valid"], listen)
+    assert np.array_equal(events["track_length_seconds_valid"], listen)
+    assert np.all(events["track_length_seconds"][listen] > 0)
+
+
+def test_event_mix_and_replays(events):
+    et = events["event_type"]
+    counts = np.bincount(et, minlength=len(EVENT_TYPES))
+    assert np.all(counts > 0), dict(zip(EVENT_TYPES, counts))
+    share = counts / len(et)
+    assert 0.95 < share[LISTEN] < 0.99
+    assert 0.01 < share[LIKE] < 0.035
+    assert 0.001 < share[DISLIKE] < 0.006
+    ratio = events["played_ratio_pct"][et == LISTEN]
+    assert 0.5 < np.mean(ratio >= 50) < 0.7
+    assert np.any(ratio > 100) and ratio.max() <= 300
+
+
+def test_likes_follow_a_listen_plus_and_unlikes_a_like(events):
+    uid, item, ts, et = events["uid"], events["item_id"], events["timestamp"], events["event_type"]
+    plus = (et == LISTEN) & (events["played_ratio_pct"] >= 50)
+    listened = set(zip(uid[plus].tolist(), item[plus].tolist(), ts[plus].tolist()))
+    for u, i, t in zip(uid[et == LIKE].tolist(), item[et == LIKE].tolist(), ts[et == LIKE].tolist()):
+        assert (u, i, t) in listened or (u, i, t - 5) in listened
+    first_like = {}
+    for u, i, t in zip(uid[et == LIKE].tolist(), item[et == LIKE].tolist(), ts[et == LIKE].tolist()):
+        first_like.setdefault((u, i), t)
+    for u, i, t in zip(uid[et == UNLIKE].tolist(), item[et == UNLIKE].tolist(), ts[et == UNLIKE].tolist()):
+        assert first_like[(u, i)] <= t
+
+
+def test_per_user_activity_is_heavy_tailed(events):
+    counts = np.bincount(events["uid"])
+    assert counts.max() > 5 * np.median(counts)
+    assert 150_000 <= len(events["uid"]) <= 300_000
+
+
+def test_mappings_cover_about_99_percent_of_items(tiny):
+    n_items = synthetic.SPECS["tiny"].items
+    artist = pq.read_table(tiny.artist_mapping)
+    album = pq.read_table(tiny.album_mapping)
+    for table in (artist, album):
+        items = table.column("item_id").to_numpy()
+        assert len(np.unique(items)) == len(items)  # one row per item at most
+        assert 0.98 < len(items) / n_items < 0.999
+        assert items.max() < n_items and 0 in items
+    assert 0 in artist.column("artist_id").to_numpy() and 0 in album.column("album_id").to_numpy()
+    # An album belongs to one artist.
+    item_artist = dict(zip(artist.column("item_id").to_pylist(), artist.column("artist_id").to_pylist()))
+    album_artists: dict[int, set[int]] = {}
+    for a, i in zip(album.column("album_id").to_pylist(), album.column("item_id").to_pylist()):
+        if i in item_artist:
+            album_artists.setdefault(a, set()).add(item_artist[i])
+    assert all(len(s) == 1 for s in album_artists.values())
+
+
+def test_listen_plus_is_predictable_from_recent_history(tiny, events):
+    """The signal a sequence model can learn: a recently heard artist predicts listen_plus."""
+    artist_map = pq.read_table(tiny.artist_mapping)
+    artist_of = np.full(synthetic.SPECS["tiny"].items, -1, np.int64)
+    artist_of[artist_map.column("item_id").to_numpy()] = artist_map.column("artist_id").to_numpy()
+    listen = events["event_type"] == LISTEN
+    uid = events["uid"][listen].astype(np.int64)
+    artist = artist_of[events["item_id"][listen]]
+    plus = events["played_ratio_pct"][listen] >= 50
+    seen = np.zeros(len(uid), bool)
+    for back in range(1, 51):
+        seen[back:] |= (artist[back:] == artist[:-back]) & (uid[back:] == uid[:-back])
+    known = artist >= 0
+    gap = plus[seen & known].mean() - plus[~seen & known].mean()
+    assert gap >= 0.15, gap
+    organic = events["is_organic"][listen] == 1
+    assert plus[organic].mean() > plus[~organic].mean()
+
+
+def test_deterministic_per_seed_and_block_size(tiny, tmp_path, monkeypatch):
+    reference = _table_hash(tiny.multi_event)
+    again = synthetic.generate(tmp_path / "same", "tiny", SEED, progress=False)
+    assert _table_hash(again.multi_event) == reference
+    assert _table_hash(again.artist_mapping) == _table_hash(tiny.artist_mapping)
+    monkeypatch.setattr(synthetic, "BLOCK_LISTENS", 7_000)  # many small blocks, same data
+    blocked = synthetic.generate(tmp_path / "blocked", "tiny", SEED, progress=False)
+    assert _table_hash(blocked.multi_event) == reference
+    other = synthetic.generate(tmp_path / "other", "tiny", SEED + 1, progress=False)
+    assert _table_hash(other.multi_event) != reference
+    assert _table_hash(other.album_mapping) != _table_hash(tiny.album_mapping)
+
+
+def test_num_days_override_shrinks_the_span(tmp_path):
+    files = synthetic.generate(tmp_path, "tiny", SEED, num_days=3, progress=False)
+    ts = pq.read_table(files.multi_event, columns=["timestamp"]).column("timestamp").to_numpy()
+    assert ts.max() < 3 * 86_400 + 5
+    assert files == RawFiles.under(tmp_path, "tiny")
+
+
+def test_no_temp_files_left(tiny):
+    assert _leftovers(tiny.multi_event.parents[2]) == []
+
+
+def test_failure_mid_write_leaves_no_final_file(tmp_path, monkeypatch):
+    files = RawFiles.under(tmp_path, "tiny")
+    files.multi_event.parent.mkdir(parents=True)
+    files.multi_event.write_bytes(b"stale events of another seed")
+
+    class FailingWriter(pq.ParquetWriter):
+        calls = 0
+
+        def write_table(self, table, row_group_size=None):
+            FailingWriter.calls += 1
+            if FailingWriter.calls == 2:
+                raise RuntimeError("disk gone")
+            super().write_table(table, row_group_size=row_group_size)
+
+    monkeypatch.setattr(synthetic, "ROW_GROUP_ROWS", 20_000)
+    monkeypatch.setattr(synthetic.pq, "ParquetWriter", FailingWriter)
+    with pytest.raises(RuntimeError, match="disk gone"):
+        synthetic.generate(tmp_path, "tiny", SEED, num_days=3, progress=False)
+    assert FailingWriter.calls == 2
+    assert not files.multi_event.exists()
+    assert _leftovers(tmp_path) == []
+
+
+def test_unknown_size_lists_the_sizes(tmp_path):
+    with pytest.raises(UserError, match="tiny, small, medium, 50m"):
+        synthetic.generate(tmp_path, "huge", SEED, progress=False)
+
+
+def test_unwritable_root_names_the_path(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(UserError, match="a_file"):
+        synthetic.generate(blocker / "data", "tiny", SEED, progress=False)
+
+
+@pytest.mark.skipif(os.environ.get("DLRMV4_SLOW") != "1", reason="set DLRMV4_SLOW=1 to time the 50m size")
+def test_time_50m(tmp_path):
+    start = time.perf_counter()
+    files = synthetic.generate(tmp_path, "50m", SEED, progress=False)
+    seconds = time.perf_counter() - start
+    rows = pq.ParquetFile(files.multi_event).metadata.num_rows
+    print(f"\nsynthetic 50m: {rows:,} events in {seconds:.1f} s ({rows / seconds / 1e6:.2f} M events/s)")

@@ -1,0 +1,96 @@
+"""verify_store: md5 list and invariants, on a real preprocessed store."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from dlrmv4.config import load_config
+from dlrmv4.data.preprocess import preprocess
+from dlrmv4.data.store import write_md5s
+from dlrmv4.data.verify import verify_store
+from dlrmv4.errors import UserError
+from raw_factory import random_events, write_raw
+
+
+@pytest.fixture(scope="module")
+def good_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verify")
+    cfg = load_config(None, None, {("preprocess", "last_timestamp"): 0, ("preprocess", "num_train_days"): 9,
+                                   ("preprocess", "min_history"): 40})
+    raw = write_raw(root / "raw", random_events(5, num_users=15))
+    out = root / "store"
+    preprocess(raw, out, cfg.dataset, cfg.preprocess, progress=False)
+    return out
+
+
+@pytest.fixture
+def store(good_store, tmp_path):
+    copy = tmp_path / "store"
+    shutil.copytree(good_store, copy)
+    return copy
+
+
+def test_good_store_passes(store):
+    assert verify_store(store, progress=False) == []
+
+
+def test_flipped_byte_is_an_md5_mismatch(store):
+    path = store / "train" / "item_id.npy"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    problems = verify_store(store, progress=False)
+    assert problems == [f"{path}: md5 mismatch (file changed or damaged; re-run preprocessing)"]
+
+
+def test_missing_and_extra_files(store):
+    (store / "items" / "popularity.npy").unlink()
+    (store / "stray.bin").write_bytes(b"x")
+    problems = verify_store(store, progress=False)
+    assert any("stray.bin: file is not in md5sums" in p for p in problems)
+    assert any("popularity.npy: file is missing" in p for p in problems)
+
+
+def test_missing_md5_list_and_missing_store(store, tmp_path):
+    (store / "md5sums").unlink()
+    with pytest.raises(UserError, match="checksum list is missing"):
+        verify_store(store, progress=False)
+    with pytest.raises(UserError, match="no processed store"):
+        verify_store(tmp_path / "nowhere", progress=False)
+
+
+def _tamper(store, rel, change):
+    arr = np.load(store / rel)
+    change(arr)
+    np.save(store / rel, arr)
+    write_md5s(store)  # sums agree again: only the invariants can catch it
+
+
+@pytest.mark.parametrize("rel,change,message", [
+    ("anchors/event_index.npy", lambda a: a.__setitem__(slice(None), a[::-1].copy()), "anchors: window"),
+    ("train/event_code.npy", lambda a: a.__setitem__(slice(None), np.where(a == 0, 3, a)), "train: action bit"),
+    ("train/timestamp.npy", lambda a: a.__setitem__(1, a[0] - 5), "train: timestamps"),
+    ("items/popularity.npy", lambda a: a.__setitem__(0, a[0] + 1), "popularity does not sum"),
+    ("anchors/window_offsets.npy", lambda a: a.__setitem__(slice(1, None), a[1:] - 1), "anchors"),
+])
+def test_invariant_violations_are_found(store, rel, change, message):
+    _tamper(store, rel, change)
+    problems = verify_store(store, progress=False)
+    assert problems and any(message in p for p in problems), problems
+
+
+def test_a_dropped_anchor_is_found(store):
+    idx = np.load(store / "anchors" / "event_index.npy")
+    offsets = np.load(store / "anchors" / "window_offsets.npy")
+    w = int(np.flatnonzero(np.diff(offsets))[0])
+    np.save(store / "anchors" / "event_index.npy", np.delete(idx, offsets[w]))
+    offsets[w + 1:] -= 1
+    np.save(store / "anchors" / "window_offsets.npy", offsets)
+    (store / "meta.json").write_text((store / "meta.json").read_text().replace(
+        f'"anchors": {len(idx)}', f'"anchors": {len(idx) - 1}'))
+    write_md5s(store)
+    problems = verify_store(store, progress=False)
+    assert any("listens have at least" in p for p in problems), problems
