@@ -96,12 +96,38 @@ class LoaderConfig:
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    embedding_dim: int = _field(512, "dimension of every embedding table", min=1)
+    d_model: int = _field(512, "width D of the sequence model", min=1)
+    num_layers: int = _field(3, "STU layers", min=1, max=64)
+    num_heads: int = _field(4, "attention heads", min=1, max=64)
+    qk_dim: int = _field(128, "query/key dimension per head", min=16, max=256)
+    v_dim: int = _field(128, "u/v dimension per head", min=16, max=256)
+    preprocessor_hidden: int = _field(256, "hidden width of the three preprocessor branches", min=1)
+    action_dim: int = _field(8, "learned vector per history pool bit", min=1)
+    item_tower_hidden: int = _field(512, "hidden width of the item tower", min=1)
+    head_hidden: int = _field(512, "hidden width of the logit MLP", min=1)
+    num_position_buckets: int = _field(8_192, "rows of the position table", min=16)
+    num_time_buckets: int = _field(2_048, "rows of the time-gap table", min=2)
+    time_bucket_seconds: float = _field(60.0, "time gap unit: bucket = int(sqrt(gap / unit))", min=1e-3)
+    input_dropout: float = _field(0.2, "dropout after the position/time encoding", min=0.0, max=0.99)
+    linear_dropout: float = _field(0.1, "dropout on each STU layer's [u, attn, u*LN(attn)]", min=0.0, max=0.99)
+    layer_norm_eps: float = _field(1e-6, "epsilon of the STU layer norms", min=0.0, max=1.0)
+    loss_scale: float = _field(0.2, "multiplier of the mean BCE loss", min=0.0)
+    kernels: str = _field("auto", "operator implementation: Triton kernels, the PyTorch reference, or auto "
+                          "(Triton on GPUs)", choices=("auto", "triton", "pytorch"))
+    sequence_dtype: str = _field("bfloat16", "autocast dtype of the sequence model (head and loss stay fp32)",
+                                 choices=("bfloat16", "float16", "float32"))
+
+
+@dataclass(frozen=True)
 class BenchmarkConfig:
     seed: int = _field(0, "the run's seed; every generator derives from it", min=0, max=2**63 - 1)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -109,6 +135,7 @@ SECTIONS: dict[str, type] = {
     "preprocess": PreprocessConfig,
     "sampler": SamplerConfig,
     "loader": LoaderConfig,
+    "model": ModelConfig,
 }
 
 
@@ -224,6 +251,9 @@ def validate_relations(cfg: BenchmarkConfig) -> None:
     if ds.size not in allowed:
         raise UserError(f"config field dataset.size={ds.size!r} is not valid for source {ds.source!r}; "
                         f"choose one of {', '.join(allowed)}")
+    if cfg.model.num_position_buckets < cfg.sampler.max_seq_len:
+        raise UserError(f"config field model.num_position_buckets={cfg.model.num_position_buckets} must be at least "
+                        f"sampler.max_seq_len={cfg.sampler.max_seq_len} (one position per token)")
     if cfg.sampler.per_pool_length < 1:
         raise UserError(f"config field sampler.max_seq_len={cfg.sampler.max_seq_len} leaves no history "
                         "(needs at least 12: 9 reserved tokens + 3 pools)")

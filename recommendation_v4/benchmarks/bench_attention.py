@@ -1,0 +1,249 @@
+"""Jagged HSTU attention on the GPU: Triton forward and forward+backward TFLOP/s against the PyTorch
+reference and the bf16 matmul peak measured in the same process, plus the cold start.
+
+Shape: B=32, H=4, d=128 (q/k and v), bf16, one candidate per sequence, the three length mixes of
+``length_mix.py``: all 4,096; jagged like the real data (2,740 + 1,355 * Beta(0.3, 3.5): mean ~2,850,
+range 2,740-4,095, N = the batch's longest); all 2,048.
+FLOPs on the real lengths: fwd = sum_b 2 * (L_b^2 / 2) * H * 2d; fwd+bwd = 3.5 x fwd (the SPEC's
+yardstick, whatever the kernels really do). Prints a table last; writes results/attention.{json,md}.
+
+    python benchmarks/bench_attention.py [--variants] [--no-cold-start] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import triton
+from triton.testing import do_bench
+
+from dlrmv4.ops.reference.attention import hstu_attention_reference
+from dlrmv4.ops.triton import attention as tri
+from length_mix import jagged_lengths
+
+HERE = Path(__file__).resolve().parent
+MIXES = {"full 4,096": "full", "jagged (real-data-like)": "jagged", "full 2,048": "half"}
+# (dq mode, SiLU form in every kernel) besides the default (packed bf16 in dK/dV only)
+VARIANTS = (("separate", "tanh"), ("separate", "bf16x2"))
+
+COLD_START = """
+import time, torch
+t0 = time.perf_counter()
+from dlrmv4.ops.attention import hstu_attention
+lengths = {lengths}
+offsets = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+x = torch.randn(offsets[-1].item(), {heads} * 4 * {dim}, device="cuda", dtype=torch.bfloat16).requires_grad_()
+v, q, k = (x[:, i * {heads} * {dim}:(i + 1) * {heads} * {dim}].view(-1, {heads}, {dim}) for i in range(1, 4))
+nt = torch.ones(len(lengths), dtype=torch.int64, device="cuda")
+out = hstu_attention(q, k, v, offsets, max(lengths), num_targets=nt, alpha={dim} ** -0.5, kernels="triton")
+out.float().sum().backward()
+torch.cuda.synchronize()
+print("COLD", time.perf_counter() - t0)
+"""
+
+
+def mixes(batch: int, seed: int) -> dict[str, list[int]]:
+    rng = np.random.default_rng(seed)
+    return {name: jagged_lengths(mix, batch, rng).tolist() for name, mix in MIXES.items()}
+
+
+def inputs(lengths: list[int], heads: int, dim: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(lengths)
+    proj = torch.randn(total, heads * 4 * dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v, q, k = (proj[:, i * heads * dim:(i + 1) * heads * dim].view(total, heads, dim) for i in range(1, 4))
+    offsets = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+    targets = torch.ones(len(lengths), dtype=torch.int64, device="cuda")
+    grad = torch.randn(total, heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    return q, k, v, offsets, targets, grad
+
+
+def fwd_flops(lengths: list[int], heads: int, dim: int) -> float:
+    return float(sum(2 * (n * n / 2) * heads * 2 * dim for n in lengths))
+
+
+def event_ms(fn, min_ms: float = 40.0, reps: int = 7) -> float:
+    """Median per-call time of back-to-back calls between two CUDA events (the host runs ahead as in
+    training; do_bench instead flushes L2 and counts the launch gap before every call)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    iters = max(1, int(min_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)))
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return float(np.median(times))
+
+
+def time_triton(q, k, v, offsets, targets, grad, n, alpha, **kw) -> dict[str, float]:
+    fwd = lambda: tri.attention_fwd(q, k, v, offsets, targets, n, alpha, silu=kw.get("silu"))
+    both = lambda: (fwd(), tri.attention_bwd(grad, q, k, v, offsets, targets, n, alpha, **kw))
+    both()  # autotune + compile outside the timed region
+    return {"fwd_ms": event_ms(fwd), "fwd_bwd_ms": event_ms(both),
+            "do_bench_fwd_ms": do_bench(fwd, return_mode="median"),
+            "do_bench_fwd_bwd_ms": do_bench(both, return_mode="median")}
+
+
+def time_reference(q, k, v, offsets, targets, grad, n, alpha) -> tuple[float, float]:
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    fwd = lambda: hstu_attention_reference(*leaves, offsets, n, targets, alpha)
+
+    def both():
+        fwd().backward(grad)
+
+    with torch.no_grad():
+        f = event_ms(fwd, min_ms=100.0, reps=3)
+    return f, event_ms(both, min_ms=100.0, reps=3)
+
+
+def kernel_breakdown(q, k, v, offsets, targets, grad, n, alpha, iters: int = 5) -> dict[str, float]:
+    """Mean CUDA time per fwd+bwd of each kernel (profiler), to see where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            tri.attention_fwd(q, k, v, offsets, targets, n, alpha)
+            tri.attention_bwd(grad, q, k, v, offsets, targets, n, alpha)
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for e in prof.key_averages():
+        times[e.key[:60]] = getattr(e, "self_device_time_total", 0.0) / 1e3 / iters
+    return {key: ms for key, ms in sorted(times.items(), key=lambda kv: -kv[1]) if ms > 0.001}
+
+
+def tuned_configs() -> dict[str, dict]:
+    out = {}
+    for name, tuner in (("fwd", tri._fwd_tuned), ("dkdv", tri._dkdv_tuned), ("dq", tri._dq_tuned)):
+        out[name] = {str(key): str(cfg) for key, cfg in tuner.cache.items()}
+    return out
+
+
+def cold_start(lengths: list[int], heads: int, dim: int) -> dict:
+    """Fresh process and empty Triton cache: import -> first fwd+bwd done, at the jagged shape."""
+    code = COLD_START.format(lengths=lengths, heads=heads, dim=dim)
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONPATH": str(HERE.parent)}
+        t0 = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        return {"error": done.stderr[-2000:]}
+    inner = float(next(line.split()[1] for line in done.stdout.splitlines() if line.startswith("COLD")))
+    return {"import_to_first_fwd_bwd_s": inner, "process_wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variants", action="store_true",
+                        help="also time other dq modes / SiLU forms on the jagged mix")
+    parser.add_argument("--no-cold-start", action="store_true")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention needs a CUDA GPU (run it on the lent GPU)")
+    alpha = args.dim ** -0.5
+    lengths_by_mix = mixes(args.batch, args.seed)
+    jagged = lengths_by_mix["jagged (real-data-like)"]
+    cold = {} if args.no_cold_start else cold_start(jagged, args.heads, args.dim)
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    peak = 2 * 8192 ** 3 / do_bench(lambda: a @ b, return_mode="median") / 1e9
+    del a, b
+
+    rows, variants, breakdown, tuning = [], [], {}, {}
+    for mix, lengths in lengths_by_mix.items():
+        n = max(lengths)
+        q, k, v, offsets, targets, grad = inputs(lengths, args.heads, args.dim, args.seed)
+        ref_out = hstu_attention_reference(q, k, v, offsets, n, targets, alpha)
+        err = ((tri.attention_fwd(q, k, v, offsets, targets, n, alpha).float() - ref_out.float()).norm()
+               / ref_out.float().norm()).item()
+        timing = time_triton(q, k, v, offsets, targets, grad, n, alpha)
+        fwd_ms, both_ms = timing["fwd_ms"], timing["fwd_bwd_ms"]
+        tuning[mix] = {name: {str(c): t[0] for c, t in getattr(tuner, "configs_timings", {}).items()}
+                       for name, tuner in (("fwd", tri._fwd_tuned), ("dkdv", tri._dkdv_tuned), ("dq", tri._dq_tuned))}
+        ref_fwd_ms, ref_both_ms = time_reference(q, k, v, offsets, targets, grad, n, alpha)
+        flops = fwd_flops(lengths, args.heads, args.dim)
+        rows.append({"mix": mix, "tokens": sum(lengths), "mean_len": float(np.mean(lengths)), "min_len": min(lengths),
+                     "max_len": n, "fwd_ms": fwd_ms, "fwd_tflops": flops / fwd_ms / 1e9, "fwd_bwd_ms": both_ms,
+                     "fwd_bwd_tflops": 3.5 * flops / both_ms / 1e9, "ref_fwd_ms": ref_fwd_ms,
+                     "ref_fwd_bwd_ms": ref_both_ms, "speedup_fwd_bwd_vs_ref": ref_both_ms / both_ms,
+                     "fraction_of_matmul_peak": 3.5 * flops / both_ms / 1e9 / peak,
+                     "rel_err_vs_reference_bf16": err, "do_bench_fwd_ms": timing["do_bench_fwd_ms"],
+                     "do_bench_fwd_bwd_ms": timing["do_bench_fwd_bwd_ms"]})
+        if mix.startswith("jagged"):
+            breakdown = kernel_breakdown(q, k, v, offsets, targets, grad, n, alpha)
+            if args.variants:
+                for dq_mode, silu in VARIANTS:
+                    var = time_triton(q, k, v, offsets, targets, grad, n, alpha, dq_mode=dq_mode, silu=silu)
+                    f, fb = var["fwd_ms"], var["fwd_bwd_ms"]
+                    variants.append({"dq_mode": dq_mode, "silu": silu, "fwd_ms": f, "fwd_bwd_ms": fb,
+                                     "fwd_tflops": flops / f / 1e9, "fwd_bwd_tflops": 3.5 * flops / fb / 1e9})
+        del q, k, v, grad, ref_out
+        torch.cuda.empty_cache()
+
+    header = ("| mix | tokens | mean L | max L | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | × matmul peak "
+              "| ref fwd+bwd ms | × ref |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    table = header + "".join(
+        f"| {r['mix']} | {r['tokens']:,} | {r['mean_len']:,.0f} | {r['max_len']:,} | {r['fwd_ms']:.3f} "
+        f"| {r['fwd_tflops']:.0f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_tflops']:.0f} | {r['fraction_of_matmul_peak']:.2f} "
+        f"| {r['ref_fwd_bwd_ms']:.1f} | {r['speedup_fwd_bwd_vs_ref']:.0f} |\n" for r in rows)
+    vtable = "".join(f"| {x['dq_mode']} | {x['silu']} | {x['fwd_ms']:.3f} ({x['fwd_tflops']:.0f}) "
+                     f"| {x['fwd_bwd_ms']:.3f} ({x['fwd_bwd_tflops']:.0f}) |\n" for x in variants)
+    if vtable:
+        vtable = "| dq mode | SiLU form | fwd ms (TFLOP/s) | fwd+bwd ms (TFLOP/s) |\n|---|---|---|---|\n" + vtable
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "capability": ".".join(map(str, torch.cuda.get_device_capability())), "matmul_peak_tflops": peak,
+           "dq_mode_default": tri.DQ_MODE}
+    command = "python " + " ".join(shlex.quote(x) for x in [os.path.relpath(__file__)] + sys.argv[1:])
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"command": command, "env": env, "shape": {"batch": args.batch, "heads": args.heads, "dim": args.dim,
+              "dtype": "bfloat16", "num_targets": 1, "lengths": lengths_by_mix}, "rows": rows, "variants": variants,
+              "kernel_ms_per_fwd_bwd_jagged": breakdown, "tuned_configs": tuned_configs(), "autotune_ms": tuning,
+              "cold_start": cold, "timing": "median of 7 CUDA-event windows of back-to-back calls (>= 40 ms each), "
+              "warm (after autotune); do_bench_* (L2 flushed, launch gap counted) kept for comparison"}
+    tmp = args.out / "attention.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(args.out / "attention.json")
+    cold_line = (f"Cold start (fresh process, empty Triton cache, import -> first fwd+bwd at the jagged shape): "
+                 f"{cold['import_to_first_fwd_bwd_s']:.1f} s ({cold['process_wall_s']:.1f} s with interpreter start).\n"
+                 if "import_to_first_fwd_bwd_s" in cold else f"Cold start: {cold or 'not measured'}\n")
+    md = (f"# Jagged HSTU attention (`{command}`)\n\n{env['device']} (sm_{env['capability']}), torch {env['torch']}, "
+          f"triton {env['triton']}; bf16 matmul peak measured in the same run: {peak:.0f} TFLOP/s. B={args.batch}, "
+          f"H={args.heads}, d={args.dim}, bf16, one candidate per sequence; TFLOP/s on the real lengths "
+          f"(fwd+bwd = 3.5 x fwd); dQ mode `{tri.DQ_MODE}`; medians of CUDA-event windows of back-to-back "
+          f"calls.\n\n{table}\n"
+          + (f"Variants on the jagged mix:\n\n{vtable}\n" if vtable else "") + cold_line)
+    tmp = args.out / "attention.md.tmp"
+    tmp.write_text(md)
+    tmp.replace(args.out / "attention.md")
+    print(json.dumps({"kernels_ms": breakdown, "tuned": tuned_configs(), "cold_start": cold, "env": env}, indent=1))
+    if vtable:
+        print(vtable)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""The 3-layer STU stack (D=512, 4x128 heads) forward+backward on the lent GPU: samples/s, TFLOP/s,
+MFU against the datasheet and the measured matmul peak, peak memory, the ratio to the PyTorch
+reference ops, the full model's loss parity between kernel modes, and cold start.
+
+    python benchmarks/bench_stu.py                    # on a GPU: the whole table in one call
+    python benchmarks/bench_stu.py --smoke            # tiny shapes on the CPU (checks the script runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dlrmv4.config import ModelConfig, load_config
+from dlrmv4.model.flops import batch_flops
+from dlrmv4.model.stu import STUStack
+from length_mix import jagged_lengths
+
+RESULTS = Path(__file__).parent / "results"
+DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16
+
+
+def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return 2 * n**3 / _time(lambda: a @ b, reps) / 1e12
+
+
+def _time(fn, reps: int) -> float:
+    """Median seconds of ``fn`` (CUDA events on GPUs, the wall clock on the CPU), after warm-up."""
+    for _ in range(2):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return float(np.median(times))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def stack_inputs(cfg: ModelConfig, lengths: np.ndarray, device: torch.device, seed: int):
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.from_numpy(np.cumsum(lengths))
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(int(lengths.sum()), cfg.d_model, generator=g).to(device).requires_grad_()
+    return x, offsets.to(device), int(lengths.max())
+
+
+def measure_stack(cfg: ModelConfig, batch: int, mix: str, device: torch.device, reps: int) -> dict:
+    lengths = jagged_lengths(mix, batch, np.random.default_rng(batch), max_len=4096)
+    torch.manual_seed(0)
+    stack = STUStack(cfg).to(device)
+    x, offsets, max_len = stack_inputs(cfg, lengths, device, seed=batch)
+    grad = torch.randn_like(x)
+    dtype = torch.bfloat16 if cfg.sequence_dtype == "bfloat16" else torch.float32
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            out = stack(x, offsets, max_len, [1, 2, 3][: cfg.num_layers])
+        out.backward(grad)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        seconds = _time(step, reps)
+    except torch.OutOfMemoryError:
+        return {"kernels": cfg.kernels, "batch": batch, "mix": mix, "oom": True}
+    flops = batch_flops(cfg, lengths)
+    out = {"kernels": cfg.kernels, "batch": batch, "mix": mix, "mean_len": float(lengths.mean()),
+           "seconds": seconds, "samples_per_s": batch / seconds, "tflops": flops.stu / seconds / 1e12}
+    if device.type == "cuda":
+        out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+COLD_START = """
+import time, sys
+t0 = time.time()
+import torch
+sys.path.insert(0, {bench_dir!r})
+from bench_stu import measure_stack
+from dlrmv4.config import load_config
+import dataclasses
+cfg = dataclasses.replace(load_config("yambda-5b").model, kernels="triton")
+measure_stack(cfg, {batch}, "jagged", torch.device("cuda"), reps=1)
+print("COLD", time.time() - t0)
+"""
+
+
+def cold_start(batch: int) -> float:
+    """Seconds from process start to the end of the first fwd+bwd, with an empty Triton cache."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        start = time.time()
+        proc = subprocess.run([sys.executable, "-c", COLD_START.format(bench_dir=str(Path(__file__).parent),
+                                                                        batch=batch)],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(proc.stderr)
+        return time.time() - start
+
+
+def model_parity(device: torch.device) -> dict:
+    """The full model on one jagged batch: Triton vs PyTorch ops, same weights, no dropout."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from dlrmv4.model.hstu import DlrmHSTU
+    from model_inputs import random_batch, random_embeddings
+
+    base = dataclasses.replace(load_config("yambda-5b").model, input_dropout=0.0, linear_dropout=0.0)
+    lengths = jagged_lengths("jagged", 8, np.random.default_rng(1), max_len=4096) - 9
+    batch = random_batch(lengths, seed=2).to(device)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        losses = {}
+        for kernels in ("pytorch", "triton"):
+            torch.manual_seed(0)
+            model = DlrmHSTU(dataclasses.replace(base, kernels=kernels, sequence_dtype=dtype)).to(device)
+            emb = random_embeddings(batch, base.embedding_dim, seed=3)
+            emb = dataclasses.replace(emb, **{f.name: getattr(emb, f.name).detach().to(device)
+                                             for f in dataclasses.fields(emb)})
+            result = model(batch, emb)
+            result.loss.backward()
+            grad = torch.cat([p.grad.flatten() for p in model.stu.parameters()])
+            losses[kernels] = (float(result.loss.detach()), grad)
+        ref, tri = losses["pytorch"], losses["triton"]
+        out[dtype] = {"loss_pytorch": ref[0], "loss_triton": tri[0],
+                      "loss_rel_diff": abs(tri[0] - ref[0]) / abs(ref[0]),
+                      "stu_grad_rel_diff": float((tri[1] - ref[1]).norm() / ref[1].norm())}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device (script check)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument("--reference-batch", type=int, default=32)
+    parser.add_argument("--out", default=str(RESULTS / "stu"))
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = load_config("yambda-5b").model
+    if args.smoke:
+        cfg = dataclasses.replace(cfg, d_model=32, num_heads=2, qk_dim=16, v_dim=16, sequence_dtype="float32")
+        args.batches, args.reference_batch = [2], 2
+    rows = []
+    peak = matmul_peak_tflops(device, n=512 if args.smoke else 8192, reps=2 if args.smoke else 20)
+    ref = measure_stack(dataclasses.replace(cfg, kernels="pytorch"), args.reference_batch, "jagged", device,
+                        reps=1 if args.smoke else 3)
+    rows.append(ref)
+    tri_same = measure_stack(dataclasses.replace(cfg, kernels="triton" if device.type == "cuda" else "pytorch"),
+                             args.reference_batch, "jagged", device, reps=1 if args.smoke else 5)
+    tri_same["vs_reference"] = ref["seconds"] / tri_same["seconds"]
+    rows.append(tri_same)
+    for b in args.batches:
+        rows.append(measure_stack(dataclasses.replace(cfg, kernels="triton" if device.type == "cuda" else "pytorch"),
+                                  b, "jagged", device, reps=1 if args.smoke else 5))
+    extra = {}
+    if device.type == "cuda" and not args.smoke:
+        extra["model_parity"] = model_parity(device)
+        extra["cold_start_s"] = cold_start(256)
+    lines = [f"Device: {torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}; "
+             f"torch {torch.__version__}; measured bf16 matmul peak {peak:.0f} TFLOP/s; datasheet {DATASHEET_BF16_TFLOPS:.0f}",
+             "",
+             "| ops | samples/step | mean tokens | step ms | samples/s | STU TFLOP/s | MFU datasheet | MFU measured peak | peak GiB | vs PyTorch ops |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.get("oom"):
+            lines.append(f"| {r['kernels']} | {r['batch']} | | out of memory | | | | | | |")
+            continue
+        lines.append(f"| {r['kernels']} | {r['batch']} | {r['mean_len']:.0f} | {r['seconds'] * 1e3:.1f} | "
+                     f"{r['samples_per_s']:,.0f} | {r['tflops']:.0f} | {r['tflops'] / DATASHEET_BF16_TFLOPS:.1%} | "
+                     f"{r['tflops'] / peak:.1%} | {r.get('peak_mem_gib', float('nan')):.1f} | "
+                     + (f"{r['vs_reference']:.1f}x |" if "vs_reference" in r else "- |"))
+    if "model_parity" in extra:
+        lines += ["", "Full model, Triton vs PyTorch ops (8 jagged samples, no dropout):", "",
+                  "| dtype | loss PyTorch | loss Triton | loss rel. diff | STU grad rel. diff |", "|---|---:|---:|---:|---:|"]
+        for dtype, p in extra["model_parity"].items():
+            lines.append(f"| {dtype} | {p['loss_pytorch']:.6f} | {p['loss_triton']:.6f} | {p['loss_rel_diff']:.1e} | "
+                         f"{p['stu_grad_rel_diff']:.1e} |")
+        lines += ["", f"Cold start (fresh process, empty Triton cache, to the end of the first fwd+bwd at 256 "
+                      f"samples): {extra['cold_start_s']:.1f} s"]
+    text = "\n".join(lines)
+    print(text)
+    if not args.smoke:
+        info = {"command": "python benchmarks/bench_stu.py " + " ".join(sys.argv[1:]), "matmul_peak_tflops": peak,
+                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                "torch": torch.__version__, "rows": rows, **extra}
+        Path(args.out + ".json").write_text(json.dumps(info, indent=2) + "\n")
+        Path(args.out + ".md").write_text(f"`{info['command']}`\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The DLRM-v3 HSTU model (SPEC §5)."""

@@ -1,0 +1,63 @@
+"""Token features of the sequence (SPEC §5.2-5.4): history/candidate tokens, contextual tokens,
+the jagged sequence [8 contextual | history | candidate], and the position/time encoding."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dlrmv4.config import ModelConfig
+from dlrmv4.model.embeddings import SequenceEmbeddings
+from dlrmv4.model.layers import Tower, init_linear
+from dlrmv4.ops.jagged import concat_sequence_timestamps, concat_sequences
+from dlrmv4.ops.position import position_time_encode
+
+ACTION_BITS = (1, 2, 4)  # listen_plus, like, skip: the history pool bits
+
+
+class Preprocessor(nn.Module):
+    def __init__(self, cfg: ModelConfig, num_contextual: int) -> None:
+        super().__init__()
+        e, h, d, eps, k = cfg.embedding_dim, cfg.preprocessor_hidden, cfg.d_model, cfg.layer_norm_eps, cfg.kernels
+        self.cfg = cfg
+        self.num_contextual = num_contextual
+        self.content = Tower(e, h, d, eps, k)
+        self.extra_ids = Tower(2 * e, h, d, eps, k)
+        self.action = Tower(len(ACTION_BITS) * cfg.action_dim, h, d, eps, k)
+        self.action_vectors = nn.Parameter(torch.randn(len(ACTION_BITS), cfg.action_dim) * 0.1)
+        # The candidate's label bits are never an input: it gets one learned "target action" instead.
+        self.target_action = nn.Parameter(torch.randn(len(ACTION_BITS) * cfg.action_dim) * 0.1)
+        self.contextual = nn.ModuleList(init_linear(nn.Linear(e, d)) for _ in range(num_contextual))
+        self.position_table = nn.Parameter(torch.randn(cfg.num_position_buckets, d) / math.sqrt(d))
+        self.time_table = nn.Parameter(torch.randn(cfg.num_time_buckets, d) / math.sqrt(d))
+        self.register_buffer("bits", torch.tensor(ACTION_BITS), persistent=False)
+
+    def _action_features(self, action: torch.Tensor) -> torch.Tensor:
+        """[T] pool bits -> [T, 3 * action_dim]: each set bit contributes its learned vector."""
+        on = (action.unsqueeze(-1) & self.bits) != 0  # [T, 3]
+        return (on.unsqueeze(-1).to(self.action_vectors.dtype) * self.action_vectors).flatten(1)
+
+    def forward(self, emb: SequenceEmbeddings, history_offsets: torch.Tensor, history_action: torch.Tensor,
+                history_timestamp: torch.Tensor, query_time: torch.Tensor,
+                max_history_length: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Returns (encoded sequence values [T + B*(C+1), D], seq_offsets [B+1], max sequence length)."""
+        b = emb.candidate_item.shape[0]
+        # History and candidate tokens share the branch MLPs: one matmul per layer for both.
+        content = self.content(torch.cat([emb.history_item, emb.candidate_item]))
+        extra = self.extra_ids(torch.cat([torch.cat([emb.history_artist, emb.history_album], -1),
+                                          torch.cat([emb.candidate_artist, emb.candidate_album], -1)]))
+        actions = torch.cat([self._action_features(history_action),
+                             self.target_action.expand(b, -1).to(self.action_vectors.dtype)])
+        tokens = content + extra + self.action(actions)
+        history, candidate = tokens[:-b], tokens[-b:]
+        contextual = torch.stack([proj(emb.contextual[:, i]) for i, proj in enumerate(self.contextual)], 1)
+        values, seq_offsets = concat_sequences(contextual.to(history.dtype), history, history_offsets, candidate,
+                                               max_history_length, kernels=self.cfg.kernels)
+        timestamps = concat_sequence_timestamps(history_timestamp, history_offsets, query_time, self.num_contextual)
+        x = position_time_encode(values, seq_offsets, timestamps, query_time, self.num_contextual,
+                                 self.position_table, self.time_table, math.sqrt(self.cfg.d_model),
+                                 self.cfg.time_bucket_seconds, kernels=self.cfg.kernels)
+        x = nn.functional.dropout(x, self.cfg.input_dropout, self.training)
+        return x, seq_offsets, max_history_length + self.num_contextual + 1

@@ -1,0 +1,490 @@
+"""Triton kernels for jagged HSTU attention: ``out_i = sum_j SiLU(alpha q_i.k_j) / N * v_j`` under the
+causal, target-aware mask ``(j <= i and j < L - n_t) or j == i`` (see ``ops/reference/attention.py``).
+
+Design (FlashAttention-style tiling without softmax, so no running max or rescaling; N x N never
+exists in memory):
+- forward: grid (query blocks, B*H), heaviest (last) query blocks first. Each program walks the key
+  blocks up to its causal limit in up to three spans: the unmasked prefix, the masked tiles around
+  the diagonal / the prefix end, and, for candidate rows past the prefix, only the tiles holding
+  their own diagonal. Tiles no row can see are never visited. 1/N is applied once at the end.
+- backward: grid (key blocks, B*H); each program keeps dK, dV of its key block in registers and
+  walks the query blocks that can see it (all rows >= the block for prefix keys, only the diagonal
+  for candidate keys). dQ either comes from a second kernel over query blocks that recomputes the
+  scores (``dq_mode="separate"``: 7 matmuls per tile pair, deterministic) or is accumulated in fp32
+  with atomics from the dK/dV kernel (``"atomic"``: 5 matmuls). The default was chosen by
+  measurement (benchmarks/notes_attention.md).
+- tiles, warps and stages are autotuned per (bucket of max_seq_len = next power of two, head dims,
+  dtype), from small config lists pruned by the device's shared memory, so a new jagged maximum
+  inside a bucket never re-tunes. max_seq_len only sizes the grid and gives 1/N: no host sync.
+- SiLU on 16-bit inputs: x*sigmoid(x) = t + t*tanh(t) with t = x/2, one ``tanh.approx`` per score
+  instead of exp + reciprocal. The multi-function unit (16 ops/clock/SM) does not overlap the
+  tensor cores here (Triton waits on each QK^T before the SiLU), so its time adds to the matmuls'.
+  The dK/dV kernel evaluates SiLU and SiLU' in packed bf16x2 arithmetic (``_silu_form``). Masks
+  zero the fp32 scores / dP before the SiLU (SiLU(0) = 0), so the bf16 conversions stay packed.
+- fp32 inputs use 3xTF32 products (fp32-level error) and one small tile config: the accuracy
+  path, not the speed path.
+
+Portability: nothing Hopper-only (no TMA descriptors, no warp specialization); ``tl.dot`` lowers to
+wgmma on sm_90, tcgen05 MMA on sm_100 (B200) and MFMA on gfx950 (MI350X). The inline PTX runs on
+CUDA only: ``tanh.approx.f32`` needs sm_75+, the packed bf16x2 tanh/mul/sub sm_90+ (all three
+kernels, both SiLU forms, were compiled for sm_100 with Triton's ptxas-blackwell: tcgen05 MMA,
+configs over the shared memory fail to launch and are skipped by the autotuner). ROCm, fp32 and the
+interpreter take
+``tl.sigmoid``. On MI350X (64-wide wavefronts, 160 KB LDS) the config lists should be re-tuned
+(num_warps counts wavefronts; ``waves_per_eu`` / ``matrix_instr_nonkdim`` are the AMD knobs);
+configs over the device's shared memory are pruned automatically. fp32 dQ atomics work on both.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dispatch import interpreting
+
+DQ_MODES = ("separate", "atomic")
+SILU_FORMS = ("bf16x2", "tanh", "sigmoid")
+DQ_MODE = "separate"
+# Interpreter tiles (CPU tests): small and unequal, so every span and alignment case is exercised.
+INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
+
+
+@triton.jit
+def _tanh(t):
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [t], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _weights(s, alpha, dtype: tl.constexpr, SILU: tl.constexpr):
+    """SiLU(alpha * s) as the ``dtype`` operand of the next product. With t = alpha*s/2,
+    SiLU = t + t*tanh(t): "bf16x2" in packed bf16 arithmetic (two lanes per instruction; sm_90
+    still issues one MUFU op per lane for the tanh), "tanh" in fp32, "sigmoid" as x * sigmoid(x)."""
+    if SILU == "bf16x2":
+        a = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t, h;
+            cvt.rn.bf16x2.f32 t, $2, $1;
+            tanh.approx.bf16x2 h, t;
+            fma.rn.bf16x2 $0, t, h, t;
+            }""", "=r,f,f", [s * (0.5 * alpha)], dtype=tl.bfloat16, is_pure=True, pack=2)
+    elif SILU == "tanh":
+        t = s * (0.5 * alpha)
+        a = (t + t * _tanh(t)).to(dtype)
+    else:
+        x = s * alpha
+        a = (x * tl.sigmoid(x)).to(dtype)
+    return a
+
+
+@triton.jit
+def _weights_and_grads(s, dp, alpha, dtype: tl.constexpr, SILU: tl.constexpr):
+    """(SiLU(x), dP * SiLU'(x)) at x = alpha * s as ``dtype`` operands, with
+    SiLU'(x) = sigmoid(x) * (1 + x - SiLU(x)) and sigmoid(x) = (1 + tanh(x/2)) / 2."""
+    if SILU == "bf16x2":
+        a, ds = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t, h, a, sg, u, dp, half, one, two;
+            mov.b32 half, 0x3F003F00;
+            mov.b32 one, 0x3F803F80;
+            mov.b32 two, 0x40004000;
+            cvt.rn.bf16x2.f32 t, $3, $2;
+            tanh.approx.bf16x2 h, t;
+            fma.rn.bf16x2 a, t, h, t;
+            fma.rn.bf16x2 sg, h, half, half;
+            fma.rn.bf16x2 u, t, two, one;
+            sub.rn.bf16x2 u, u, a;
+            mul.rn.bf16x2 u, sg, u;
+            cvt.rn.bf16x2.f32 dp, $5, $4;
+            mul.rn.bf16x2 $1, dp, u;
+            mov.b32 $0, a;
+            }""", "=r,=r,f,f,f,f", [s * (0.5 * alpha), dp], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+            pack=2)
+    else:
+        if SILU == "tanh":
+            t = s * (0.5 * alpha)
+            th = _tanh(t)
+            tt = t * th
+            a = t + tt
+            g = (0.5 + 0.5 * th) * (1.0 + t - tt)
+        else:
+            x = s * alpha
+            sg = tl.sigmoid(x)
+            a = x * sg
+            g = sg * (1.0 + x - a)
+        a = a.to(dtype)
+        ds = (dp * g).to(dtype)
+    return a, ds
+
+
+@triton.jit
+def _last_seen(rows, prefix):
+    """Per query row i, the last key it sees besides itself: i in the prefix, prefix - 1 for a
+    candidate. Row i then sees key j iff j <= last or j == i (two compares per score)."""
+    return tl.where(rows < prefix, rows, prefix - 1)
+
+
+@triton.jit
+def _keep(i, j, last):
+    """Row i sees key j (i, j, last broadcast against each other)."""
+    return (j <= last) | (j == i)
+
+
+@triton.jit
+def _sequence(seq_offsets, num_targets, b, HAS_TARGETS: tl.constexpr):
+    """(first token, length, prefix length L - n_t clamped at 0) of sequence b."""
+    start = tl.load(seq_offsets + b).to(tl.int64)
+    seq_len = (tl.load(seq_offsets + b + 1) - start).to(tl.int32)
+    prefix = seq_len
+    if HAS_TARGETS:
+        prefix = tl.maximum(seq_len - tl.load(num_targets + b).to(tl.int32), 0)
+    return start, seq_len, prefix
+
+
+@triton.jit
+def _key_spans(m_start, seq_len, prefix, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key spans for query rows [m_start, m_start + BLOCK_M): [0, nf) unmasked, [nf, e1) masked
+    (diagonal or prefix end), [s2, hi) masked (candidate rows' own diagonal)."""
+    hi = tl.minimum(m_start + BLOCK_M, seq_len)
+    nf = (tl.minimum(m_start, prefix) // BLOCK_N) * BLOCK_N
+    e1 = tl.maximum(nf, tl.cdiv(tl.minimum(prefix, hi), BLOCK_N) * BLOCK_N)
+    s2 = tl.maximum(e1, (m_start // BLOCK_N) * BLOCK_N)
+    return nf, e1, s2, hi
+
+
+@triton.jit
+def _fwd_span(acc, q, k_seq, v_seq, stride_kt, stride_vt, offs_m, lo, hi, seq_len, prefix, alpha,
+              DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              SILU: tl.constexpr, PREC: tl.constexpr):
+    offs_dk = tl.arange(0, DQK)
+    offs_dv = tl.arange(0, DV)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_seq = (offs_n < seq_len)[:, None]
+        k = tl.load(k_seq + offs_n[:, None] * stride_kt + offs_dk[None, :], mask=in_seq, other=0.0)
+        v = tl.load(v_seq + offs_n[:, None] * stride_vt + offs_dv[None, :], mask=in_seq, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if MASKED:  # on the fp32 scores: SiLU(0) = 0, and the packed conversion stays packed
+            s = tl.where(_keep(offs_m[:, None], offs_n[None, :], _last_seen(offs_m, prefix)[:, None]), s, 0.0)
+        acc = tl.dot(_weights(s, alpha, v.dtype, SILU), v, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit(do_not_specialize=["N_BUCKET"])
+def _fwd_kernel(Q, K, V, O, seq_offsets, num_targets,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                H, alpha, inv_n, N_BUCKET,
+                DQK: tl.constexpr, DV: tl.constexpr, HAS_TARGETS: tl.constexpr, SILU: tl.constexpr,
+                PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    start, seq_len, prefix = _sequence(seq_offsets, num_targets, b, HAS_TARGETS)
+    if m_start >= seq_len:
+        return
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    in_seq = (offs_m < seq_len)[:, None]
+    q = tl.load(Q + start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + tl.arange(0, DQK)[None, :],
+                mask=in_seq, other=0.0)
+    k_seq = K + start * stride_kt + h * stride_kh
+    v_seq = V + start * stride_vt + h * stride_vh
+    nf, e1, s2, hi = _key_spans(m_start, seq_len, prefix, BLOCK_M, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
+    acc = _fwd_span(acc, q, k_seq, v_seq, stride_kt, stride_vt, offs_m, 0, nf, seq_len, prefix, alpha,
+                    DQK, DV, BLOCK_N, False, SILU, PREC)
+    acc = _fwd_span(acc, q, k_seq, v_seq, stride_kt, stride_vt, offs_m, nf, e1, seq_len, prefix, alpha,
+                    DQK, DV, BLOCK_N, True, SILU, PREC)
+    acc = _fwd_span(acc, q, k_seq, v_seq, stride_kt, stride_vt, offs_m, s2, hi, seq_len, prefix, alpha,
+                    DQK, DV, BLOCK_N, True, SILU, PREC)
+    o_ptrs = O + start * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + tl.arange(0, DV)[None, :]
+    tl.store(o_ptrs, (acc * inv_n).to(O.dtype.element_ty), mask=in_seq)
+
+
+@triton.jit
+def _dkdv_span(dk, dv, k, v, q_seq, do_seq, dq_seq, stride_qt, stride_dot, stride_dqt, offs_n, lo, hi,
+               seq_len, prefix, alpha, dq_scale,
+               DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+               ATOMIC_DQ: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr):
+    offs_dk = tl.arange(0, DQK)
+    offs_dv = tl.arange(0, DV)
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        in_seq = (offs_m < seq_len)[:, None]
+        q = tl.load(q_seq + offs_m[:, None] * stride_qt + offs_dk[None, :], mask=in_seq, other=0.0)
+        do = tl.load(do_seq + offs_m[:, None] * stride_dot + offs_dv[None, :], mask=in_seq, other=0.0)
+        # Transposed tiles [BLOCK_N, BLOCK_M], so dV and dK are plain products with dO and Q.
+        s_t = tl.dot(k, tl.trans(q), input_precision=PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        if MASKED:  # zero scores and dP give exactly zero weights and dS
+            keep = _keep(offs_m[None, :], offs_n[:, None], _last_seen(offs_m, prefix)[None, :])
+            s_t = tl.where(keep, s_t, 0.0)
+            dp_t = tl.where(keep, dp_t, 0.0)
+        a_t, ds_t = _weights_and_grads(s_t, dp_t, alpha, q.dtype, SILU)
+        dv = tl.dot(a_t, do, dv, input_precision=PREC)
+        dk = tl.dot(ds_t, q, dk, input_precision=PREC)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=PREC) * dq_scale
+            tl.atomic_add(dq_seq + offs_m[:, None] * stride_dqt + offs_dk[None, :], dq, mask=in_seq, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["N_BUCKET"])
+def _dkdv_kernel(Q, K, V, DO, DQ, DK, DV_, seq_offsets, num_targets,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                 stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                 H, alpha, inv_n, N_BUCKET,
+                 DQK: tl.constexpr, DV: tl.constexpr, HAS_TARGETS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                 SILU: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    n_start = tl.program_id(0) * BLOCK_N  # low key blocks are seen by the most rows: they start first
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    start, seq_len, prefix = _sequence(seq_offsets, num_targets, b, HAS_TARGETS)
+    if n_start >= seq_len:
+        return
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    in_seq = (offs_n < seq_len)[:, None]
+    k = tl.load(K + start * stride_kt + h * stride_kh + offs_n[:, None] * stride_kt + tl.arange(0, DQK)[None, :],
+                mask=in_seq, other=0.0)
+    v = tl.load(V + start * stride_vt + h * stride_vh + offs_n[:, None] * stride_vt + tl.arange(0, DV)[None, :],
+                mask=in_seq, other=0.0)
+    # Query spans: [m_lo, d_end) masked (diagonal), [d_end, u_end) unmasked, [u_end, m_hi) masked
+    # (candidate rows, when this block straddles the prefix end). Candidate keys: diagonal only.
+    n_end = tl.minimum(n_start + BLOCK_N, seq_len)
+    m_lo = (n_start // BLOCK_M) * BLOCK_M
+    d_end = tl.cdiv(n_end, BLOCK_M) * BLOCK_M
+    sees_prefix = n_start < prefix
+    m_hi = tl.where(sees_prefix, tl.cdiv(seq_len, BLOCK_M) * BLOCK_M, d_end)
+    u_end = tl.where(sees_prefix & (n_end > prefix), tl.maximum(d_end, (prefix // BLOCK_M) * BLOCK_M), m_hi)
+    q_seq = Q + start * stride_qt + h * stride_qh
+    do_seq = DO + start * stride_dot + h * stride_doh
+    dq_seq = DQ + start * stride_dqt + h * stride_dqh
+    dq_scale = alpha * inv_n
+    dk = tl.zeros([BLOCK_N, DQK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, DV], dtype=tl.float32)
+    dk, dv = _dkdv_span(dk, dv, k, v, q_seq, do_seq, dq_seq, stride_qt, stride_dot, stride_dqt, offs_n, m_lo, d_end,
+                        seq_len, prefix, alpha, dq_scale, DQK, DV, BLOCK_M, True, ATOMIC_DQ, SILU, PREC)
+    dk, dv = _dkdv_span(dk, dv, k, v, q_seq, do_seq, dq_seq, stride_qt, stride_dot, stride_dqt, offs_n, d_end, u_end,
+                        seq_len, prefix, alpha, dq_scale, DQK, DV, BLOCK_M, False, ATOMIC_DQ, SILU, PREC)
+    dk, dv = _dkdv_span(dk, dv, k, v, q_seq, do_seq, dq_seq, stride_qt, stride_dot, stride_dqt, offs_n, u_end, m_hi,
+                        seq_len, prefix, alpha, dq_scale, DQK, DV, BLOCK_M, True, ATOMIC_DQ, SILU, PREC)
+    dk_ptrs = DK + start * stride_dkt + h * stride_dkh + offs_n[:, None] * stride_dkt + tl.arange(0, DQK)[None, :]
+    dv_ptrs = DV_ + start * stride_dvt + h * stride_dvh + offs_n[:, None] * stride_dvt + tl.arange(0, DV)[None, :]
+    tl.store(dk_ptrs, (dk * dq_scale).to(DK.dtype.element_ty), mask=in_seq)
+    tl.store(dv_ptrs, (dv * inv_n).to(DV_.dtype.element_ty), mask=in_seq)
+
+
+@triton.jit
+def _dq_span(dq, q, do, k_seq, v_seq, stride_kt, stride_vt, offs_m, lo, hi, seq_len, prefix, alpha,
+             DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+             SILU: tl.constexpr, PREC: tl.constexpr):
+    offs_dk = tl.arange(0, DQK)
+    offs_dv = tl.arange(0, DV)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_seq = (offs_n < seq_len)[:, None]
+        k = tl.load(k_seq + offs_n[:, None] * stride_kt + offs_dk[None, :], mask=in_seq, other=0.0)
+        v = tl.load(v_seq + offs_n[:, None] * stride_vt + offs_dv[None, :], mask=in_seq, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        if MASKED:  # dS = dP * SiLU'(x): a zero dP gives exactly zero
+            dp = tl.where(_keep(offs_m[:, None], offs_n[None, :], _last_seen(offs_m, prefix)[:, None]), dp, 0.0)
+        _, ds = _weights_and_grads(s, dp, alpha, k.dtype, SILU)
+        dq = tl.dot(ds, k, dq, input_precision=PREC)
+    return dq
+
+
+@triton.jit(do_not_specialize=["N_BUCKET"])
+def _dq_kernel(Q, K, V, DO, DQ, seq_offsets, num_targets,
+               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+               stride_dqt, stride_dqh, H, alpha, inv_n, N_BUCKET,
+               DQK: tl.constexpr, DV: tl.constexpr, HAS_TARGETS: tl.constexpr, SILU: tl.constexpr,
+               PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    start, seq_len, prefix = _sequence(seq_offsets, num_targets, b, HAS_TARGETS)
+    if m_start >= seq_len:
+        return
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    in_seq = (offs_m < seq_len)[:, None]
+    q = tl.load(Q + start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + tl.arange(0, DQK)[None, :],
+                mask=in_seq, other=0.0)
+    do = tl.load(DO + start * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot + tl.arange(0, DV)[None, :],
+                 mask=in_seq, other=0.0)
+    k_seq = K + start * stride_kt + h * stride_kh
+    v_seq = V + start * stride_vt + h * stride_vh
+    nf, e1, s2, hi = _key_spans(m_start, seq_len, prefix, BLOCK_M, BLOCK_N)
+    dq = tl.zeros([BLOCK_M, DQK], dtype=tl.float32)
+    dq = _dq_span(dq, q, do, k_seq, v_seq, stride_kt, stride_vt, offs_m, 0, nf, seq_len, prefix, alpha,
+                  DQK, DV, BLOCK_N, False, SILU, PREC)
+    dq = _dq_span(dq, q, do, k_seq, v_seq, stride_kt, stride_vt, offs_m, nf, e1, seq_len, prefix, alpha,
+                  DQK, DV, BLOCK_N, True, SILU, PREC)
+    dq = _dq_span(dq, q, do, k_seq, v_seq, stride_kt, stride_vt, offs_m, s2, hi, seq_len, prefix, alpha,
+                  DQK, DV, BLOCK_N, True, SILU, PREC)
+    dq_ptrs = DQ + start * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt + tl.arange(0, DQK)[None, :]
+    tl.store(dq_ptrs, (dq * (alpha * inv_n)).to(DQ.dtype.element_ty), mask=in_seq)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs. Few configs: cold start compiles each.
+FWD_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 4)]
+DKDV_CONFIGS = [(64, 128, 8, 3), (64, 128, 8, 4), (64, 128, 8, 2)]
+DQ_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 2)]
+# fp32 is the accuracy path, not the speed path: one small config that fits any GPU's shared memory.
+FP32_CONFIG = (32, 32, 4, 2)
+TUNE_KEY = ["N_BUCKET", "DQK", "DV", "HAS_TARGETS", "SILU"]
+
+
+@functools.lru_cache(maxsize=None)
+def _max_shared_mem(device_index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def _footprint(kind: str, bm: int, bn: int, stages: int, dqk: int, dv: int, atomic: bool) -> tuple[int, int]:
+    """Rough (shared-memory elements, fp32 accumulator + score elements held in registers) of a
+    config, used only to skip configs that cannot fit before compiling them."""
+    if kind == "fwd":
+        return stages * bn * (dqk + dv) + bm * dqk, bm * dv + bm * bn
+    if kind == "dkdv":
+        return stages * bm * (dqk + dv) + bn * (dqk + dv) + 2 * bm * bn, \
+            bn * (dqk + dv) + 2 * bm * bn + (bm * dqk if atomic else 0)
+    return stages * bn * (dqk + dv) + bm * (dqk + dv), bm * dqk + 2 * bm * bn
+
+
+def _config(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+
+def _pruner(kind: str):
+    def prune(configs, named_args, **meta):
+        q = named_args["Q"]
+        if q.element_size() == 4:
+            return [_config(*FP32_CONFIG)]
+        smem_limit = _max_shared_mem(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        fits, cost = [], {}
+        for c in configs:
+            smem, regs = _footprint(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, meta["DQK"],
+                                    meta["DV"], meta.get("ATOMIC_DQ", False))
+            cost[c] = smem
+            if smem * q.element_size() <= smem_limit and regs <= 256 * 32 * c.num_warps:
+                fits.append(c)
+        return fits or [min(configs, key=cost.get)]
+    return prune
+
+
+def _tuned(kernel, kind: str, configs, extra_key=(), reset=None):
+    return triton.autotune(
+        configs=[_config(*c) for c in configs],
+        key=TUNE_KEY + list(extra_key), prune_configs_by={"early_config_prune": _pruner(kind)},
+        reset_to_zero=reset)(kernel)
+
+
+_fwd_tuned = _tuned(_fwd_kernel, "fwd", FWD_CONFIGS)
+_dkdv_tuned = _tuned(_dkdv_kernel, "dkdv", DKDV_CONFIGS, extra_key=("ATOMIC_DQ",), reset=["DQ"])
+_dq_tuned = _tuned(_dq_kernel, "dq", DQ_CONFIGS)
+
+
+def _launch(kind: str, tuned, plain, rows: int, bh: int, args: tuple, consts: dict) -> None:
+    """Autotuned launch on a GPU; fixed small tiles under the interpreter (its timings mean nothing)."""
+    tile = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
+    if interpreting():
+        bm, bn = INTERPRET_BLOCKS[kind]
+        grid = (triton.cdiv(rows, bn if kind == "dkdv" else bm), bh)
+        plain[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn)
+    else:
+        tuned[lambda meta: (triton.cdiv(rows, meta[tile]), bh)](*args, **consts)
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    # Output buffers; the tests swap this for a NaN-filled allocation to catch unwritten elements.
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    # Kernels take row and head strides; the feature dim must be dense (it is for slices of a projection).
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _silu_form(q: torch.Tensor, silu: str | None, kind: str) -> str:
+    """Which SiLU a kernel evaluates (see ``_weights``). Measured on an H200 (notes_attention.md):
+    packed bf16 pays in the dK/dV kernel (fewer FMA-pipe instructions, no spills); the forward and
+    dQ kernels are as fast or faster with fp32 tanh.approx (packed, dQ needs 255 registers and
+    spills). fp32 inputs, ROCm and the interpreter take the portable x * sigmoid(x)."""
+    nvidia = q.is_cuda and torch.version.hip is None and not interpreting()
+    packed = nvidia and q.dtype == torch.bfloat16 and _capability(q.device.index or 0) >= (9, 0)
+    if silu is None:
+        if not nvidia or q.dtype == torch.float32:
+            return "sigmoid"
+        return "bf16x2" if packed and kind == "dkdv" else "tanh"
+    if silu not in SILU_FORMS or (silu == "bf16x2" and not packed) or (silu == "tanh" and not nvidia):
+        raise ValueError(f"silu={silu!r} is not available for {q.dtype} on {q.device}")
+    return silu
+
+
+def _common(q: torch.Tensor, v: torch.Tensor, num_targets, silu: str | None, kind: str) -> dict:
+    # fp32: three TF32 products on NVIDIA tensor cores (fp32-level error); plain FMA elsewhere.
+    nvidia = q.is_cuda and torch.version.hip is None and not interpreting()
+    prec = "tf32" if q.dtype != torch.float32 else ("tf32x3" if nvidia else "ieee")
+    return {"DQK": q.shape[2], "DV": v.shape[2], "HAS_TARGETS": num_targets is not None,
+            "SILU": _silu_form(q, silu, kind), "PREC": prec}
+
+
+def _empty_batch(q: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int) -> bool:
+    return q.shape[0] == 0 or seq_offsets.numel() < 2 or max_seq_len <= 0
+
+
+def attention_fwd(q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: float, *,
+                  silu: str | None = None) -> torch.Tensor:
+    """out [T, H, Dv] in q's dtype."""
+    q, k, v = (_unit_stride(t) for t in (q, k, v))
+    total, heads, _ = q.shape
+    out = _empty((total, heads, v.shape[2]), dtype=q.dtype, device=q.device)
+    if _empty_batch(q, seq_offsets, max_seq_len):
+        return out.zero_()
+    bh = (seq_offsets.numel() - 1) * heads
+    targets = num_targets if num_targets is not None else seq_offsets
+    args = (q, k, v, out, seq_offsets, targets, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), out.stride(0), out.stride(1), heads, float(alpha), 1.0 / max_seq_len,
+            triton.next_power_of_2(max_seq_len))
+    _launch("fwd", _fwd_tuned, _fwd_kernel, max_seq_len, bh, args, _common(q, v, num_targets, silu, "fwd"))
+    return out
+
+
+def attention_bwd(do, q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: float, *,
+                  dq_mode: str | None = None, silu: str | None = None):
+    """(dq, dk, dv), each in its input's dtype and shape."""
+    dq_mode = dq_mode or DQ_MODE
+    if dq_mode not in DQ_MODES:
+        raise ValueError(f"dq_mode={dq_mode!r} is not one of {', '.join(DQ_MODES)}")
+    do, q, k, v = (_unit_stride(t) for t in (do, q, k, v))
+    dk = _empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = _empty(v.shape, dtype=v.dtype, device=v.device)
+    atomic = dq_mode == "atomic"
+    if _empty_batch(q, seq_offsets, max_seq_len):
+        return torch.zeros_like(q), dk.zero_(), dv.zero_()
+    if atomic:
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    else:
+        dq = _empty(q.shape, dtype=q.dtype, device=q.device)
+    heads = q.shape[1]
+    bh = (seq_offsets.numel() - 1) * heads
+    targets = num_targets if num_targets is not None else seq_offsets
+    scalars = (heads, float(alpha), 1.0 / max_seq_len, triton.next_power_of_2(max_seq_len))
+    args = (q, k, v, do, dq, dk, dv, seq_offsets, targets, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), dk.stride(0),
+            dk.stride(1), dv.stride(0), dv.stride(1)) + scalars
+    _launch("dkdv", _dkdv_tuned, _dkdv_kernel, max_seq_len, bh, args,
+            {**_common(q, v, num_targets, silu, "dkdv"), "ATOMIC_DQ": atomic})
+    if atomic:
+        return dq.to(q.dtype), dk, dv
+    args = (q, k, v, do, dq, seq_offsets, targets, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1)) + scalars
+    _launch("dq", _dq_tuned, _dq_kernel, max_seq_len, bh, args, _common(q, v, num_targets, silu, "dq"))
+    return dq, dk, dv

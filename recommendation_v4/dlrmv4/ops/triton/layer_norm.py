@@ -1,0 +1,169 @@
+"""Triton LayerNorm / SwishLayerNorm over the last dim: one row block per program forward, a
+persistent grid backward that keeps the weight/bias gradient partials in registers.
+
+Statistics are fp32 and saved (8 bytes a row), so the backward re-reads only x and dy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_WIDTH = 16384  # one row lives in registers; wider rows would spill
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def persistent_programs(device: torch.device, n_blocks: int, per_sm: int) -> int:
+    """Programs for a grid-stride backward: ``per_sm`` per multiprocessor fills the chip while
+    the per-program weight-gradient partials stay small."""
+    if device.type != "cuda":
+        return max(1, min(n_blocks, 4))  # the interpreter: few programs run faster
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, min(n_blocks, per_sm * _sm_count(index)))
+
+
+def row_tile(width: int, tile: int, per_thread: int) -> tuple[int, int, int]:
+    """(rows per program, padded width, warps) for a block of about ``tile`` elements held in
+    registers, ``per_thread`` elements of each live tensor per thread (backward kernels keep more
+    tensors live, so they take smaller tiles to stay clear of register spills)."""
+    if width > MAX_WIDTH:
+        raise ValueError(f"row width {width} is over the Triton kernels' limit of {MAX_WIDTH}; "
+                         "use kernels='pytorch'")
+    block_d = triton.next_power_of_2(max(width, 16))
+    block_m = max(1, min(16, tile // block_d))
+    return block_m, block_d, max(1, min(16, block_m * block_d // (32 * per_thread)))
+
+
+def rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, D] with unit column stride; 2-D inputs keep their row stride (no copy)."""
+    if x.dim() == 2 and x.stride(1) == 1:
+        return x
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+@triton.jit
+def _fwd_kernel(X, W, B, Y, Mean, Rstd, N, D, stride_x, stride_y, eps,
+                HAS_W: tl.constexpr, HAS_B: tl.constexpr, SWISH: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < N
+    cmask = cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / D
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / D + eps)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if SWISH:
+        y = x * tl.sigmoid(y)
+    tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Mean + rows, mean, mask=rmask)
+    tl.store(Rstd + rows, rstd, mask=rmask)
+
+
+@triton.jit
+def _bwd_kernel(X, W, B, DY, DX, DWp, DBp, Mean, Rstd, N, D, stride_x, stride_dy, stride_dx, n_iters, n_progs,
+                HAS_W: tl.constexpr, HAS_B: tl.constexpr, SWISH: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) if HAS_W else tl.full([BLOCK_D], 1.0, tl.float32)
+    b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32) if HAS_B else tl.zeros([BLOCK_D], tl.float32)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Grid-stride over row blocks; a block past the end is fully masked. A while loop, because
+    # the interpreter (numpy 2) cannot take range() over a run-time scalar argument.
+    it = 0
+    while it < n_iters:
+        rows = (pid + it * n_progs) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < N
+        mask = rmask[:, None] & cmask[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(Mean + rows, mask=rmask, other=0.0)
+        rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if SWISH:
+            # y = x·s(z), z = LN(x): dL/dz = g·x·s·(1−s), plus the direct term g·s.
+            s = tl.sigmoid(xhat * w[None, :] + b[None, :])
+            dz = g * x * s * (1.0 - s)
+        else:
+            dz = g
+        dxhat = dz * w[None, :]
+        c1 = tl.sum(dxhat * xhat, axis=1) / D
+        c2 = tl.sum(dxhat, axis=1) / D
+        dx = (dxhat - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        if SWISH:
+            dx = dx + g * s
+        tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        dw_acc += dz * xhat
+        db_acc += dz
+        it += 1
+    if HAS_W:
+        tl.store(DWp + pid * D + cols, tl.sum(dw_acc, axis=0), mask=cmask)
+    if HAS_B:
+        tl.store(DBp + pid * D + cols, tl.sum(db_acc, axis=0), mask=cmask)
+
+
+# Launch shapes (elements per program, per thread[, programs per SM]): the fastest of
+# benchmarks/bench_ops.py --sweep on an H200 at [91k, 512] bf16 (results/ops.md).
+FWD_TILE, BWD_TILE = (4096, 16), (1024, 4, 8)
+
+
+def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+            swish: bool, tile: tuple[int, int] = FWD_TILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [N, D] contiguous in x's dtype, mean [N] fp32, rstd [N] fp32)."""
+    n, d = x2d.shape
+    y = torch.empty((n, d), device=x2d.device, dtype=x2d.dtype)
+    mean = torch.empty(n, device=x2d.device, dtype=torch.float32)
+    rstd = torch.empty(n, device=x2d.device, dtype=torch.float32)
+    if n == 0:
+        return y, mean, rstd
+    block_m, block_d, warps = row_tile(d, *tile)
+    _fwd_kernel[(triton.cdiv(n, block_m),)](
+        x2d, weight, bias, y, mean, rstd, n, d, x2d.stride(0), y.stride(0), eps,
+        HAS_W=weight is not None, HAS_B=bias is not None, SWISH=swish,
+        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+    return y, mean, rstd
+
+
+def backward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, dy: torch.Tensor,
+             mean: torch.Tensor, rstd: torch.Tensor,
+             swish: bool, tile: tuple[int, int, int] = BWD_TILE
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dx [N, D], dweight or None, dbias or None); weight/bias grads are summed in fp32."""
+    n, d = x2d.shape
+    dx = torch.empty((n, d), device=x2d.device, dtype=x2d.dtype)
+    block_m, block_d, warps = row_tile(d, tile[0], tile[1])
+    n_blocks = triton.cdiv(n, block_m)
+    progs = persistent_programs(x2d.device, n_blocks, tile[2])
+    # Every program stores its whole partial row, so the partials need a zero fill only when
+    # there are no rows (and no launch).
+    alloc = torch.empty if n > 0 else torch.zeros
+    dw_part = alloc((progs, d), device=x2d.device, dtype=torch.float32) if weight is not None else None
+    db_part = alloc((progs, d), device=x2d.device, dtype=torch.float32) if bias is not None else None
+    if n > 0:
+        _bwd_kernel[(progs,)](
+            x2d, weight, bias, dy, dx, dw_part, db_part, mean, rstd, n, d,
+            x2d.stride(0), dy.stride(0), dx.stride(0), triton.cdiv(n_blocks, progs), progs,
+            HAS_W=weight is not None, HAS_B=bias is not None, SWISH=swish,
+            BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
+    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    return dx, dw, db

@@ -1,0 +1,119 @@
+"""Triton position/time encoding: out = x·scale + P[pos] + T[bucket], one row block per program.
+
+Each row finds its sequence by a branch-free binary search over seq_offsets (log2 B steps over
+a tiny array in L1), so no per-token index tensors are built. Time buckets are computed in
+float64, as in the reference, so both give the same bucket for any time difference. The
+backward adds the gradient into the two fp32 tables with atomics (a position row is shared by
+at most B tokens; a time bucket by many, hence the per-block pre-sum there).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds_bits):
+    """(position row, time-bucket row) of each token, int64."""
+    lo = tl.zeros_like(rows)
+    hi = lo + (B - 1)
+    step = 0  # a while loop: the interpreter cannot take range() over a run-time argument
+    while step < n_search:
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(SOFF + mid) <= rows
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+        step += 1
+    start = tl.load(SOFF + lo)
+    n = tl.load(SOFF + lo + 1) - start
+    p = rows - start
+    # Contextual slot i -> i; history counts backwards from its end (newest C+1); candidate -> C.
+    pos = tl.minimum(tl.where(p < C, p, C + n - 1 - p), P - 1)
+    dt = (tl.load(QT + lo) - tl.load(TS + rows, mask=rmask, other=0)).to(tl.float64)
+    # The bucket width comes in as float64 bits: a Python float argument would be rounded to fp32.
+    seconds = bucket_seconds_bits.to(tl.float64, bitcast=True)
+    bucket = tl.minimum(tl.sqrt(tl.maximum(dt, 1e-6) / seconds), NT - 1).to(tl.int64)
+    return pos.to(tl.int64), bucket
+
+
+@triton.jit
+def _fwd_kernel(X, SOFF, TS, QT, PT, TT, OUT, N, B, C, P, NT, n_search, bucket_seconds_bits, x_scale,
+                s_x, s_pt, s_tt, s_out, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < N
+    pos, bucket = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds_bits)
+    r64 = rows.to(tl.int64)[:, None]
+    for d0 in range(0, D, BLOCK_D):
+        cols = (d0 + tl.arange(0, BLOCK_D))[None, :]
+        mask = rmask[:, None] & (cols < D)
+        x = tl.load(X + r64 * s_x + cols, mask=mask, other=0.0).to(tl.float32)
+        pt = tl.load(PT + pos[:, None] * s_pt + cols, mask=mask, other=0.0).to(tl.float32)
+        tt = tl.load(TT + bucket[:, None] * s_tt + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + r64 * s_out + cols, (x * x_scale + pt + tt).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_kernel(G, SOFF, TS, QT, DX, DPT, DTT, N, B, C, P, NT, n_search, bucket_seconds_bits, x_scale,
+                s_g, s_dx, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < N
+    pos, bucket = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds_bits)
+    r64 = rows.to(tl.int64)[:, None]
+    # Timestamps are sorted within a sequence, so neighbouring tokens often share a time bucket:
+    # such a block adds its row sum with one atomic per column instead of one per row.
+    first = tl.min(tl.where(rmask, bucket, NT))
+    one_bucket = first == tl.max(tl.where(rmask, bucket, -1))
+    for d0 in range(0, D, BLOCK_D):
+        cols = (d0 + tl.arange(0, BLOCK_D))[None, :]
+        mask = rmask[:, None] & (cols < D)
+        g = tl.load(G + r64 * s_g + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + r64 * s_dx + cols, (g * x_scale).to(DX.dtype.element_ty), mask=mask)
+        tl.atomic_add(DPT + pos[:, None] * D + cols, g, mask=mask, sem="relaxed")
+        if one_bucket:
+            tl.atomic_add(DTT + first * D + cols, tl.sum(g, axis=0)[None, :], mask=cols < D, sem="relaxed")
+        else:
+            tl.atomic_add(DTT + bucket[:, None] * D + cols, g, mask=mask, sem="relaxed")
+
+
+def _common(seq_offsets: torch.Tensor, d: int, time_bucket_seconds: float) -> tuple:
+    b = seq_offsets.numel() - 1
+    bits = struct.unpack("<q", struct.pack("<d", float(time_bucket_seconds)))[0]
+    block_d = min(triton.next_power_of_2(max(d, 16)), 1024)
+    return b, (b - 1).bit_length(), bits, max(1, 4096 // block_d), block_d
+
+
+def forward(x: torch.Tensor, seq_offsets: torch.Tensor, timestamps: torch.Tensor, query_time: torch.Tensor,
+            num_contextual: int, pos_table: torch.Tensor, time_table: torch.Tensor, x_scale: float,
+            time_bucket_seconds: float) -> torch.Tensor:
+    """x [T', D] with unit column stride; tables [rows, D] with unit column stride."""
+    n, d = x.shape
+    out = torch.empty((n, d), device=x.device, dtype=x.dtype)
+    b, n_search, bits, block_m, block_d = _common(seq_offsets, d, time_bucket_seconds)
+    if n > 0:
+        _fwd_kernel[(triton.cdiv(n, block_m),)](
+            x, seq_offsets, timestamps, query_time, pos_table, time_table, out, n, b, num_contextual,
+            pos_table.shape[0], time_table.shape[0], n_search, bits, x_scale,
+            x.stride(0), pos_table.stride(0), time_table.stride(0), out.stride(0),
+            D=d, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def backward(grad: torch.Tensor, seq_offsets: torch.Tensor, timestamps: torch.Tensor, query_time: torch.Tensor,
+             num_contextual: int, num_positions: int, num_buckets: int, x_scale: float,
+             time_bucket_seconds: float, x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx in x's dtype, dpos_table fp32, dtime_table fp32)."""
+    n, d = grad.shape
+    dx = torch.empty((n, d), device=grad.device, dtype=x_dtype)
+    dpt = torch.zeros((num_positions, d), device=grad.device, dtype=torch.float32)
+    dtt = torch.zeros((num_buckets, d), device=grad.device, dtype=torch.float32)
+    b, n_search, bits, block_m, block_d = _common(seq_offsets, d, time_bucket_seconds)
+    if n > 0:
+        _bwd_kernel[(triton.cdiv(n, block_m),)](
+            grad, seq_offsets, timestamps, query_time, dx, dpt, dtt, n, b, num_contextual, num_positions,
+            num_buckets, n_search, bits, x_scale, grad.stride(0), dx.stride(0),
+            D=d, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+    return dx, dpt, dtt

@@ -1,0 +1,166 @@
+"""The non-attention ops at the model's shape on the GPU (bf16, fp16, fp32), compiled Triton
+against the float64 reference; skipped as a whole without CUDA (see conftest.py).
+
+Shape: 32 sequences of 8 contextual + up to 4,087 history + 1 candidate tokens (lengths 0, 1, odd
+and max among them), D = H·d_v = 512.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dlrmv4.ops.jagged import concat_sequence_timestamps, concat_sequences, take_last
+from dlrmv4.ops.layer_norm import layer_norm, swish_layer_norm
+from dlrmv4.ops.output_block import output_block, output_block_keep_mask
+from dlrmv4.ops.position import position_time_encode
+from test_ops_layer_norm import assert_close, gen, leaf64, poison, randn  # noqa: F401  (fixtures)
+
+CUDA = "cuda"
+B, C, D, MAX_HISTORY = 32, 8, 512, 4087
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def history_lengths(gen: torch.Generator) -> list[int]:
+    lengths = torch.randint(1500, MAX_HISTORY, (B,), generator=gen).tolist()
+    lengths[:4] = [0, 1, MAX_HISTORY, 2 * (lengths[4] // 2) + 1]
+    return lengths
+
+
+def offsets_of(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(CUDA)
+
+
+def model_batch(gen: torch.Generator):
+    """(seq_offsets, timestamps, query_time) of a batch laid out by concat_sequences."""
+    lengths = history_lengths(gen)
+    hist_offsets = offsets_of(lengths)
+    query = torch.randint(1_600_000_000, 1_700_000_000, (B,), generator=gen).to(CUDA)
+    # Half up to two years back (buckets up to sqrt(6.3e7 / 60) ≈ 1,025), half within a second of
+    # a bucket edge 60·k² (k up to 2,100: past the last bucket too).
+    dt = torch.randint(-10, 2 * 31_536_000, (sum(lengths),), generator=gen)
+    k = torch.randint(0, 2100, dt.shape, generator=gen)
+    edge = 60 * k * k + torch.randint(-1, 2, dt.shape, generator=gen)
+    dt = torch.where(torch.rand(dt.shape, generator=gen) < 0.5, dt, edge)
+    hist_query = query.cpu().repeat_interleave(torch.tensor(lengths))
+    ts = concat_sequence_timestamps((hist_query - dt).to(CUDA), hist_offsets, query, C)
+    seq_offsets = hist_offsets + torch.arange(B + 1, device=CUDA) * (C + 1)
+    return seq_offsets, ts, query
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fn,width", [(layer_norm, 512), (swish_layer_norm, 256), (swish_layer_norm, 512)])
+def test_layer_norm(fn, width, dtype, gen, poison):
+    x = randn((B * 2850, width), gen, dtype, CUDA, scale=2.0, shift=0.5).requires_grad_()
+    w = randn(width, gen, device=CUDA, shift=1.0).requires_grad_()
+    b = randn(width, gen, device=CUDA).requires_grad_()
+    y = fn(x, w, b, 1e-6, kernels="triton")
+    dy = randn(y.shape, gen, dtype, CUDA)
+    y.backward(dy)
+    x64, w64, b64 = leaf64(x), leaf64(w), leaf64(b)
+    ref = fn(x64, w64, b64, 1e-6, kernels="pytorch")
+    ref.backward(dy.double())
+    assert_close(y, ref, dtype, "y")
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    assert_close(w.grad, w64.grad, dtype, "dweight")
+    assert_close(b.grad, b64.grad, dtype, "dbias")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_output_block(dtype, gen, poison):
+    t, hd, p, seed = B * 2850, 512, 0.1, int(torch.randint(2**31, (1,), generator=gen))
+    uvqk = randn((t, 4 * hd), gen, dtype, CUDA).requires_grad_()  # u is a column slice of it
+    u = uvqk[:, :hd]
+    attn = randn((t, hd), gen, dtype, CUDA, scale=3.0).requires_grad_()
+    w = randn(hd, gen, device=CUDA, shift=1.0).requires_grad_()
+    b = randn(hd, gen, device=CUDA).requires_grad_()
+    y = output_block(u, attn, w, b, 1e-6, p, seed, True, kernels="triton")
+    assert torch.equal(y, output_block(u, attn, w, b, 1e-6, p, seed, True, kernels="triton"))
+    dy = randn(y.shape, gen, dtype, CUDA)
+    y.backward(dy)
+    mask = output_block_keep_mask(t, hd, p, seed, CUDA)
+    assert abs(mask.float().mean().item() - (1 - p)) < 1e-3
+    assert torch.equal(y != 0, mask & (y != 0))
+    u64, a64, w64, b64 = leaf64(u), leaf64(attn), leaf64(w), leaf64(b)
+    ref = output_block(u64, a64, w64, b64, 1e-6, p, seed, True, kernels="pytorch", keep_mask=mask)
+    ref.backward(dy.double())
+    assert_close(y, ref, dtype, "y")
+    assert_close(uvqk.grad[:, :hd], u64.grad, dtype, "du")
+    assert not uvqk.grad[:, hd:].any()
+    assert_close(attn.grad, a64.grad, dtype, "dattn")
+    assert_close(w.grad, w64.grad, dtype, "dweight")
+    assert_close(b.grad, b64.grad, dtype, "dbias")
+    other = output_block_keep_mask(t, hd, p, seed + 1, CUDA)
+    assert (other != mask).float().mean().item() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_concat_and_take_last(dtype, gen, poison):
+    lengths = history_lengths(gen)
+    hist_offsets = offsets_of(lengths)
+    ctx = randn((B, C, D), gen, dtype, CUDA).requires_grad_()
+    hist = randn((sum(lengths), D), gen, dtype, CUDA).requires_grad_()
+    cand = randn((B, D), gen, dtype, CUDA).requires_grad_()
+    values, seq_offsets = concat_sequences(ctx, hist, hist_offsets, cand, MAX_HISTORY, kernels="triton")
+    ref, ref_offsets = concat_sequences(ctx, hist, hist_offsets, cand, MAX_HISTORY, kernels="pytorch")
+    assert torch.equal(values, ref) and torch.equal(seq_offsets, ref_offsets)
+    last = take_last(values, seq_offsets, kernels="triton")
+    assert torch.equal(last, cand)
+    g_values, g_last = randn(values.shape, gen, dtype, CUDA), randn(last.shape, gen, dtype, CUDA)
+    got = torch.autograd.grad((values, last), (ctx, hist, cand), (g_values, g_last))
+    ref_last = take_last(ref, ref_offsets, kernels="pytorch")
+    want = torch.autograd.grad((ref, ref_last), (ctx, hist, cand), (g_values, g_last))
+    for name, a, e in zip(("dcontextual", "dhistory", "dcandidate"), got, want):
+        assert torch.equal(a, e), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_position_time_encode(dtype, gen, poison):
+    seq_offsets, ts, query = model_batch(gen)
+    n = ts.numel()
+    x = randn((n, D), gen, dtype, CUDA).requires_grad_()
+    pos_table = randn((8192, D), gen, device=CUDA, scale=10.0).requires_grad_()
+    time_table = randn((2048, D), gen, device=CUDA, scale=10.0).requires_grad_()
+    out = position_time_encode(x, seq_offsets, ts, query, C, pos_table, time_table, math.sqrt(D), kernels="triton")
+    g = randn(out.shape, gen, dtype, CUDA)
+    out.backward(g)
+    x64, p64, t64 = leaf64(x), leaf64(pos_table), leaf64(time_table)
+    ref = position_time_encode(x64, seq_offsets, ts, query, C, p64, t64, math.sqrt(D), kernels="pytorch")
+    ref.backward(g.double())
+    # Elementwise: one token with a wrong table row fails. Tolerances: one rounding in dtype.
+    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
+    torch.testing.assert_close(out.double(), ref.detach(), atol=tol * 40, rtol=tol)
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(pos_table.grad.double(), p64.grad, atol=1e-3, rtol=1e-5)
+    torch.testing.assert_close(time_table.grad.double(), t64.grad, atol=1e-3, rtol=1e-5)
+
+
+def test_no_host_sync(gen):
+    """Forward and backward of every op launch kernels only: no device-to-host wait."""
+    seq_offsets, ts, query = model_batch(gen)
+    lengths = (seq_offsets.diff() - C - 1).tolist()
+    hist_offsets = offsets_of(lengths)
+    dt = torch.bfloat16
+    ctx, cand = randn((B, C, D), gen, dt, CUDA), randn((B, D), gen, dt, CUDA)
+    hist = randn((sum(lengths), D), gen, dt, CUDA)
+    w, b = randn(D, gen, device=CUDA), randn(D, gen, device=CUDA)
+    tables = randn((8192, D), gen, device=CUDA), randn((2048, D), gen, device=CUDA)
+    leaves = [t.requires_grad_() for t in (ctx, cand, hist, w, b, *tables)]
+
+    def step():
+        x, offs = concat_sequences(ctx, hist, hist_offsets, cand, MAX_HISTORY, kernels="triton")
+        x = position_time_encode(x, offs, ts, query, C, *tables, math.sqrt(D), kernels="triton")
+        n = swish_layer_norm(layer_norm(x, w, b, 1e-6, kernels="triton"), w, b, 1e-6, kernels="triton")
+        y = output_block(n, x, w, b, 1e-6, 0.1, 7, True, kernels="triton")
+        loss = take_last(y, offs, kernels="triton").float().sum()
+        torch.autograd.grad(loss, leaves)
+
+    step()  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,39 @@
+"""Random model inputs: a jagged batch with chosen history lengths and random embeddings."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dlrmv4.data.batch import JaggedBatch, TorchJaggedBatch
+from dlrmv4.data.hashing import NUM_CONTEXTUAL
+from dlrmv4.model.embeddings import SequenceEmbeddings
+
+
+def random_batch(lengths, seed: int) -> TorchJaggedBatch:
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths, np.int32)
+    b, t = len(lengths), int(lengths.sum())
+    offsets = np.zeros(b + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    ts = np.concatenate([np.sort(rng.integers(0, 10**7, n)) for n in lengths]).astype(np.int64) if t else np.zeros(0, np.int64)
+    query = np.array([ts[offsets[i + 1] - 1] if lengths[i] else rng.integers(0, 10**7) for i in range(b)], np.int64)
+    batch = JaggedBatch(
+        history_lengths=lengths, history_offsets=offsets,
+        history_item_id=rng.integers(0, 100, t), history_artist_id=rng.integers(0, 100, t),
+        history_album_id=rng.integers(0, 100, t), history_action=rng.choice([1, 2, 4], t).astype(np.int64),
+        history_timestamp=ts, contextual_ids=rng.integers(0, 100, (b, NUM_CONTEXTUAL)),
+        candidate_item_id=rng.integers(0, 100, b), candidate_artist_id=rng.integers(0, 100, b),
+        candidate_album_id=rng.integers(0, 100, b), candidate_timestamp=query + rng.integers(0, 600, b),
+        query_time=query, label=rng.integers(0, 2, b).astype(np.float32), anchor_index=np.arange(b, dtype=np.int64))
+    batch.validate()
+    return batch.to_torch()
+
+
+def random_embeddings(batch: TorchJaggedBatch, dim: int, seed: int, dtype=torch.float32) -> SequenceEmbeddings:
+    g = torch.Generator().manual_seed(seed)
+    t, b = batch.total_tokens, batch.num_samples
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()  # noqa: E731
+    return SequenceEmbeddings(history_item=r(t, dim), history_artist=r(t, dim), history_album=r(t, dim),
+                              candidate_item=r(b, dim), candidate_artist=r(b, dim), candidate_album=r(b, dim),
+                              contextual=r(b, NUM_CONTEXTUAL, dim))

@@ -1,0 +1,109 @@
+"""Jagged sequence assembly: Triton kernels (interpreted) and the reference against a loop of
+torch.cat written straight from the layout [C contextual, L history, 1 candidate] per user."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dlrmv4.ops.jagged import concat_sequence_timestamps, concat_sequences, take_last
+from test_ops_layer_norm import gen, poison, randn  # noqa: F401  (fixtures)
+
+
+def offsets_of(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+
+
+def random_lengths(b: int, max_len: int, gen: torch.Generator) -> list[int]:
+    """Lengths 0, 1, max and odd ones, in random order (the first b of them)."""
+    fixed = [0, 1, max_len, max_len | 1 if max_len > 2 else 1]
+    rest = torch.randint(0, max_len + 1, (max(0, b - len(fixed)),), generator=gen).tolist()
+    lengths = fixed + rest
+    return [lengths[i] for i in torch.randperm(len(lengths), generator=gen)[:b].tolist()]
+
+
+def loop_concat(ctx, hist, offsets, cand):
+    parts = []
+    for b in range(cand.shape[0]):
+        parts += [ctx[b], hist[offsets[b]:offsets[b + 1]], cand[b:b + 1]]
+    return torch.cat(parts)
+
+
+def inputs(b, c, d, lengths, dtype, gen, contiguous=True):
+    offsets = offsets_of(lengths)
+    t = int(offsets[-1])
+    if contiguous:
+        ctx, hist, cand = randn((b, c, d), gen, dtype), randn((t, d), gen, dtype), randn((b, d), gen, dtype)
+    else:  # a permuted contextual block, history and candidate as column slices
+        ctx = randn((c, b, d), gen, dtype).transpose(0, 1)
+        hist = randn((t, d + 5), gen, dtype)[:, 3:3 + d]
+        cand = randn((b, 2 * d), gen, dtype)[:, d:]
+    return ctx.requires_grad_(), hist.requires_grad_(), cand.requires_grad_(), offsets
+
+
+def grads(tensors):
+    out = [t.grad for t in tensors]
+    for t in tensors:
+        t.grad = None
+    return out
+
+
+@pytest.mark.parametrize("kernels", ["triton", "pytorch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,c,d,max_len", [(1, 8, 16, 5), (4, 3, 24, 9), (7, 0, 8, 33), (6, 2, 40, 1)])
+def test_concat_matches_loop(kernels, dtype, b, c, d, max_len, gen, poison):
+    lengths = random_lengths(b, max_len, gen)
+    for contiguous in (True, False):
+        ctx, hist, cand, offsets = inputs(b, c, d, lengths, dtype, gen, contiguous)
+        values, seq_offsets = concat_sequences(ctx, hist, offsets, cand, max(lengths), kernels=kernels)
+        expect = loop_concat(ctx, hist, offsets, cand)
+        assert torch.equal(values, expect)  # a copy: bit-exact
+        assert seq_offsets.dtype == torch.int64
+        assert torch.equal(seq_offsets, offsets_of([n + c + 1 for n in lengths]))
+        g = randn(values.shape, gen, dtype)
+        values.backward(g)
+        got = grads((ctx, hist, cand))
+        expect.backward(g)
+        for name, a, e in zip(("dcontextual", "dhistory", "dcandidate"), got, grads((ctx, hist, cand))):
+            assert torch.equal(a, e), name
+
+
+def test_concat_with_a_loose_max_history_len(gen, poison):
+    ctx, hist, cand, offsets = inputs(3, 2, 16, [4, 0, 6], torch.float32, gen)
+    values, _ = concat_sequences(ctx, hist, offsets, cand, 50, kernels="triton")
+    assert torch.equal(values, loop_concat(ctx, hist, offsets, cand))
+
+
+@pytest.mark.parametrize("kernels", ["triton", "pytorch"])
+@pytest.mark.parametrize("b,d", [(1, 8), (5, 24), (70, 16)])
+def test_take_last(kernels, b, d, gen, poison):
+    lengths = torch.randint(1, 7, (b,), generator=gen).tolist()
+    offsets = offsets_of(lengths)
+    values = randn((int(offsets[-1]), d + 3), gen)[:, :d].requires_grad_()
+    last = take_last(values, offsets, kernels=kernels)
+    assert torch.equal(last, values[offsets[1:] - 1])
+    g = randn(last.shape, gen)
+    last.backward(g)
+    expect = torch.zeros(values.shape)
+    expect[offsets[1:] - 1] = g
+    assert torch.equal(values.grad, expect)
+
+
+@pytest.mark.parametrize("c", [0, 1, 8])
+def test_timestamps_follow_the_concat_layout(c, gen):
+    lengths = random_lengths(5, 6, gen)
+    offsets = offsets_of(lengths)
+    hist = torch.randint(0, 10**9, (int(offsets[-1]),), generator=gen)
+    query = torch.randint(10**9, 2 * 10**9, (5,), generator=gen)
+    out = concat_sequence_timestamps(hist, offsets, query, c)
+    expect = torch.cat([torch.cat([query[b].repeat(c), hist[offsets[b]:offsets[b + 1]], query[b:b + 1]])
+                        for b in range(5)])
+    assert out.dtype == torch.int64 and torch.equal(out, expect)
+
+
+def test_bad_inputs_are_reported(gen):
+    ctx, hist, cand, offsets = inputs(2, 1, 8, [1, 2], torch.float32, gen)
+    with pytest.raises(ValueError, match="int64"):
+        concat_sequences(ctx, hist, offsets.int(), cand, 2)
+    with pytest.raises(ValueError, match="candidate"):
+        concat_sequences(ctx, hist, offsets, cand[:1], 2)

@@ -1,0 +1,130 @@
+"""LayerNorm / SwishLayerNorm: the Triton kernels (interpreted on the CPU) against the PyTorch
+reference in float64, on fresh random inputs with poisoned outputs.
+
+The helpers at the top (fresh generator, poisoned allocations, relative error, tolerances) are
+shared by the other op tests, which import them from here.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+import torch
+
+from dlrmv4.ops.layer_norm import layer_norm, swish_layer_norm
+
+# ‖out − ref‖ / ‖ref‖ against a float64 reference: fp32 arithmetic lands near 1e-7.
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A CPU generator with a fresh seed each run; the seed is printed for reruns of a failure."""
+    seed = secrets.randbits(31)
+    print(f"generator seed {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every torch.empty / empty_like during the test comes back filled with NaN (floats) or a
+    sentinel (ints), so an output element that a kernel fails to write shows up."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        return t.fill_(True if t.dtype == torch.bool else 123)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k)))
+
+
+def randn(shape, gen: torch.Generator, dtype=torch.float32, device="cpu", scale: float = 1.0,
+          shift: float = 0.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen) * scale + shift).to(device=device, dtype=dtype)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN anywhere makes it NaN, which fails every `<` check."""
+    out, ref = out.detach().double(), ref.detach().double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def leaf64(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().double().requires_grad_()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(out).all(), f"{what}: non-finite values (unwritten output?)"
+    if ref.numel():
+        err = rel_err(out, ref)
+        assert err < TOL[dtype], f"{what}: relative error {err:.2e} over {TOL[dtype]:.0e}"
+
+
+def check_layer_norm(fn, x, weight, bias, eps, gen):
+    """Forward and backward of the kernel against the float64 reference on the same values."""
+    x.retain_grad()  # x may be a view of a leaf (a slice, a transpose)
+    for t in (weight, bias):
+        if t is not None:
+            t.grad = None
+    y = fn(x, weight, bias, eps, kernels="triton")
+    assert y.dtype == x.dtype and y.shape == x.shape
+    dy = randn(y.shape, gen, x.dtype, x.device)
+    y.backward(dy)
+    x64, w64, b64 = leaf64(x), leaf64(weight), leaf64(bias)
+    ref = fn(x64, w64, b64, eps, kernels="pytorch")
+    ref.backward(dy.double())
+    assert_close(y, ref, x.dtype, "y")
+    assert_close(x.grad, x64.grad, x.dtype, "dx")
+    if weight is not None:
+        assert weight.grad.dtype == weight.dtype
+        assert_close(weight.grad, w64.grad, torch.float32, "dweight")
+    if bias is not None:
+        assert_close(bias.grad, b64.grad, torch.float32, "dbias")
+
+
+@pytest.mark.parametrize("fn", [layer_norm, swish_layer_norm])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,width", [(1, 64), (37, 48), (130, 7), (5, 300)])
+def test_matches_reference(fn, dtype, rows, width, gen, poison):
+    x = randn((rows, width), gen, dtype, scale=2.0, shift=0.5).requires_grad_()
+    w = randn(width, gen, scale=0.5, shift=1.0).requires_grad_()
+    b = randn(width, gen, scale=0.5).requires_grad_()
+    check_layer_norm(fn, x, w, b, 1e-5, gen)
+
+
+@pytest.mark.parametrize("fn", [layer_norm, swish_layer_norm])
+@pytest.mark.parametrize("has_w,has_b", [(False, False), (True, False), (False, True)])
+def test_optional_affine(fn, has_w, has_b, gen, poison):
+    x = randn((19, 33), gen).requires_grad_()
+    w = randn(33, gen, shift=1.0).requires_grad_() if has_w else None
+    b = randn(33, gen).requires_grad_() if has_b else None
+    check_layer_norm(fn, x, w, b, 1e-6, gen)
+
+
+@pytest.mark.parametrize("fn", [layer_norm, swish_layer_norm])
+def test_non_contiguous_and_batched_inputs(fn, gen, poison):
+    w = randn(24, gen, shift=1.0).requires_grad_()
+    b = randn(24, gen).requires_grad_()
+    wide = randn((21, 80), gen).requires_grad_()
+    check_layer_norm(fn, wide[:, 50:74], w, b, 1e-5, gen)  # a column slice: row stride 80
+    check_layer_norm(fn, randn((24, 17), gen).t().requires_grad_(), w, b, 1e-5, gen)  # column stride 17
+    check_layer_norm(fn, randn((3, 5, 24), gen).requires_grad_(), w, b, 1e-5, gen)
+
+
+def test_empty_input(gen):
+    x = randn((0, 16), gen).requires_grad_()
+    w = randn(16, gen).requires_grad_()
+    y = layer_norm(x, w, None, 1e-5, kernels="triton")
+    y.sum().backward()
+    assert y.shape == (0, 16) and torch.equal(w.grad, torch.zeros(16))
+
+
+def test_auto_uses_reference_on_cpu_and_checks_shapes(gen):
+    x = randn((4, 8), gen)
+    assert torch.equal(layer_norm(x, None, None, 1e-5), layer_norm(x, None, None, 1e-5, kernels="pytorch"))
+    with pytest.raises(ValueError, match="weight has shape"):
+        layer_norm(x, torch.ones(7), None, 1e-5)
