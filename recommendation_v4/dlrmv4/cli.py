@@ -124,6 +124,18 @@ def cmd_pipeline(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     cmd_sample(cfg, args)
 
 
+def cmd_train(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    from dlrmv4.data.paths import store_dir
+    from dlrmv4.train.run import run_training
+
+    if not (store_dir(cfg.dataset) / "meta.json").exists():
+        cmd_prepare(cfg, args)
+    history, report = run_training(cfg, log=_say)
+    best = max((e.auc for e in history.evals), default=float("nan"))
+    _say(f"run {history.status}: {history.steps:,} steps, {history.samples:,} samples, {len(history.evals)} evals, "
+         f"best AUC {best:.4f} (target {cfg.train.target_auc}); report {report}")
+
+
 def cmd_show_config(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     print(to_toml(cfg), end="")
 
@@ -135,6 +147,7 @@ COMMANDS: dict[str, tuple[Callable[[BenchmarkConfig, argparse.Namespace], None],
     "prepare": (cmd_prepare, "download + preprocess + verify (what download_dataset.sh runs)"),
     "sample": (cmd_sample, "assemble a few jagged batches from the first window and print them"),
     "pipeline": (cmd_pipeline, "prepare + sample: the data path end to end"),
+    "train": (cmd_train, "the benchmark: prepare the data if needed, then train to the target AUC"),
     "show-config": (cmd_show_config, "print the resolved configuration as TOML"),
 }
 
@@ -146,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_config_arguments(p)
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
-        if name in ("verify", "prepare", "pipeline"):
+        if name in ("verify", "prepare", "pipeline", "train"):
             p.add_argument("--reference-md5s", default=None,
                            help="published checksum file (the repository's md5sums) to compare the store with")
         if name == "verify":

@@ -121,6 +121,39 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class EmbeddingConfig:
+    embedding_backend: str = _field("auto", "embedding engine: TorchRec (FBGEMM fused row-wise Adagrad), plain "
+                                    "PyTorch (same math), or auto (TorchRec where it imports)",
+                                    choices=("auto", "torchrec", "plain"))
+    item_rows: int = _field(0, "rows of the item table (0: the store's item count)", min=0)
+    artist_rows: int = _field(0, "rows of the artist table (0: from the store)", min=0)
+    album_rows: int = _field(0, "rows of the album table (0: from the store)", min=0)
+    embedding_init_std: float = _field(0.01, "std of the normal init of every table row", min=0.0)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    learning_rate: float = _field(1e-6, "peak learning rate of both optimizers (closed division: "
+                                  "[0.5, 1.5] x 1e-6 x GBS/8192)", min=0.0, max=10.0)
+    warmup_steps: int = _field(24_000, "linear warm-up from 0 to the peak over this many steps", min=0)
+    adam_beta1: float = _field(0.95, "Adam beta1 (dense parameters)", min=0.0, max=1.0)
+    adam_beta2: float = _field(0.999, "Adam beta2", min=0.0, max=1.0)
+    adam_eps: float = _field(1e-8, "Adam epsilon", min=0.0)
+    weight_decay: float = _field(0.0, "Adam weight decay", min=0.0)
+    grad_clip_norm: float = _field(1.0, "clip the dense gradients' global norm to this (0: off)", min=0.0)
+    adagrad_eps: float = _field(1e-8, "row-wise Adagrad epsilon (embedding tables)", min=0.0)
+    eval_mode: str = _field("holdout", "evaluate on the fixed last train window, or on window T+1 after T",
+                            choices=("holdout", "next_window"))
+    eval_every_data_pct: float = _field(0.001, "eval interval as a fraction of the train samples", min=1e-9, max=1.0)
+    target_auc: float = _field(0.75, "stop at the first eval with AUC at or above this", min=0.0, max=1.0)
+    run_dir: str = _field("runs/default", "where checkpoints, the run log and the report go")
+    checkpoint_every_steps: int = _field(0, "checkpoint every N steps (0: off)", min=0)
+    checkpoint_every_seconds: float = _field(0.0, "checkpoint every N seconds (0: off)", min=0.0)
+    checkpoint_every_window: bool = _field(True, "checkpoint at the end of every train window")
+    keep_last_checkpoints: int = _field(2, "complete checkpoints kept on disk", min=1)
+
+
+@dataclass(frozen=True)
 class BenchmarkConfig:
     seed: int = _field(0, "the run's seed; every generator derives from it", min=0, max=2**63 - 1)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
@@ -128,6 +161,8 @@ class BenchmarkConfig:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -136,6 +171,8 @@ SECTIONS: dict[str, type] = {
     "sampler": SamplerConfig,
     "loader": LoaderConfig,
     "model": ModelConfig,
+    "embeddings": EmbeddingConfig,
+    "train": TrainConfig,
 }
 
 

@@ -97,6 +97,8 @@ def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfi
                             shuffle=cfg.loader.shuffle_within_window, seed=cfg.seed, drop_last=drop_last,
                             start_batch=start_batch)
     workers = cfg.loader.num_workers
-    return DataLoader(dataset, batch_size=None, num_workers=workers,
+    # An own generator: creating an iterator draws a worker base seed, which must not consume the
+    # global torch RNG (dropout draws from it, and a resumed run must see the same stream).
+    return DataLoader(dataset, batch_size=None, num_workers=workers, generator=torch.Generator().manual_seed(cfg.seed),
                       prefetch_factor=cfg.loader.prefetch_batches if workers else None,
                       pin_memory=torch.cuda.is_available())

@@ -1,0 +1,1 @@
+"""The streaming trainer: embeddings, optimizers, schedule, metrics, checkpoints, the loop."""

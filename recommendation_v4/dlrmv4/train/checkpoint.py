@@ -1,0 +1,260 @@
+"""Checkpoints that a crash never leaves half-valid, and the cadence that decides when to write one.
+
+Layout: ``run_dir/checkpoints/step-<8 digits>/`` holding
+  - the tensor state (model, optimizers, embedding tables) written by ``torch.distributed.checkpoint``
+    (DCP: ``.metadata`` + ``__<rank>_<n>.distcp``), so sharded state saves the same way later;
+  - ``position.json`` (the data position and counters) and ``state.pkl`` (small non-tensor state:
+    RNG states, metric state, run-log state, config echo);
+  - ``COMPLETE``: sha256 and size of every other file, written last.
+The directory is built under a temp name beside it and renamed once, so a reader sees either no
+checkpoint or a whole one; the marker also catches later damage (truncation, bit rot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from dlrmv4.config import TrainConfig
+from dlrmv4.data.store import atomic_directory
+
+MARKER = "COMPLETE"
+POSITION_FILE = "position.json"
+PICKLE_FILE = "state.pkl"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+# Left behind by atomic_directory when its writer died: ".step-00000042.tmp-<pid>" (or ".old-").
+_DEAD_DIR = re.compile(r"^\.step-\d{8}\.(?:tmp|old)-(\d+)$")
+_HASH_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class CheckpointPosition:
+    """Where the loop stands: enough to continue with the next batch exactly."""
+
+    step: int  # optimizer steps done
+    samples_seen: int  # train samples consumed (all processes)
+    window: int  # index of the current train window
+    batch_in_window: int  # batches of that window already consumed
+    evals_done: int  # evaluations already run (and logged)
+
+
+class ModelAndOptimizers(Stateful):
+    """A model and its optimizers as one DCP entry.
+
+    Goes through ``torch.distributed.checkpoint.state_dict``: optimizer state is keyed by parameter
+    name (not by position), and an optimizer that has not stepped yet gets its state tensors
+    allocated first, so loading in place into a fresh optimizer fills them instead of dropping them.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]):
+        self.model = model
+        self.optimizers = optimizers
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizers, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optim"])
+
+
+def _split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Stateful entries (modules, ModelAndOptimizers) go through DCP; the rest is pickled."""
+    for key, value in state.items():
+        if isinstance(value, torch.optim.Optimizer):
+            # A fresh optimizer has no state tensors for DCP to load into: its state would be lost.
+            raise TypeError(f"state[{key!r}] is a bare optimizer: wrap it as ModelAndOptimizers(model, [optimizer])")
+    tensor_state = {k: v for k, v in state.items() if isinstance(v, Stateful)}
+    return tensor_state, {k: v for k, v in state.items() if k not in tensor_state}
+
+
+def _dcp_quietly(fn: Any, state_dict: dict[str, Any], path: Path) -> None:
+    """Run DCP save/load; without a process group it works in one process (``no_dist`` is implied
+    in torch 2.13) but warns on every call, which says nothing new here."""
+    single = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():
+        if single:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        fn(state_dict, checkpoint_id=str(path), no_dist=single)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _content_files(ckpt: Path) -> list[Path]:
+    return sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MARKER)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _checkpoints_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """``step-*`` directories, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)), key=lambda p: p.name)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def _remove_dead_temp_dirs(root: Path) -> None:
+    """Temp dirs of writers that died (kill -9, OOM) before their rename; live writers' stay."""
+    for p in root.iterdir():
+        match = _DEAD_DIR.match(p.name)
+        if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _prune(root: Path, keep: int, just_written: Path) -> None:
+    """Keep the newest ``keep`` complete checkpoints (the one just written always among them)."""
+    complete = [p for p in _step_dirs(root) if (p / MARKER).is_file()]
+    older = [p for p in complete if p != just_written]
+    for p in older[: max(0, len(older) - (keep - 1))]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def save_checkpoint(run_dir: str | os.PathLike, position: CheckpointPosition, state: dict[str, Any],
+                    keep_last: int) -> Path:
+    """Write ``run_dir/checkpoints/step-<position.step>/`` atomically and prune to ``keep_last``.
+
+    ``state`` maps names to Stateful objects (``nn.Module``, ``ModelAndOptimizers``), saved by DCP
+    and later loaded in place, or to small picklable values (RNG states, metric state, ...).
+    Single-writer: in a multi-process run only one process may call this for now.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    tensor_state, small_state = _split_state(state)
+    root = _checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_dead_temp_dirs(root)
+    final = root / f"step-{position.step:08d}"
+    with atomic_directory(final) as tmp:
+        _dcp_quietly(dcp.save, tensor_state, tmp)
+        _write_synced(tmp / POSITION_FILE, json.dumps(dataclasses.asdict(position), indent=1).encode())
+        _write_synced(tmp / PICKLE_FILE, pickle.dumps(small_state, protocol=pickle.HIGHEST_PROTOCOL))
+        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in _content_files(tmp)}
+        _write_synced(tmp / MARKER, json.dumps({"files": files}, indent=1, sort_keys=True).encode())
+    _fsync_dir(root)
+    _prune(root, keep_last, final)
+    return final
+
+
+def _problem(ckpt: Path, verify_hashes: bool) -> str | None:
+    """Why ``ckpt`` cannot be trusted, or None when it matches its marker."""
+    try:
+        listed = json.loads((ckpt / MARKER).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {MARKER} marker (its writer did not finish)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"unreadable {MARKER} marker ({type(exc).__name__})"
+    present = {str(p.relative_to(ckpt)) for p in _content_files(ckpt)}
+    if present != set(listed):
+        return f"files differ from the {MARKER} list (missing or extra: {sorted(present ^ set(listed))})"
+    for name, meta in sorted(listed.items()):
+        size = (ckpt / name).stat().st_size
+        if size != meta["size"]:
+            return f"{name} is {size} bytes, the marker says {meta['size']}"
+        if verify_hashes and _sha256(ckpt / name) != meta["sha256"]:
+            return f"{name} does not match its sha256 in the marker"
+    return None
+
+
+def latest_checkpoint(run_dir: str | os.PathLike, verify_hashes: bool = True) -> Path | None:
+    """The newest checkpoint that matches its marker; each newer one that does not is skipped with
+    one warning line on stderr. ``verify_hashes=False`` checks sizes only (fast on huge tables)."""
+    for ckpt in reversed(_step_dirs(_checkpoints_dir(run_dir))):
+        problem = _problem(ckpt, verify_hashes)
+        if problem is None:
+            return ckpt
+        print(f"[dlrmv4] warning: skipping checkpoint {ckpt}: {problem}", file=sys.stderr)
+    return None
+
+
+def load_checkpoint(path: str | os.PathLike, state_template: dict[str, Any]) -> tuple[CheckpointPosition, dict[str, Any]]:
+    """Load a checkpoint written by ``save_checkpoint``.
+
+    Stateful entries of ``state_template`` (modules, ``ModelAndOptimizers``) are restored in place
+    through DCP and returned as the same objects; the other entries are returned as saved (the
+    template's values for them are ignored). Call ``latest_checkpoint`` first to pick a sound one.
+    """
+    path = Path(path)
+    tensor_state, _ = _split_state(state_template)
+    position = CheckpointPosition(**json.loads((path / POSITION_FILE).read_text()))
+    with open(path / PICKLE_FILE, "rb") as fh:
+        small_state = pickle.load(fh)
+    if tensor_state:
+        _dcp_quietly(dcp.load, tensor_state, path)
+    return position, {**small_state, **tensor_state}
+
+
+class CheckpointCadence:
+    """When to checkpoint: every N steps, every N seconds, and/or at the end of each train window.
+
+    Ask once per finished step; a True answer is taken as a checkpoint written at ``now_seconds``
+    (the seconds clock restarts from it). The clock starts at the first question, so a resumed
+    run waits a full interval before its first timed checkpoint.
+    """
+
+    def __init__(self, cfg: TrainConfig):
+        self.every_steps = cfg.checkpoint_every_steps
+        self.every_seconds = cfg.checkpoint_every_seconds
+        self.every_window = cfg.checkpoint_every_window
+        self._last_seconds: float | None = None
+
+    def due(self, step: int, now_seconds: float, end_of_window: bool) -> bool:
+        if self._last_seconds is None:
+            self._last_seconds = now_seconds
+        by_steps = self.every_steps > 0 and step > 0 and step % self.every_steps == 0
+        by_seconds = self.every_seconds > 0 and now_seconds - self._last_seconds >= self.every_seconds
+        by_window = self.every_window and end_of_window
+        if by_steps or by_seconds or by_window:
+            self._last_seconds = now_seconds
+            return True
+        return False

@@ -1,0 +1,196 @@
+"""The streaming loop (SPEC §4): train windows in strict time order, evaluate at the eval cadence
+on the fixed holdout window (or on window T+1 after window T), stop at the first eval that reaches
+the target, checkpoint on the configured cadences and resume from the newest complete checkpoint.
+
+Windows 0..W-2 train; window W-1 (the last day of the train span) is the holdout. One DataLoader
+streams every train window (its workers live for the whole run); batches never span windows and a
+window's last partial batch is dropped, so every step has the global batch size, eval points land
+on multiples of the eval interval, and the loader position is just the step number.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from dlrmv4.config import BenchmarkConfig
+from dlrmv4.data.loader import make_window_loader
+from dlrmv4.data.store import Store
+from dlrmv4.model.hstu import DlrmHSTU
+from dlrmv4.train.checkpoint import (CheckpointCadence, CheckpointPosition, ModelAndOptimizers, latest_checkpoint,
+                                     load_checkpoint, save_checkpoint)
+from dlrmv4.train.metrics import AucAccumulator
+from dlrmv4.train.optim import FiniteMonitor, WarmupSchedule, clip_dense_gradients, make_dense_optimizer
+from dlrmv4.train.rng import capture_rng_state, restore_rng_state
+from dlrmv4.train.schedule import EvalSchedule
+
+
+@dataclass
+class EvalRecord:
+    samples_count: int
+    step: int
+    window: int       # the train window the loop was in
+    eval_window: int  # the window scored
+    auc: float
+    seconds: float    # since the run (first start) began
+
+
+@dataclass
+class RunHistory:
+    status: str = "running"  # then "success" (target reached) or "aborted" (data exhausted first)
+    steps: int = 0
+    samples: int = 0
+    evals: list[EvalRecord] = field(default_factory=list)
+    window_losses: list[tuple[int, int, float]] = field(default_factory=list)  # (window, samples, mean loss)
+    throughput: list[tuple[float, float]] = field(default_factory=list)       # (seconds, samples/s) per window
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def split_windows(store: Store) -> tuple[list[int], int]:
+    """Train windows (all but the last) and the holdout window."""
+    return list(range(store.num_windows - 1)), store.num_windows - 1
+
+
+class StreamingTrainer:
+    """One run on one device: the model, the sparse tables, both optimizers, the data stream."""
+
+    def __init__(self, cfg: BenchmarkConfig, store: Store, model: DlrmHSTU, embeddings, device: torch.device,
+                 log: Callable[[str], None] = print) -> None:
+        self.cfg, self.store, self.model, self.embeddings = cfg, store, model, embeddings
+        self.device, self.log = device, log
+        self.dense_params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = make_dense_optimizer(self.dense_params, cfg.train)
+        self.schedule = WarmupSchedule(cfg.train)
+        self.windows, self.holdout = split_windows(store)
+        if not self.windows:
+            raise ValueError("the store has fewer than two windows: nothing to train on")
+        anchors = np.diff(np.asarray(store.window_offsets))
+        self.train_samples = int(anchors[self.windows].sum())
+        self.evals = EvalSchedule(self.train_samples, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
+        self.cadence = CheckpointCadence(cfg.train)
+        self.finite = FiniteMonitor(device)
+        # The current window's running loss: checkpointed, so a resumed window reports the same mean.
+        self.window_loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.window_steps = 0
+
+    # -- state ---------------------------------------------------------------------------
+    def _state(self, history: RunHistory) -> dict[str, Any]:
+        return {"dense": ModelAndOptimizers(self.model, [self.optimizer]),
+                "sparse": self.embeddings.state_for_checkpoint(),
+                "rng": capture_rng_state({"dropout": self.model.dropout_generator}),
+                "window_accumulator": (float(self.window_loss), self.window_steps),
+                "history": history}
+
+    def save(self, history: RunHistory, window: int) -> None:
+        position = CheckpointPosition(step=history.steps, samples_seen=history.samples, window=window,
+                                      batch_in_window=0, evals_done=len(history.evals))
+        path = save_checkpoint(self.cfg.train.run_dir, position, self._state(history),
+                               self.cfg.train.keep_last_checkpoints)
+        self.log(f"checkpoint {path.name} at step {history.steps}")
+
+    def restore(self) -> RunHistory:
+        """Continue from the newest complete checkpoint of run_dir, or start fresh."""
+        path = latest_checkpoint(self.cfg.train.run_dir)
+        if path is None:
+            return RunHistory()
+        template = {"dense": ModelAndOptimizers(self.model, [self.optimizer])}
+        position, state = load_checkpoint(path, template)
+        self.embeddings.load_from_checkpoint(state["sparse"])
+        restore_rng_state(state["rng"], {"dropout": self.model.dropout_generator})
+        loss_sum, self.window_steps = state["window_accumulator"]
+        self.window_loss.fill_(loss_sum)
+        history: RunHistory = state["history"]
+        self.log(f"resumed from {path.name}: step {position.step}, {position.samples_seen:,} samples")
+        return history
+
+    # -- steps ---------------------------------------------------------------------------
+    def step(self, batch, step: int, window: int) -> torch.Tensor:
+        self.schedule.apply(step, self.optimizer, self.embeddings.set_learning_rate)
+        out = self.model(batch, self.embeddings(batch))
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        clip_dense_gradients(self.dense_params, self.cfg.train.grad_clip_norm)
+        self.optimizer.step()
+        self.embeddings.sparse_step()
+        loss = out.loss.detach()
+        self.finite.update(loss, step, window)
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, window: int) -> float:
+        """Exact AUC over every anchor of ``window``."""
+        self.model.eval()
+        acc = AucAccumulator(self.device)
+        for batch in make_window_loader(self.store, [window], self.cfg):
+            batch = batch.to(self.device)
+            acc.update(self.model(batch, self.embeddings(batch)).logits, batch.label)
+        self.model.train()
+        return acc.compute()
+
+    def _eval(self, history: RunHistory, window: int, eval_window: int, started: float) -> bool:
+        self.finite.check()
+        auc = self.evaluate(eval_window)
+        history.evals.append(EvalRecord(samples_count=history.samples, step=history.steps, window=window,
+                                        eval_window=eval_window, auc=auc,
+                                        seconds=history.seconds + time.perf_counter() - started))
+        self.log(f"eval at {history.samples:,} samples (window {window}, scored window {eval_window}): AUC {auc:.4f}")
+        return auc >= self.cfg.train.target_auc
+
+    # -- the run -------------------------------------------------------------------------
+    def run(self) -> RunHistory:
+        cfg = self.cfg
+        history = self.restore()
+        if history.status != "running":
+            self.log(f"run already finished ({history.status}); nothing to do")
+            return history
+        started = time.perf_counter()
+        self.model.train()
+        loader = make_window_loader(self.store, self.windows, cfg, start_batch=history.steps, drop_last=True)
+        plan = loader.dataset.plan
+        window_started = time.perf_counter()
+        for i, batch in enumerate(loader, start=history.steps):
+            window = plan[i].window
+            batch = batch.to(self.device)
+            self.window_loss += self.step(batch, history.steps, window)
+            self.window_steps += 1
+            history.steps += 1
+            history.samples += cfg.loader.batch_size
+            last_of_window = i + 1 == len(plan) or plan[i + 1].window != window
+            done = False
+            if cfg.train.eval_mode == "holdout" and self.evals.should_eval(history.samples):
+                done = self._eval(history, window, self.holdout, started)
+            if last_of_window:
+                self._close_window(history, window, window_started)
+                window_started = time.perf_counter()
+                if cfg.train.eval_mode == "next_window" and not done:
+                    done = self._eval(history, window, window + 1, started)
+            if done:
+                history.status = "success"
+            elif i + 1 == len(plan):
+                history.status = "aborted"
+            if history.status != "running" or self.cadence.due(history.steps, time.perf_counter(), last_of_window):
+                history.seconds += time.perf_counter() - started
+                started = time.perf_counter()
+                self.save(history, window)
+            if history.status != "running":
+                break
+        return history
+
+    def _close_window(self, history: RunHistory, window: int, window_started: float) -> None:
+        self.finite.check()  # the one host read per window
+        seconds = time.perf_counter() - window_started
+        steps = self.window_steps
+        mean_loss = float(self.window_loss) / steps
+        self.window_loss.zero_()
+        self.window_steps = 0
+        rate = steps * self.cfg.loader.batch_size / seconds
+        history.window_losses.append((window, history.samples, mean_loss))
+        history.throughput.append((history.seconds + seconds, rate))
+        self.log(f"window {window}: {steps} steps, mean loss {mean_loss:.4f}, {rate:,.0f} samples/s")

@@ -1,0 +1,140 @@
+"""Dense optimizer, learning-rate warm-up, gradient clipping and divergence detection (SPEC §6).
+
+Nothing here reads a device value back to the host inside the training step: the learning rate
+is a Python float computed from the step count, the clipping norm stays a device tensor, and
+non-finite losses are recorded on the device and read only where the loop syncs anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+from dlrmv4.config import TrainConfig
+from dlrmv4.errors import UserError
+
+
+class TrainingDivergedError(UserError):
+    """The loss became NaN or infinite; the message names the first step and window seen."""
+
+    def __init__(self, step: int, window: int):
+        self.step = step
+        self.window = window
+        super().__init__(f"training diverged: non-finite loss at step {step} (window {window}); lower the "
+                         "learning rate or resume from an earlier checkpoint")
+
+
+def make_dense_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Adam:
+    """Adam over the dense parameters with the closed-division hyperparameters from ``cfg``.
+
+    The fused kernel is used where every parameter lives on a CUDA/ROCm device (one launch for
+    all parameters); elsewhere torch picks its own ``foreach`` default.
+    """
+    params = list(params)
+    if not params:
+        raise ValueError("make_dense_optimizer got no parameters")
+    on_gpu = all(p.device.type == "cuda" and p.is_floating_point() for p in params)
+    return torch.optim.Adam(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                            eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                            fused=True if on_gpu else None)
+
+
+class WarmupSchedule:
+    """Linear warm-up from 0 to ``cfg.learning_rate`` over ``cfg.warmup_steps`` steps, then constant.
+
+    ``step`` is the 0-based index of the optimizer update about to be taken, so step 0 trains
+    at 0 (the checker's ``opt_learning_rate_warmup_start_lr`` 0.0) and step ``warmup_steps``
+    and later at the peak. With ``warmup_steps`` 0 the peak applies from step 0. The schedule is
+    a pure function of the step: a resumed run needs only the step count, and ``state_dict``
+    holds the two constants only so that a resume under a different schedule is caught.
+    """
+
+    def __init__(self, cfg: TrainConfig):
+        if cfg.learning_rate < 0 or cfg.warmup_steps < 0:
+            raise ValueError(f"learning_rate and warmup_steps must be >= 0, got {cfg.learning_rate} "
+                             f"and {cfg.warmup_steps}")
+        self.peak_lr = float(cfg.learning_rate)
+        self.warmup_steps = int(cfg.warmup_steps)
+
+    def lr_at(self, step: int) -> float:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if step >= self.warmup_steps:
+            return self.peak_lr
+        return self.peak_lr * step / self.warmup_steps
+
+    def apply(self, step: int, dense_opt: torch.optim.Optimizer,
+              set_sparse_lr: Callable[[float], None]) -> float:
+        """Set the learning rate of step ``step`` on both optimizers (one rate, SPEC §6).
+
+        Called every step, also past the warm-up, so a resumed run and a fresh one set the same
+        rate without either keeping track of what was set before.
+        """
+        lr = self.lr_at(step)
+        for group in dense_opt.param_groups:
+            group["lr"] = lr
+        set_sparse_lr(lr)
+        return lr
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"peak_lr": self.peak_lr, "warmup_steps": self.warmup_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = (float(state["peak_lr"]), int(state["warmup_steps"]))
+        if saved != (self.peak_lr, self.warmup_steps):
+            raise UserError(f"the checkpoint was trained with peak LR {saved[0]} and {saved[1]} warm-up steps, "
+                            f"the config says {self.peak_lr} and {self.warmup_steps}; resume with the "
+                            "checkpoint's settings or start a new run")
+
+
+def clip_dense_gradients(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip the global L2 norm of the dense gradients to ``max_norm`` (0: off).
+
+    Pass the dense parameters only: the embedding tables' row-wise Adagrad is fused into the
+    backward and their gradients never materialise. Returns the pre-clip norm as a device
+    tensor (also when clipping is off, for logging); the scaling is branch-free on the device
+    (``clip_grad_norm_`` multiplies by ``min(1, max_norm / (norm + 1e-6))``), so no host sync.
+    """
+    if max_norm < 0:
+        raise ValueError(f"max_norm must be >= 0 (0 turns clipping off), got {max_norm}")
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=params[0].device if params else None)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # takes parameters, scales .grad
+    return norm
+
+
+def check_finite(loss: torch.Tensor, step: int, window: int) -> None:
+    """Raise ``TrainingDivergedError`` if ``loss`` has a NaN or inf. Reads the device: call it
+    only where the loop syncs anyway; per step, use ``FiniteMonitor`` instead."""
+    if not bool(torch.isfinite(loss.detach()).all()):
+        raise TrainingDivergedError(step, window)
+
+
+class FiniteMonitor:
+    """Records, on the device and without a sync, the first step whose loss was not finite.
+
+    Contract: ``update(loss, step, window)`` every step (a few tiny kernels, no host read);
+    ``check()`` at the points where the loop syncs anyway (end of a logging interval, before an
+    eval, before writing a checkpoint). ``check`` raises naming the first bad step and window,
+    so a run is caught at most one interval late and never checkpoints a diverged state; after
+    a passing ``check`` the monitor holds nothing worth saving, hence no state dict.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self._step = torch.full((), -1, dtype=torch.int64, device=device)
+        self._window = torch.full((), -1, dtype=torch.int64, device=device)
+
+    def update(self, loss: torch.Tensor, step: int, window: int) -> None:
+        first_bad = ~torch.isfinite(loss.detach()).all() & (self._step < 0)
+        self._step = torch.where(first_bad, step, self._step)
+        self._window = torch.where(first_bad, window, self._window)
+
+    def check(self) -> None:
+        step, window = torch.stack([self._step, self._window]).tolist()
+        if step >= 0:
+            raise TrainingDivergedError(step, window)

@@ -1,0 +1,258 @@
+"""Checkpoints: exact resume, pruning, skipping damaged ones, surviving kill -9, cadence."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dlrmv4.config import TrainConfig
+from dlrmv4.train.checkpoint import (CheckpointCadence, CheckpointPosition, ModelAndOptimizers,
+                                     latest_checkpoint, load_checkpoint, save_checkpoint)
+from dlrmv4.train.rng import capture_rng_state, restore_rng_state
+
+
+@pytest.fixture
+def deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def _seed_all(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed + 1)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                        torch.nn.Linear(16, 1))
+
+    def forward(self, ids, noise):
+        return self.body(self.emb(ids) + noise).squeeze(-1)
+
+
+def _build(seed):
+    gen = _seed_all(seed)
+    net = _Net()
+    # Two optimizers like the trainer's: Adam on the dense part, Adagrad on the table.
+    dense = torch.optim.Adam(net.body.parameters(), lr=1e-2, betas=(0.95, 0.999))
+    sparse = torch.optim.Adagrad(net.emb.parameters(), lr=1e-2)
+    return net, [dense, sparse], gen
+
+
+def _train(net, opts, gen, steps):
+    """Each step draws from all four sources: numpy (ids), Python (labels), the named generator
+    (noise) and torch's global generator (dropout)."""
+    for _ in range(steps):
+        ids = torch.from_numpy(np.random.randint(0, 10, size=6))
+        labels = torch.tensor([float(random.random() < 0.5) for _ in range(6)])
+        noise = torch.randn(6, 8, generator=gen)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(net(ids, noise), labels)
+        for opt in opts:
+            opt.zero_grad()
+        loss.backward()
+        for opt in opts:
+            opt.step()
+
+
+def _flat_state(net, opts):
+    tensors = [t.clone() for t in net.state_dict().values()]
+    for opt in opts:
+        for per_param in opt.state_dict()["state"].values():
+            tensors.extend(v.clone() for v in per_param.values() if torch.is_tensor(v))
+    return tensors
+
+
+def _assert_bit_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def _position(step):
+    return CheckpointPosition(step=step, samples_seen=6 * step, window=step // 2, batch_in_window=step % 2,
+                              evals_done=step // 3)
+
+
+def test_resume_is_bit_exact(tmp_path, deterministic):
+    net, opts, gen = _build(0)
+    _train(net, opts, gen, 6)
+    uninterrupted = _flat_state(net, opts)
+
+    net, opts, gen = _build(0)
+    _train(net, opts, gen, 3)
+    at_save = _flat_state(net, opts)
+    state = {"train": ModelAndOptimizers(net, opts), "rng": capture_rng_state({"noise": gen}),
+             "metrics": {"auc_sum": 1.5}}
+    save_checkpoint(tmp_path, _position(3), state, keep_last=2)
+
+    # A "new process": other init, other RNG positions, optimizers that never stepped.
+    net, opts, gen = _build(123)
+    _train(net, opts, gen, 1)
+    net, opts, gen = _build(99)
+    path = latest_checkpoint(tmp_path)
+    assert path is not None and path.name == "step-00000003"
+    position, loaded = load_checkpoint(path, {"train": ModelAndOptimizers(net, opts), "rng": None})
+    assert position == _position(3)
+    assert loaded["metrics"] == {"auc_sum": 1.5}
+    _assert_bit_equal(_flat_state(net, opts), at_save)
+    assert opts[0].param_groups[0]["betas"] == (0.95, 0.999)
+    restore_rng_state(loaded["rng"], {"noise": gen})
+    _train(net, opts, gen, 3)
+    _assert_bit_equal(_flat_state(net, opts), uninterrupted)
+
+
+def test_rng_round_trip_and_mismatch():
+    gen = torch.Generator().manual_seed(5)
+    state = capture_rng_state({"loader": gen})
+
+    def draw():
+        return (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist(),
+                torch.rand(3, generator=gen).tolist())
+
+    first = draw()
+    draw()
+    restore_rng_state(state, {"loader": gen})
+    assert draw() == first
+    with pytest.raises(ValueError, match="generators"):
+        restore_rng_state(state, {"dropout": gen})
+
+
+def test_bare_optimizer_is_refused(tmp_path):
+    _, opts, _ = _build(0)
+    with pytest.raises(TypeError, match="ModelAndOptimizers"):
+        save_checkpoint(tmp_path, _position(1), {"opt": opts[0]}, keep_last=1)
+
+
+def test_keep_last_pruning(tmp_path):
+    net = torch.nn.Linear(2, 2)
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, _position(step), {"model": net}, keep_last=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-00000004", "step-00000005"]
+    # The one just written survives even when it is not the newest on disk.
+    save_checkpoint(tmp_path, _position(2), {"model": net}, keep_last=1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000002"]
+
+
+def _damage_marker(path):
+    (path / "COMPLETE").unlink()
+
+
+def _truncate_tensors(path):
+    (tensor_file,) = path.glob("*.distcp")
+    tensor_file.write_bytes(tensor_file.read_bytes()[:-7])
+
+
+def _flip_byte(path):
+    (tensor_file,) = path.glob("*.distcp")
+    data = bytearray(tensor_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    tensor_file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_damage_marker, _truncate_tensors, _flip_byte])
+def test_damaged_newest_is_skipped(tmp_path, capsys, damage):
+    net = torch.nn.Linear(4, 3)
+    first = [t.clone() for t in net.state_dict().values()]
+    save_checkpoint(tmp_path, _position(1), {"model": net}, keep_last=3)
+    with torch.no_grad():
+        net.weight.add_(1.0)
+    newest = save_checkpoint(tmp_path, _position(2), {"model": net}, keep_last=3)
+    damage(newest)
+    capsys.readouterr()
+    path = latest_checkpoint(tmp_path)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "warning" in lines[0] and "step-00000002" in lines[0]
+    assert path is not None and path.name == "step-00000001"
+    fresh = torch.nn.Linear(4, 3)
+    position, _ = load_checkpoint(path, {"model": fresh})
+    assert position.step == 1
+    _assert_bit_equal([t.clone() for t in fresh.state_dict().values()], first)
+
+
+def test_no_checkpoint(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+
+
+# Writes ~24 MB checkpoints in a loop, each tensor filled with its step, until it is killed.
+_WRITER = textwrap.dedent("""
+    import sys, torch
+    from dlrmv4.train.checkpoint import CheckpointPosition, save_checkpoint
+    net = torch.nn.ModuleList(torch.nn.Linear(1000, 2000) for _ in range(3))
+    print("ready", flush=True)
+    for step in range(1, 10_000):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.fill_(step)
+        save_checkpoint(sys.argv[1], CheckpointPosition(step, step, 0, step, 0), {"model": net, "step": step},
+                        keep_last=2)
+""")
+
+
+def test_kill_during_write_never_leaves_a_partial_checkpoint(tmp_path):
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    temp_dirs_seen = 0
+    for attempt in range(5):
+        run_dir = tmp_path / f"run{attempt}"
+        child = subprocess.Popen([sys.executable, "-c", _WRITER, str(run_dir)], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        delay = rng.uniform(0.0, 1.5)
+        time.sleep(delay)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+        where = f"(seed {seed}, attempt {attempt}, killed after {delay:.3f}s)"
+        root = run_dir / "checkpoints"
+        temp_dirs_seen += root.is_dir() and any(p.name.startswith(".") for p in root.iterdir())
+
+        path = latest_checkpoint(run_dir)
+        if path is not None:
+            net = torch.nn.ModuleList(torch.nn.Linear(1000, 2000) for _ in range(3))
+            position, state = load_checkpoint(path, {"model": net})
+            assert state["step"] == position.step == int(path.name[5:]), where
+            assert all(bool((p == position.step).all()) for p in net.parameters()), where
+
+        save_checkpoint(run_dir, CheckpointPosition(10_000, 0, 0, 0, 0), {"model": torch.nn.Linear(2, 2)},
+                        keep_last=2)
+        assert latest_checkpoint(run_dir).name == "step-00010000", where
+        assert not [p.name for p in root.iterdir() if p.name.startswith(".")], where
+    # The writes take most of the child's time: some kill must have landed inside one.
+    assert temp_dirs_seen > 0, f"no kill landed during a write (seed {seed})"
+
+
+def _cadence(**kw):
+    base = dict(checkpoint_every_steps=0, checkpoint_every_seconds=0.0, checkpoint_every_window=False)
+    return CheckpointCadence(TrainConfig(**{**base, **kw}))
+
+
+def test_cadence_steps():
+    c = _cadence(checkpoint_every_steps=3)
+    assert [s for s in range(0, 10) if c.due(s, 0.0, False)] == [3, 6, 9]
+
+
+def test_cadence_seconds_restarts_after_each_checkpoint():
+    c = _cadence(checkpoint_every_seconds=10.0)
+    times = [100.0, 105.0, 110.0, 115.0, 119.9, 120.0, 135.0]
+    assert [c.due(i, t, False) for i, t in enumerate(times)] == [False, False, True, False, False, True, True]
+
+
+def test_cadence_window_and_off():
+    c = _cadence(checkpoint_every_window=True)
+    assert c.due(5, 0.0, True) and not c.due(6, 1e9, False)
+    off = _cadence()
+    assert not any(off.due(s, float(s), s % 2 == 0) for s in range(1, 20))
