@@ -41,12 +41,44 @@ def row_tile(width: int, tile: int, per_thread: int) -> tuple[int, int, int]:
     return block_m, block_d, max(1, min(16, block_m * block_d // (32 * per_thread)))
 
 
+def weight_grad_partials(device: torch.device, programs: int, width: int, rows: int,
+                         weight: torch.Tensor | None, bias: torch.Tensor | None
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """fp32 [programs, width] buffers for the per-program weight/bias gradient partials (None where
+    the parameter is absent). Every program stores its whole partial row, so they need a zero fill
+    only when there are no rows (and no launch)."""
+    alloc = torch.empty if rows > 0 else torch.zeros
+    return tuple(alloc((programs, width), device=device, dtype=torch.float32) if param is not None else None
+                 for param in (weight, bias))
+
+
+def sum_weight_grads(dw_part: torch.Tensor | None, db_part: torch.Tensor | None, weight: torch.Tensor | None,
+                     bias: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Sum the per-program partials into the parameters' gradients."""
+    return tuple(part.sum(0).to(param.dtype) if param is not None else None
+                 for part, param in ((dw_part, weight), (db_part, bias)))
+
+
 def rows_2d(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, D] with unit column stride; 2-D inputs keep their row stride (no copy)."""
     if x.dim() == 2 and x.stride(1) == 1:
         return x
     x = x.reshape(-1, x.shape[-1])
     return x if x.stride(1) == 1 else x.contiguous()
+
+
+@triton.jit
+def normalize_rows(x, W, B, cols, mask, cmask, D, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """LayerNorm of fp32 rows held in registers: (normalised rows with weight/bias, mean, rstd)."""
+    mean = tl.sum(x, axis=1) / D
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / D + eps)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    return y, mean, rstd
 
 
 @triton.jit
@@ -60,14 +92,7 @@ def _fwd_kernel(X, W, B, Y, Mean, Rstd, N, D, stride_x, stride_y, eps,
     mask = rmask[:, None] & cmask[None, :]
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / D
-    xc = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / D + eps)
-    y = xc * rstd[:, None]
-    if HAS_W:
-        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    if HAS_B:
-        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    y, mean, rstd = normalize_rows(x, W, B, cols, mask, cmask, D, eps, HAS_W, HAS_B)
     if SWISH:
         y = x * tl.sigmoid(y)
     tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -153,17 +178,12 @@ def backward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     block_m, block_d, warps = row_tile(d, tile[0], tile[1])
     n_blocks = triton.cdiv(n, block_m)
     progs = persistent_programs(x2d.device, n_blocks, tile[2])
-    # Every program stores its whole partial row, so the partials need a zero fill only when
-    # there are no rows (and no launch).
-    alloc = torch.empty if n > 0 else torch.zeros
-    dw_part = alloc((progs, d), device=x2d.device, dtype=torch.float32) if weight is not None else None
-    db_part = alloc((progs, d), device=x2d.device, dtype=torch.float32) if bias is not None else None
+    dw_part, db_part = weight_grad_partials(x2d.device, progs, d, n, weight, bias)
     if n > 0:
         _bwd_kernel[(progs,)](
             x2d, weight, bias, dy, dx, dw_part, db_part, mean, rstd, n, d,
             x2d.stride(0), dy.stride(0), dx.stride(0), triton.cdiv(n_blocks, progs), progs,
             HAS_W=weight is not None, HAS_B=bias is not None, SWISH=swish,
             BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
-    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
-    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    dw, db = sum_weight_grads(dw_part, db_part, weight, bias)
     return dx, dw, db

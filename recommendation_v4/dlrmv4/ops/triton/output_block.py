@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dlrmv4.ops.triton.layer_norm import persistent_programs, row_tile
+from dlrmv4.ops.triton.layer_norm import (normalize_rows, persistent_programs, row_tile, sum_weight_grads,
+                                          weight_grad_partials)
 
 
 @triton.jit
@@ -37,14 +38,7 @@ def _fwd_kernel(U, A, W, B, Y, Mean, Rstd, T, HD, stride_u, stride_a, stride_y, 
     r64 = rows.to(tl.int64)[:, None]
     u = tl.load(U + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     a = tl.load(A + r64 * stride_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(a, axis=1) / HD
-    ac = tl.where(mask, a - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(ac * ac, axis=1) / HD + eps)
-    ln = ac * rstd[:, None]
-    if HAS_W:
-        ln = ln * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    if HAS_B:
-        ln = ln + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    ln, mean, rstd = normalize_rows(a, W, B, cols, mask, cmask, HD, eps, HAS_W, HAS_B)
     y0 = u
     y1 = a
     y2 = u * ln
@@ -165,19 +159,14 @@ def backward(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | None, b
     block_m, block_h, warps = row_tile(hd, tile[0], tile[1])
     n_blocks = triton.cdiv(t, block_m)
     progs = persistent_programs(u.device, n_blocks, tile[2])
-    # Every program stores its whole partial row, so the partials need a zero fill only when
-    # there are no rows (and no launch).
-    alloc = torch.empty if t > 0 else torch.zeros
-    dw_part = alloc((progs, hd), device=u.device, dtype=torch.float32) if weight is not None else None
-    db_part = alloc((progs, hd), device=u.device, dtype=torch.float32) if bias is not None else None
+    dw_part, db_part = weight_grad_partials(u.device, progs, hd, t, weight, bias)
     if t > 0:
         _bwd_kernel[(progs,)](
             u, attn, weight, bias, dy, du, da, dw_part, db_part, mean, rstd, t, hd,
             u.stride(0), attn.stride(0), dy.stride(0), du.stride(0), da.stride(0), dropout_p, scale, seed,
             triton.cdiv(n_blocks, progs), progs, HAS_W=weight is not None, HAS_B=bias is not None,
             DROPOUT=dropout, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps)
-    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
-    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    dw, db = sum_weight_grads(dw_part, db_part, weight, bias)
     return du, da, dw, db
 
 
