@@ -130,7 +130,7 @@ def cmd_train(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
 
     if not (store_dir(cfg.dataset) / "meta.json").exists():
         cmd_prepare(cfg, args)
-    history, report = run_training(cfg, log=_say)
+    history, report = run_training(cfg, log=_say, progress=not args.no_progress, restart=args.restart)
     best = max((e.auc for e in history.evals), default=float("nan"))
     _say(f"run {history.status}: {history.steps:,} steps, {history.samples:,} samples, {len(history.evals)} evals, "
          f"best AUC {best:.4f} (target {cfg.train.target_auc}); report {report}")
@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="published checksum file (the repository's md5sums) to compare the store with")
         if name == "verify":
             p.add_argument("--store", default=None, help="store directory (default: from the dataset config)")
+        if name == "train":
+            p.add_argument("--restart", action="store_true",
+                           help="start cold: delete run_dir's checkpoints and report instead of resuming")
         if name in ("sample", "pipeline"):
             p.add_argument("--batches", type=int, default=3, help="batches to assemble")
     return parser

@@ -146,6 +146,8 @@ class TrainConfig:
                             choices=("holdout", "next_window"))
     eval_every_data_pct: float = _field(0.001, "eval interval as a fraction of the train samples", min=1e-9, max=1.0)
     target_auc: float = _field(0.75, "stop at the first eval with AUC at or above this", min=0.0, max=1.0)
+    max_steps: int = _field(0, "stop after this many optimizer steps (0: run to the target or the end of the data)",
+                            min=0)
     run_dir: str = _field("runs/default", "where checkpoints, the run log and the report go")
     checkpoint_every_steps: int = _field(0, "checkpoint every N steps (0: off)", min=0)
     checkpoint_every_seconds: float = _field(0.0, "checkpoint every N seconds (0: off)", min=0.0)

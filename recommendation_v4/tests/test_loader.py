@@ -66,6 +66,8 @@ def test_batches_equal_the_sampler_and_are_not_padded(store):
             assert np.array_equal(getattr(tb, name).numpy(), getattr(host, name)), name
         assert tb.history_item_id.shape == (int(tb.history_lengths.sum()),) == (tb.total_tokens,)
         assert tb.max_history_length == int(tb.history_lengths.max())
+        # One packed buffer crossed the process boundary: every field views the same storage.
+        assert len({getattr(tb, name).untyped_storage().data_ptr() for name in BATCH_DTYPES}) == 1
         lengths += tb.history_lengths.tolist()
     assert len(set(lengths)) > 1 and min(lengths) < cfg.sampler.history_length
 
@@ -108,3 +110,18 @@ def test_plan_and_errors(store):
         WindowDataset(store, [store.num_windows], SamplerConfig(), batch_size=4)
     cfg = dataclasses.replace(config(workers=2), loader=LoaderConfig(batch_size=10_000, num_workers=2))
     assert [len(b) for b in anchors_of(make_window_loader(store, [0], cfg))] == [len(store.window_anchors(0))]
+
+
+def test_packed_batch_moves_as_one_buffer(store):
+    host = build_batch(store, np.asarray(store.window_anchors(0))[:BATCH], config().sampler)
+    tb = host.to_torch()
+    packed = tb._packed()
+    assert packed is not None and packed.numel() == sum(-(-getattr(host, n).nbytes // 8) * 8 for n in BATCH_DTYPES)
+    moved = tb._on(packed.clone())  # what pin_memory() and to(device) do with their one copy
+    for name in BATCH_DTYPES:
+        got = getattr(moved, name)
+        assert got.dtype == getattr(tb, name).dtype and np.array_equal(got.numpy(), getattr(host, name)), name
+    assert moved.history_item_id.untyped_storage().data_ptr() != tb.history_item_id.untyped_storage().data_ptr()
+    # A batch whose fields do not share one buffer moves field by field.
+    loose = dataclasses.replace(tb, label=tb.label.clone())
+    assert loose._packed() is None and np.array_equal(loose.to("cpu").label.numpy(), host.label)

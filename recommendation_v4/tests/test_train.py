@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -71,6 +73,11 @@ def _run(data_path: Path, run_dir: Path, kill_after: float | None = None) -> sub
     return None
 
 
+def _cli_flags(values: dict) -> list[str]:
+    """The same overrides as ``python -m dlrmv4 train`` flags (no preset, like the runner)."""
+    return ["--preset=", "--no-progress"] + [f"--{k.split('.')[1].replace('_', '-')}={v}" for k, v in values.items()]
+
+
 def _report(run_dir: Path) -> dict:
     return json.loads((run_dir / "report.json").read_text())["history"]
 
@@ -93,6 +100,20 @@ def test_run_streams_windows_and_evaluates(data_path, tmp_path):
     assert hist["evals"] and all(0.0 <= e["auc"] <= 1.0 for e in hist["evals"])
     windows = [w for w, _, _ in hist["window_losses"]]
     assert windows == sorted(windows), "windows must stream in time order"
+    assert len(hist["throughput"]) == len(windows) and all(rate > 0 for _, rate in hist["throughput"])
+    for plot in ("auc_vs_samples.png", "throughput_vs_time.png"):
+        data = (tmp_path / "run" / plot).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5_000, plot
+
+
+def test_max_steps_stops_the_run(data_path, tmp_path):
+    values = _overrides(data_path, tmp_path / "run")
+    values["train.max_steps"] = 9
+    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(values)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    hist = _report(tmp_path / "run")
+    assert (hist["status"], hist["steps"], hist["samples"]) == ("stopped", 9, 9 * 16)
 
 
 def test_kill_and_resume_is_bit_exact(data_path, tmp_path):
@@ -114,3 +135,62 @@ def test_kill_and_resume_is_bit_exact(data_path, tmp_path):
     for name in ta:
         assert torch.equal(ta[name]["weight"], tb[name]["weight"]), name
         assert torch.equal(ta[name]["momentum"], tb[name]["momentum"]), name
+    # Every dense parameter and table too, through the report's digest of the final parameters.
+    digests = [json.loads((d / "report.json").read_text())["parameters_sha256"] for d in (base, killed)]
+    assert digests[0] == digests[1]
+
+
+def test_non_finite_loss_stops_with_the_step_and_window(data_path, tmp_path, monkeypatch, capsys):
+    """The model's loss turns NaN at training step 11: ``python -m dlrmv4 train`` must stop with one
+    line naming step 11 and its window, exit 1, and never checkpoint the diverged state."""
+    from dlrmv4 import cli
+    from dlrmv4.data.loader import make_window_loader
+    from dlrmv4.data.store import open_store
+    from dlrmv4.model.hstu import DlrmHSTU
+    from dlrmv4.train.checkpoint import CHECKPOINT_DIR
+
+    bad_step, calls = 11, {"train": 0}
+    forward = DlrmHSTU.forward
+
+    def poisoned(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if self.training:
+            calls["train"] += 1
+            if calls["train"] == bad_step + 1:  # the 12th training forward is step 11
+                return dataclasses.replace(out, loss=out.loss * float("nan"))
+        return out
+
+    monkeypatch.setattr(DlrmHSTU, "forward", poisoned)
+    run_dir = tmp_path / "run"
+    code = cli.main(["train", *_cli_flags(_overrides(data_path, run_dir))])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    cfg = load_config(None, None, {tuple(k.split(".")): v for k, v in _overrides(data_path, run_dir).items()})
+    loader = make_window_loader(open_store(data_path / "processed" / "synthetic-tiny"), range(5), cfg,
+                                drop_last=True)
+    window = loader.dataset.plan[bad_step].window
+    assert err[0] == (f"[dlrmv4] error: training diverged: non-finite loss at step {bad_step} (window {window}); "
+                      "lower the learning rate or resume from an earlier checkpoint")
+    steps = [int(p.name.split("-")[1]) for p in (run_dir / CHECKPOINT_DIR).glob("step-*")]
+    assert steps and all(s <= bad_step for s in steps), steps
+
+
+def test_restart_starts_cold_and_an_unwritable_run_dir_is_one_line(data_path, tmp_path):
+    run_dir = tmp_path / "run"
+    values = _overrides(data_path, run_dir)
+    values["train.max_steps"] = 3
+    flags = _cli_flags(values)
+    first = subprocess.run([sys.executable, "-m", "dlrmv4", "train", *flags], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run([sys.executable, "-m", "dlrmv4", "train", *flags], capture_output=True, text=True)
+    assert "run already finished (stopped)" in again.stdout
+    cold = subprocess.run([sys.executable, "-m", "dlrmv4", "train", *flags, "--restart"], capture_output=True,
+                          text=True)
+    assert cold.returncode == 0 and "resumed" not in cold.stdout and "already finished" not in cold.stdout
+    assert _report(run_dir)["steps"] == 3
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    bad = [f for f in flags if not f.startswith("--run-dir=")] + [f"--run-dir={blocker / 'run'}"]
+    proc = subprocess.run([sys.executable, "-m", "dlrmv4", "train", *bad], capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("[dlrmv4] error: run directory") and "not writable" in proc.stderr

@@ -34,6 +34,8 @@ BATCH_DTYPES: dict[str, np.dtype] = {
     "label": np.dtype(np.float32),            # [B] 1.0 when the anchor is listen_plus
     "anchor_index": np.dtype(np.int64),       # [B] global train event index (tracing)
 }
+TORCH_DTYPES: dict[str, torch.dtype] = {name: torch.from_numpy(np.empty(0, dtype)).dtype
+                                         for name, dtype in BATCH_DTYPES.items()}
 PER_SAMPLE = ("history_lengths", "candidate_item_id", "candidate_artist_id", "candidate_album_id",
               "candidate_timestamp", "query_time", "label", "anchor_index")
 PER_TOKEN = ("history_item_id", "history_artist_id", "history_album_id", "history_action", "history_timestamp")
@@ -86,8 +88,20 @@ class JaggedBatch:
             raise ValueError("JaggedBatch: history_offsets are not the running sum of history_lengths")
 
     def to_torch(self, device: torch.device | str | None = None, pin_memory: bool = False) -> TorchJaggedBatch:
-        """Torch twin: zero-copy CPU tensors, optionally pinned, then non-blocking copies to ``device``."""
-        tensors = {name: torch.from_numpy(np.ascontiguousarray(getattr(self, name))) for name in BATCH_DTYPES}
+        """Torch twin whose tensors are views of one packed host buffer (8-byte aligned fields), so a
+        worker hands a batch over in one shared-memory segment and pinning or a device copy is one
+        transfer; optionally pinned, then copied to ``device`` without blocking."""
+        arrays = {name: np.ascontiguousarray(getattr(self, name)) for name in BATCH_DTYPES}
+        offsets, total = {}, 0
+        for name, arr in arrays.items():
+            offsets[name] = total
+            total += -(-arr.nbytes // 8) * 8
+        packed = np.empty(total, dtype=np.uint8)
+        for name, arr in arrays.items():
+            packed[offsets[name]:offsets[name] + arr.nbytes] = arr.reshape(-1).view(np.uint8)
+        buffer = torch.from_numpy(packed)
+        tensors = {name: buffer[offsets[name]:offsets[name] + arr.nbytes].view(TORCH_DTYPES[name]).view(arr.shape)
+                   for name, arr in arrays.items()}
         out = TorchJaggedBatch(**tensors, num_samples=self.num_samples,
                                max_history_length=self.max_history_length, total_tokens=self.total_tokens)
         if pin_memory:
@@ -120,9 +134,30 @@ class TorchJaggedBatch:
     def _map(self, fn) -> TorchJaggedBatch:
         return dataclasses.replace(self, **{name: fn(getattr(self, name)) for name in BATCH_DTYPES})
 
+    def _packed(self) -> torch.Tensor | None:
+        """The one uint8 buffer every field views (as ``to_torch`` builds it), else None."""
+        storages = {getattr(self, name).untyped_storage().data_ptr() for name in BATCH_DTYPES}
+        if len(storages) != 1:
+            return None
+        storage = self.history_lengths.untyped_storage()
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+    def _on(self, buffer: torch.Tensor) -> TorchJaggedBatch:
+        """The same field views over ``buffer`` (a copy of the packed buffer)."""
+        storage = buffer.untyped_storage()
+        return self._map(lambda t: torch.empty(0, dtype=t.dtype, device=buffer.device).set_(
+            storage, t.storage_offset(), t.shape, t.stride()))
+
     def pin_memory(self) -> TorchJaggedBatch:
-        """Page-locked copy; the DataLoader's pin thread calls this by name."""
-        return self._map(lambda t: t.pin_memory())
+        """Page-locked copy (one buffer when packed); the DataLoader's pin thread calls this by name."""
+        packed = self._packed()
+        if packed is None:
+            return self._map(lambda t: t.pin_memory())
+        return self._on(packed.pin_memory())
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> TorchJaggedBatch:
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        """One host-to-device copy when packed (non-blocking from pinned memory)."""
+        packed = self._packed()
+        if packed is None or packed.device == torch.device(device):
+            return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        return self._on(packed.to(device, non_blocking=non_blocking))

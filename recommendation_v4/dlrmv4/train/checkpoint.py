@@ -37,6 +37,7 @@ from dlrmv4.data.store import atomic_directory
 MARKER = "COMPLETE"
 POSITION_FILE = "position.json"
 PICKLE_FILE = "state.pkl"
+CHECKPOINT_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 # Left behind by atomic_directory when its writer died: ".step-00000042.tmp-<pid>" (or ".old-").
 _DEAD_DIR = re.compile(r"^\.step-\d{8}\.(?:tmp|old)-(\d+)$")
@@ -123,7 +124,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _checkpoints_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return Path(run_dir) / CHECKPOINT_DIR
 
 
 def _step_dirs(root: Path) -> list[Path]:

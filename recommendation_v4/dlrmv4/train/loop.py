@@ -25,6 +25,7 @@ from dlrmv4.train.checkpoint import (CheckpointCadence, CheckpointPosition, Mode
                                      load_checkpoint, save_checkpoint)
 from dlrmv4.train.metrics import AucAccumulator
 from dlrmv4.train.optim import FiniteMonitor, WarmupSchedule, clip_dense_gradients, make_dense_optimizer
+from dlrmv4.train.progress import TrainProgress
 from dlrmv4.train.rng import capture_rng_state, restore_rng_state
 from dlrmv4.train.schedule import EvalSchedule
 
@@ -41,7 +42,8 @@ class EvalRecord:
 
 @dataclass
 class RunHistory:
-    status: str = "running"  # then "success" (target reached) or "aborted" (data exhausted first)
+    status: str = "running"  # then "success" (target reached), "aborted" (data exhausted first) or
+    # "stopped" (train.max_steps reached first)
     steps: int = 0
     samples: int = 0
     evals: list[EvalRecord] = field(default_factory=list)
@@ -62,9 +64,10 @@ class StreamingTrainer:
     """One run on one device: the model, the sparse tables, both optimizers, the data stream."""
 
     def __init__(self, cfg: BenchmarkConfig, store: Store, model: DlrmHSTU, embeddings, device: torch.device,
-                 log: Callable[[str], None] = print) -> None:
+                 log: Callable[[str], None] = print, progress: bool = False) -> None:
         self.cfg, self.store, self.model, self.embeddings = cfg, store, model, embeddings
-        self.device, self.log = device, log
+        self.device, self._log, self.show_progress = device, log, progress
+        self.progress: TrainProgress | None = None
         self.dense_params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_dense_optimizer(self.dense_params, cfg.train)
         self.schedule = WarmupSchedule(cfg.train)
@@ -79,6 +82,14 @@ class StreamingTrainer:
         # The current window's running loss: checkpointed, so a resumed window reports the same mean.
         self.window_loss = torch.zeros((), dtype=torch.float64, device=device)
         self.window_steps = 0
+        self.train_clock = TrainClock()
+
+    def log(self, msg: str) -> None:
+        if self.progress is None:
+            self._log(msg)
+        else:
+            with self.progress.quiet():
+                self._log(msg)
 
     # -- state ---------------------------------------------------------------------------
     def _state(self, history: RunHistory) -> dict[str, Any]:
@@ -141,56 +152,91 @@ class StreamingTrainer:
                                         eval_window=eval_window, auc=auc,
                                         seconds=history.seconds + time.perf_counter() - started))
         self.log(f"eval at {history.samples:,} samples (window {window}, scored window {eval_window}): AUC {auc:.4f}")
+        if self.progress is not None:
+            self.progress.record_auc(auc)
         return auc >= self.cfg.train.target_auc
 
     # -- the run -------------------------------------------------------------------------
     def run(self) -> RunHistory:
-        cfg = self.cfg
         history = self.restore()
         if history.status != "running":
             self.log(f"run already finished ({history.status}); nothing to do")
             return history
-        started = time.perf_counter()
-        self.model.train()
-        loader = make_window_loader(self.store, self.windows, cfg, start_batch=history.steps, drop_last=True)
+        loader = make_window_loader(self.store, self.windows, self.cfg, start_batch=history.steps, drop_last=True)
+        self.progress = TrainProgress(len(loader.dataset.plan) * self.cfg.loader.batch_size, history.samples,
+                                      self.show_progress)
+        try:
+            self._stream(history, loader)
+        finally:
+            self.progress.close()
+            self.progress = None
+        return history
+
+    def _stream(self, history: RunHistory, loader) -> None:
+        cfg = self.cfg
         plan = loader.dataset.plan
-        window_started = time.perf_counter()
+        started = tick = time.perf_counter()
+        self.model.train()
         for i, batch in enumerate(loader, start=history.steps):
             window = plan[i].window
-            batch = batch.to(self.device)
+            batch = batch.to(self.device, non_blocking=True)
             self.window_loss += self.step(batch, history.steps, window)
             self.window_steps += 1
             history.steps += 1
             history.samples += cfg.loader.batch_size
+            # Train time of this window: waiting for the batch plus the step; evals and checkpoints
+            # are left out, so the per-window rate is the training rate.
+            self.train_clock.add(time.perf_counter() - tick)
+            self.progress.update(cfg.loader.batch_size, self._running_loss)
             last_of_window = i + 1 == len(plan) or plan[i + 1].window != window
             done = False
             if cfg.train.eval_mode == "holdout" and self.evals.should_eval(history.samples):
                 done = self._eval(history, window, self.holdout, started)
             if last_of_window:
-                self._close_window(history, window, window_started)
-                window_started = time.perf_counter()
+                self._close_window(history, window, started)
                 if cfg.train.eval_mode == "next_window" and not done:
                     done = self._eval(history, window, window + 1, started)
             if done:
                 history.status = "success"
             elif i + 1 == len(plan):
                 history.status = "aborted"
+            elif cfg.train.max_steps and history.steps >= cfg.train.max_steps:
+                history.status = "stopped"
             if history.status != "running" or self.cadence.due(history.steps, time.perf_counter(), last_of_window):
+                self.finite.check()  # never checkpoint a diverged state
                 history.seconds += time.perf_counter() - started
                 started = time.perf_counter()
                 self.save(history, window)
             if history.status != "running":
                 break
-        return history
+            tick = time.perf_counter()
 
-    def _close_window(self, history: RunHistory, window: int, window_started: float) -> None:
-        self.finite.check()  # the one host read per window
-        seconds = time.perf_counter() - window_started
-        steps = self.window_steps
-        mean_loss = float(self.window_loss) / steps
+    def _running_loss(self) -> float:
+        """Mean loss of the current window so far (reads the device: progress refreshes only)."""
+        return float(self.window_loss) / max(self.window_steps, 1)
+
+    def _close_window(self, history: RunHistory, window: int, started: float) -> None:
+        synced = time.perf_counter()
+        self.finite.check()  # the one host read per window; it also waits for the window's last steps
+        self.train_clock.add(time.perf_counter() - synced, steps=0)
+        mean_loss = float(self.window_loss) / self.window_steps
+        rate = self.train_clock.steps * self.cfg.loader.batch_size / max(self.train_clock.seconds, 1e-9)
+        history.window_losses.append((window, history.samples, mean_loss))
+        history.throughput.append((history.seconds + time.perf_counter() - started, rate))
+        self.log(f"window {window}: {self.window_steps} steps, mean loss {mean_loss:.4f}, {rate:,.0f} samples/s")
         self.window_loss.zero_()
         self.window_steps = 0
-        rate = steps * self.cfg.loader.batch_size / seconds
-        history.window_losses.append((window, history.samples, mean_loss))
-        history.throughput.append((history.seconds + seconds, rate))
-        self.log(f"window {window}: {steps} steps, mean loss {mean_loss:.4f}, {rate:,.0f} samples/s")
+        self.train_clock = TrainClock()
+
+
+@dataclass
+class TrainClock:
+    """Seconds spent fetching batches and stepping in the current window, and the steps timed (a
+    resumed window times only the steps since the resume)."""
+
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, seconds: float, steps: int = 1) -> None:
+        self.seconds += seconds
+        self.steps += steps

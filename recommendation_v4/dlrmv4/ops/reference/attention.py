@@ -6,9 +6,10 @@ Per sequence b with L tokens and n_t = num_targets[b] (0 when None), token i att
 
 The jagged batch is gathered into padded [b, N, H, D] chunks with device-side index maths only
 (no host sync); scores are computed in fp32 (fp64 for fp64 inputs) one chunk of sequences at a
-time, so bf16 inputs never overflow and no B x N x N tensor exists for the whole batch. Under
-autograd each chunk is checkpointed: backward recomputes it instead of keeping every chunk's
-scores alive.
+time, so bf16 inputs never overflow and no B x N x N tensor exists for the whole batch. When the
+batch needs several chunks, each is checkpointed under autograd: backward recomputes it instead of
+keeping every chunk's scores alive. Two elementwise passes touch the score tensor (SiLU, then one
+multiply by the mask scaled by 1/N): on the CPU those passes are most of the step.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ def _chunk(q, k, v, starts, lengths, prefix, alpha: float, n: int):
     valid = pos[None, :] < lengths[:, None]                                  # [b, N]
     idx = torch.where(valid, starts[:, None] + pos[None, :], 0)
     cdt = _compute_dtype(q.dtype)
-    qp, kp, vp = (t[idx].to(cdt) for t in (q, k, v))                         # [b, N, H, D]
-    s = torch.einsum("bihd,bjhd->bhij", qp, kp)
+    # index_select, not t[idx]: its backward is index_add_, which the CPU runs far faster than
+    # the accumulating index_put_ behind advanced indexing.
+    qp, kp, vp = (t.index_select(0, idx.flatten()).unflatten(0, idx.shape).to(cdt) for t in (q, k, v))
+    s = torch.einsum("bihd,bjhd->bhij", qp * alpha, kp)
     i, j = pos[:, None], pos[None, :]
     allowed = ((j <= i)[None] & (j[None] < prefix[:, None, None])) | (j == i)[None]   # [b, N, N]
     allowed = allowed & valid[:, None, :]
-    a = F.silu(alpha * s) * allowed[:, None].to(cdt) / n
+    a = F.silu(s) * (allowed[:, None].to(cdt) / n)
     return torch.einsum("bhij,bjhd->bihd", a, vp)
 
 
@@ -54,11 +57,12 @@ def hstu_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     prefix = (lengths - targets).clamp_min(0)
     step = max(1, SCORE_BUDGET // (heads * n * n))
     track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    recompute = track and batch > step
     outs = []
     for lo in range(0, batch, step):
         args = (q, k, v, offsets[:-1][lo:lo + step], lengths[lo:lo + step], prefix[lo:lo + step], alpha, n)
-        outs.append(checkpoint(_chunk, *args, use_reentrant=False) if track else _chunk(*args))
+        outs.append(checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args))
     padded = torch.cat(outs) if len(outs) > 1 else outs[0]                   # [B, N, H, Dv]
     token = torch.arange(total, device=q.device)
     seq = torch.searchsorted(offsets, token, right=True) - 1
-    return padded[seq, token - offsets[seq]].to(q.dtype)
+    return padded.flatten(0, 1).index_select(0, seq * n + token - offsets[seq]).to(q.dtype)

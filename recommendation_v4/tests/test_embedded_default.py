@@ -1,0 +1,34 @@
+"""The README's first command: ``./run_and_time.sh`` with the embedded default, from nothing, on
+this machine's CPU: generate, preprocess, verify against the published sums, train to the target."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+from dlrmv4.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_run_and_time_reaches_the_target_from_nothing(tmp_path):
+    env = {**os.environ, "DLRMV4_NO_VENV": "1"}  # this interpreter already has the packages
+    proc = subprocess.run([str(REPO / "run_and_time.sh"), "--data-path", str(tmp_path / "data"),
+                           "--run-dir", str(tmp_path / "run"), "--no-progress"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "generating synthetic Yambda-schema data (tiny" in out
+    assert "match the published sums for synthetic-tiny" in out
+    target = load_config("synthetic-tiny").train.target_auc
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    history = report["history"]
+    assert history["status"] == "success"
+    assert history["evals"][-1]["auc"] >= target > 0.6
+    assert all(e["auc"] < target for e in history["evals"][:-1])  # it stops at the first eval that reaches it
+    assert re.search(r"run success: .* best AUC 0\.\d{4} \(target " + re.escape(str(target)), out)
+    assert re.search(r"\[dlrmv4\] run finished in \d+ s", out)
+    assert (tmp_path / "run" / "auc_vs_samples.png").exists()
