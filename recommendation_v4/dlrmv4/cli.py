@@ -130,10 +130,42 @@ def cmd_train(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
 
     if not (store_dir(cfg.dataset) / "meta.json").exists():
         cmd_prepare(cfg, args)
-    history, report = run_training(cfg, log=_say, progress=not args.no_progress, restart=args.restart)
+    config_filename = Path(args.config).name if args.config else f"{args.preset or 'defaults'}.toml"
+    history, report = run_training(cfg, log=_say, progress=not args.no_progress, restart=args.restart,
+                                   config_filename=config_filename)
     best = max((e.auc for e in history.evals), default=float("nan"))
     _say(f"run {history.status}: {history.steps:,} steps, {history.samples:,} samples, {len(history.evals)} evals, "
          f"best AUC {best:.4f} (target {cfg.train.target_auc}); report {report}")
+
+
+def cmd_check_log(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    import getpass
+
+    from dlrmv4.data.paths import store_dir
+    from dlrmv4.data.store import open_store
+    from dlrmv4.mlperf.rules import RULESET, is_reference_dataset, run_checker, run_seconds, write_dataset_rules
+    from dlrmv4.train.loop import sample_counts
+    from dlrmv4.train.run import run_log_path
+    from dlrmv4.train.schedule import EvalSchedule
+
+    log = Path(args.log) if args.log else run_log_path(cfg)
+    if not log.is_file():
+        raise UserError(f"no MLPerf run log at {log} (train first, or pass --log)")
+    train_samples, eval_samples = sample_counts(open_store(store_dir(cfg.dataset)))
+    rules = None
+    if not is_reference_dataset(train_samples, eval_samples):
+        schedule = EvalSchedule(train_samples, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
+        rules = write_dataset_rules(log.parent / "mlperf_rules", cfg, train_samples, eval_samples,
+                                    schedule.interval, schedule.first)
+    passed, output = run_checker(log, rules)
+    which = "the official closed_dlrmv4 rules" if rules is None else f"the project rules for this dataset ({rules})"
+    if not passed:
+        print(output.strip()[-4000:], file=sys.stderr)
+        raise UserError(f"{log} FAILED the MLPerf compliance checker (training {RULESET}, {which})")
+    _say(f"{log} PASSED the MLPerf compliance checker (training {RULESET}, {which})")
+    started, seconds = run_seconds(log)
+    print(f"RESULT,dlrmv4,{cfg.seed},{seconds:.0f},{getpass.getuser()},"
+          f"{time.strftime('%Y-%m-%d %I:%M:%S %p', time.localtime(started))}", flush=True)
 
 
 def cmd_show_config(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
@@ -148,6 +180,7 @@ COMMANDS: dict[str, tuple[Callable[[BenchmarkConfig, argparse.Namespace], None],
     "sample": (cmd_sample, "assemble a few jagged batches from the first window and print them"),
     "pipeline": (cmd_pipeline, "prepare + sample: the data path end to end"),
     "train": (cmd_train, "the benchmark: prepare the data if needed, then train to the target AUC"),
+    "check-log": (cmd_check_log, "run the official MLPerf compliance checker on a run's log; print RESULT"),
     "show-config": (cmd_show_config, "print the resolved configuration as TOML"),
 }
 
@@ -167,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             p.add_argument("--restart", action="store_true",
                            help="start cold: delete run_dir's checkpoints and report instead of resuming")
+        if name == "check-log":
+            p.add_argument("--log", default=None, help="the run log (default: mlperf.log_file or <run_dir>/mlperf_log.txt)")
         if name in ("sample", "pipeline"):
             p.add_argument("--batches", type=int, default=3, help="batches to assemble")
     return parser

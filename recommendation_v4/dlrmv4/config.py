@@ -156,6 +156,17 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class MlperfConfig:
+    division: str = _field("closed", "MLPerf division: closed pins every hyperparameter but the LR and the batch "
+                           "size (checked before the run starts on the reference dataset)", choices=("closed", "open"))
+    submission_org: str = _field("reference", "submitting organisation (submission_org)")
+    submission_platform: str = _field("unspecified", "system name (submission_platform)")
+    submission_status: str = _field("onprem", "availability (submission_status)",
+                                    choices=("onprem", "cloud", "preview", "research"))
+    log_file: str = _field("", "the MLPerf run log (:::MLLOG lines); empty: <run_dir>/mlperf_log.txt")
+
+
+@dataclass(frozen=True)
 class BenchmarkConfig:
     seed: int = _field(0, "the run's seed; every generator derives from it", min=0, max=2**63 - 1)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
@@ -165,6 +176,7 @@ class BenchmarkConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    mlperf: MlperfConfig = field(default_factory=MlperfConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -175,6 +187,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "embeddings": EmbeddingConfig,
     "train": TrainConfig,
+    "mlperf": MlperfConfig,
 }
 
 

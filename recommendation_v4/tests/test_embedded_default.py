@@ -1,5 +1,6 @@
 """The README's first command: ``./run_and_time.sh`` with the embedded default, from nothing, on
-this machine's CPU: generate, preprocess, verify against the published sums, train to the target."""
+this machine's CPU: generate, preprocess, verify against the published sums, train to the target,
+pass the official compliance checker and print the RESULT line."""
 
 from __future__ import annotations
 
@@ -32,3 +33,7 @@ def test_run_and_time_reaches_the_target_from_nothing(tmp_path):
     assert re.search(r"run success: .* best AUC 0\.\d{4} \(target " + re.escape(str(target)), out)
     assert re.search(r"\[dlrmv4\] run finished in \d+ s", out)
     assert (tmp_path / "run" / "auc_vs_samples.png").exists()
+    # The official checker, with the project rules for this dataset, passes the run's log.
+    assert re.search(r"mlperf_log\.txt PASSED the MLPerf compliance checker \(training 6\.1\.0, the project rules", out)
+    result = re.search(r"^RESULT,dlrmv4,0,(\d+),[^,]+,\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [AP]M$", out, re.M)
+    assert result and 0 < int(result[1]) <= history["seconds"] + 60

@@ -138,6 +138,48 @@ def test_kill_and_resume_is_bit_exact(data_path, tmp_path):
     # Every dense parameter and table too, through the report's digest of the final parameters.
     digests = [json.loads((d / "report.json").read_text())["parameters_sha256"] for d in (base, killed)]
     assert digests[0] == digests[1]
+    # The MLPerf log continued the same run: the same events in the same order, one INIT_START/RUN_START.
+    events = [_events(d / "mlperf_log.txt") for d in (base, killed)]
+    assert events[0] == events[1]
+    assert [k for k, _, _ in events[1]].count("init_start") == 1 == [k for k, _, _ in events[1]].count("run_start")
+
+
+def _events(path: Path) -> list[tuple]:
+    """(key, value, samples_count) of every MLPerf log line: what must not depend on kills."""
+    out = []
+    for line in path.read_text().splitlines():
+        assert line.startswith(":::MLLOG {"), line
+        record = json.loads(line[len(":::MLLOG "):])
+        out.append((record["key"], record["value"], record["metadata"].get("samples_count")))
+    return out
+
+
+def test_crash_mid_eval_then_resume_gives_a_log_the_checker_passes(data_path, tmp_path, monkeypatch):
+    """A crash inside an eval (after checkpoints were written) leaves EVAL_START without EVAL_STOP
+    in the log; the resumed run cuts that off and its log passes the project rules."""
+    from dlrmv4.cli import main as cli_main
+    from dlrmv4.train.loop import StreamingTrainer
+    from dlrmv4.train.run import run_training
+
+    values = _overrides(data_path, tmp_path / "run")
+    values.update({"train.target_auc": 0.0, "train.checkpoint_every_steps": 2})
+    cfg = load_config(None, None, {tuple(k.split(".")): v for k, v in values.items()})
+    evaluate = StreamingTrainer.evaluate
+
+    def crash(self, window):
+        raise RuntimeError("simulated crash mid-eval")
+
+    monkeypatch.setattr(StreamingTrainer, "evaluate", crash)
+    with pytest.raises(RuntimeError, match="mid-eval"):
+        run_training(cfg, log=lambda m: None)
+    log_text = (tmp_path / "run" / "mlperf_log.txt").read_text()
+    assert '"eval_start"' in log_text and '"eval_stop"' not in log_text
+    monkeypatch.setattr(StreamingTrainer, "evaluate", evaluate)
+    history, _ = run_training(cfg, log=lambda m: None)
+    assert history.status == "success" and len(history.evals) == 1
+    keys = [k for k, _, _ in _events(tmp_path / "run" / "mlperf_log.txt")]
+    assert keys.count("init_start") == keys.count("run_start") == keys.count("eval_start") == 1
+    assert cli_main(["check-log", *_cli_flags(values)]) == 0
 
 
 def test_non_finite_loss_stops_with_the_step_and_window(data_path, tmp_path, monkeypatch, capsys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -20,14 +21,19 @@ import torch
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.loader import make_window_loader
 from dlrmv4.data.store import Store
+from dlrmv4.mlperf.runlog import RunFacts, RunLog
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.checkpoint import (CheckpointCadence, CheckpointPosition, ModelAndOptimizers, latest_checkpoint,
                                      load_checkpoint, save_checkpoint)
 from dlrmv4.train.metrics import AucAccumulator
-from dlrmv4.train.optim import FiniteMonitor, WarmupSchedule, clip_dense_gradients, make_dense_optimizer
+from dlrmv4.train.optim import (FiniteMonitor, TrainingDivergedError, WarmupSchedule, clip_dense_gradients,
+                                make_dense_optimizer)
 from dlrmv4.train.progress import TrainProgress
 from dlrmv4.train.rng import capture_rng_state, restore_rng_state
 from dlrmv4.train.schedule import EvalSchedule
+
+
+RUN_LOG_FILE = "mlperf_log.txt"
 
 
 @dataclass
@@ -60,13 +66,23 @@ def split_windows(store: Store) -> tuple[list[int], int]:
     return list(range(store.num_windows - 1)), store.num_windows - 1
 
 
+def sample_counts(store: Store) -> tuple[int, int]:
+    """(train samples: the anchors of every train window, eval samples: the holdout's anchors)."""
+    windows, holdout = split_windows(store)
+    anchors = np.diff(np.asarray(store.window_offsets))
+    return int(anchors[windows].sum()), int(anchors[holdout])
+
+
 class StreamingTrainer:
     """One run on one device: the model, the sparse tables, both optimizers, the data stream."""
 
     def __init__(self, cfg: BenchmarkConfig, store: Store, model: DlrmHSTU, embeddings, device: torch.device,
-                 log: Callable[[str], None] = print, progress: bool = False) -> None:
+                 log: Callable[[str], None] = print, progress: bool = False, runlog: RunLog | None = None,
+                 config_filename: str = "python-api") -> None:
         self.cfg, self.store, self.model, self.embeddings = cfg, store, model, embeddings
         self.device, self._log, self.show_progress = device, log, progress
+        self.runlog = runlog if runlog is not None else RunLog(Path(cfg.train.run_dir) / RUN_LOG_FILE)
+        self.config_filename = config_filename
         self.progress: TrainProgress | None = None
         self.dense_params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_dense_optimizer(self.dense_params, cfg.train)
@@ -74,8 +90,7 @@ class StreamingTrainer:
         self.windows, self.holdout = split_windows(store)
         if not self.windows:
             raise ValueError("the store has fewer than two windows: nothing to train on")
-        anchors = np.diff(np.asarray(store.window_offsets))
-        self.train_samples = int(anchors[self.windows].sum())
+        self.train_samples, self.eval_samples = sample_counts(store)
         self.evals = EvalSchedule(self.train_samples, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
         self.cadence = CheckpointCadence(cfg.train)
         self.finite = FiniteMonitor(device)
@@ -97,6 +112,7 @@ class StreamingTrainer:
                 "sparse": self.embeddings.state_for_checkpoint(),
                 "rng": capture_rng_state({"dropout": self.model.dropout_generator}),
                 "window_accumulator": (float(self.window_loss), self.window_steps),
+                "runlog": self.runlog.state(),
                 "history": history}
 
     def save(self, history: RunHistory, window: int) -> None:
@@ -110,11 +126,17 @@ class StreamingTrainer:
         """Continue from the newest complete checkpoint of run_dir, or start fresh."""
         path = latest_checkpoint(self.cfg.train.run_dir)
         if path is None:
+            if not self.runlog.opened:
+                self.runlog.open(0)
+                self.runlog.init_start()
+            self.runlog.init_stop_and_run_start(self.cfg, RunFacts(self.train_samples, self.eval_samples,
+                                                                   self.config_filename))
             return RunHistory()
         template = {"dense": ModelAndOptimizers(self.model, [self.optimizer])}
         position, state = load_checkpoint(path, template)
         self.embeddings.load_from_checkpoint(state["sparse"])
         restore_rng_state(state["rng"], {"dropout": self.model.dropout_generator})
+        self.runlog.resume(state["runlog"])
         loss_sum, self.window_steps = state["window_accumulator"]
         self.window_loss.fill_(loss_sum)
         history: RunHistory = state["history"]
@@ -147,14 +169,17 @@ class StreamingTrainer:
 
     def _eval(self, history: RunHistory, window: int, eval_window: int, started: float) -> bool:
         self.finite.check()
-        auc = self.evaluate(eval_window)
+        auc = self.runlog.evaluation(history.samples, self.train_samples, lambda: self.evaluate(eval_window))
         history.evals.append(EvalRecord(samples_count=history.samples, step=history.steps, window=window,
                                         eval_window=eval_window, auc=auc,
                                         seconds=history.seconds + time.perf_counter() - started))
         self.log(f"eval at {history.samples:,} samples (window {window}, scored window {eval_window}): AUC {auc:.4f}")
         if self.progress is not None:
             self.progress.record_auc(auc)
-        return auc >= self.cfg.train.target_auc
+        reached = auc >= self.cfg.train.target_auc
+        if not reached:
+            self.runlog.block_start(history.samples, self.train_samples)
+        return reached
 
     # -- the run -------------------------------------------------------------------------
     def run(self) -> RunHistory:
@@ -167,6 +192,9 @@ class StreamingTrainer:
                                       self.show_progress)
         try:
             self._stream(history, loader)
+        except TrainingDivergedError:
+            self.runlog.run_stop(history.samples, self.train_samples, "aborted")
+            raise
         finally:
             self.progress.close()
             self.progress = None
@@ -202,6 +230,9 @@ class StreamingTrainer:
                 history.status = "aborted"
             elif cfg.train.max_steps and history.steps >= cfg.train.max_steps:
                 history.status = "stopped"
+            if history.status != "running":
+                self.finite.check()
+                self.runlog.run_stop(history.samples, self.train_samples, history.status)
             if history.status != "running" or self.cadence.due(history.steps, time.perf_counter(), last_of_window):
                 self.finite.check()  # never checkpoint a diverged state
                 history.seconds += time.perf_counter() - started

@@ -15,9 +15,11 @@ from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
 from dlrmv4.errors import UserError
 from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.train.checkpoint import CHECKPOINT_DIR
+from dlrmv4.mlperf.rules import check_closed_division
+from dlrmv4.mlperf.runlog import RunLog
+from dlrmv4.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
 from dlrmv4.train.embeddings import make_embeddings, store_table_counts, table_specs
-from dlrmv4.train.loop import RunHistory, StreamingTrainer
+from dlrmv4.train.loop import RUN_LOG_FILE, RunHistory, StreamingTrainer, sample_counts
 from dlrmv4.train.report import AUC_PLOT, REPORT_FILE, THROUGHPUT_PLOT, parameter_digest, write_report
 
 
@@ -49,24 +51,38 @@ def check_run_dir_writable(run_dir: Path) -> None:
         raise UserError(f"run directory {run_dir} is not writable: {exc.strerror or exc}") from exc
 
 
+def run_log_path(cfg: BenchmarkConfig) -> Path:
+    return Path(cfg.mlperf.log_file) if cfg.mlperf.log_file else Path(cfg.train.run_dir) / RUN_LOG_FILE
+
+
 def run_training(cfg: BenchmarkConfig, log: Callable[[str], None] = print, progress: bool = False,
-                 restart: bool = False) -> tuple[RunHistory, Path]:
+                 restart: bool = False, config_filename: str = "python-api") -> tuple[RunHistory, Path]:
     """Train until the target AUC, ``max_steps`` or the end of the data, resuming from the newest
     checkpoint of ``run_dir`` unless ``restart``; returns the history and the report path."""
     run_dir = Path(cfg.train.run_dir)
     check_run_dir_writable(run_dir)
+    store = open_store(store_dir(cfg.dataset))
+    train_samples, eval_samples = sample_counts(store)
+    check_closed_division(cfg, train_samples, eval_samples)
+    runlog = RunLog(run_log_path(cfg))
+    runlog.check_writable(runlog.path)  # fail before any work, not at the first event
     if restart:
         clear_run_dir(run_dir)
+    if latest_checkpoint(run_dir) is None:  # a cold start: the MLPerf run begins here
+        runlog.open(0)
+        runlog.init_start()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    store = open_store(store_dir(cfg.dataset))
     seed_everything(cfg.seed)
     model = DlrmHSTU(cfg.model, seed=cfg.seed).to(device)
     embeddings = make_embeddings(table_specs(cfg, *store_table_counts(store)), cfg, device, cfg.seed)
-    trainer = StreamingTrainer(cfg, store, model, embeddings, device, log, progress)
+    trainer = StreamingTrainer(cfg, store, model, embeddings, device, log, progress, runlog, config_filename)
     log(f"training on {device} with {embeddings.backend} embeddings: {len(trainer.windows)} train windows, "
         f"holdout window {trainer.holdout}, {trainer.train_samples:,} train samples, eval every "
         f"{trainer.evals.interval:,} samples from {trainer.evals.first:,}, target AUC {cfg.train.target_auc}")
-    history = trainer.run()
+    try:
+        history = trainer.run()
+    finally:
+        runlog.close()
     sparse = {f"sparse.{name}.{part}": t for name, table in embeddings.state_for_checkpoint()["tables"].items()
               for part, t in table.items()}
     dense = {f"dense.{k}": v for k, v in model.state_dict().items()}
@@ -74,7 +90,8 @@ def run_training(cfg: BenchmarkConfig, log: Callable[[str], None] = print, progr
         "history": history.to_dict(), "config": to_dict(cfg), "eval_interval": trainer.evals.interval,
         "first_eval_samples": trainer.evals.first, "train_samples": trainer.train_samples,
         "device": str(device), "embedding_backend": embeddings.backend,
-        "parameters_sha256": parameter_digest({**dense, **sparse})}, cfg.train.target_auc)
+        "parameters_sha256": parameter_digest({**dense, **sparse}), "mlperf_log": str(runlog.path),
+        "eval_samples": trainer.eval_samples}, cfg.train.target_auc)
     if plots:
         log(f"plots: {', '.join(str(p) for p in plots)}")
     else:

@@ -1,0 +1,1 @@
+"""MLPerf compliance: the run log, closed-division checks, rules for non-reference datasets."""

@@ -1,0 +1,179 @@
+"""The MLPerf run log (SPEC §7): ``:::MLLOG`` lines written through ``mlperf_logging.mllog``.
+
+Resume-aware: a cold start truncates the file; every checkpoint records the log's byte size, and
+a resumed run cuts the file back to that size before appending, so the events of the steps after
+the checkpoint (which the resumed run repeats) appear once, and the file holds exactly one
+INIT_START and one RUN_START. Only rank 0 writes; ``barrier`` runs on every rank before
+INIT_STOP, RUN_START and RUN_STOP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from mlperf_logging.mllog import constants as C
+from mlperf_logging.mllog.mllog import MLLogger
+
+from dlrmv4.config import BenchmarkConfig
+from dlrmv4.errors import UserError
+
+PRECISION = {"bfloat16": "bfloat16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the log states about the run beyond its config."""
+
+    train_samples: int
+    eval_samples: int
+    config_filename: str
+    world_size: int = 1
+
+
+class RunLog:
+    def __init__(self, path: Path, rank: int = 0, barrier: Callable[[], None] = lambda: None) -> None:
+        self.path = Path(path)
+        self.writer = rank == 0
+        self.barrier = barrier
+        self._handler: logging.FileHandler | None = None
+        self._mllog: MLLogger | None = None
+        self.block_open = False
+
+    # -- file ----------------------------------------------------------------------------
+    @staticmethod
+    def check_writable(path: Path) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a"):
+                pass
+        except OSError as exc:
+            raise UserError(f"MLPerf log file {path} is not writable: {exc.strerror or exc}") from exc
+
+    def open(self, keep_bytes: int = 0) -> None:
+        """Cut the file to ``keep_bytes`` (0: a cold start) and append from there."""
+        if not self.writer:
+            return
+        self.check_writable(self.path)
+        size = self.path.stat().st_size
+        if keep_bytes > size:
+            raise UserError(f"MLPerf log {self.path} is shorter ({size} bytes) than the checkpoint recorded "
+                            f"({keep_bytes}): it was replaced or truncated, so this run cannot continue it")
+        with open(self.path, "r+b") as fh:
+            fh.truncate(keep_bytes)
+            fh.flush()
+            os.fsync(fh.fileno())
+        logger = logging.Logger(f"dlrmv4.mllog.{self.path}")  # not registered: no global logger state
+        self._handler = logging.FileHandler(self.path, mode="a", encoding="utf-8")
+        self._handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(self._handler)
+        logger.setLevel(logging.INFO)
+        self._mllog = MLLogger(logger=logger, default_stack_offset=2)
+
+    @property
+    def opened(self) -> bool:
+        return self._mllog is not None or not self.writer
+
+    def size(self) -> int:
+        """Bytes written so far (what a checkpoint records)."""
+        if self._handler is not None:
+            self._handler.flush()
+        return self.path.stat().st_size if self.writer and self.path.exists() else 0
+
+    def state(self) -> dict[str, Any]:
+        return {"bytes": self.size(), "block_open": self.block_open}
+
+    def resume(self, state: dict[str, Any]) -> None:
+        self.open(int(state["bytes"]))
+        self.block_open = bool(state["block_open"])
+
+    def close(self) -> None:
+        if self._handler is not None:
+            self._handler.close()
+            self._handler = None
+
+    # -- events --------------------------------------------------------------------------
+    def event(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
+        if self._mllog is not None:
+            self._mllog.event(key=key, value=value, metadata=metadata)
+
+    def start(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
+        if self._mllog is not None:
+            self._mllog.start(key=key, value=value, metadata=metadata)
+
+    def end(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
+        if self._mllog is not None:
+            self._mllog.end(key=key, value=value, metadata=metadata)
+
+    # -- the benchmark's events, in SPEC §7 order ---------------------------------------
+    def init_start(self) -> None:
+        self.event(C.CACHE_CLEAR, True)
+        self.start(C.INIT_START)
+
+    def init_stop_and_run_start(self, cfg: BenchmarkConfig, facts: RunFacts) -> None:
+        tr, mlp = cfg.train, cfg.mlperf
+        self.event(C.SUBMISSION_BENCHMARK, C.DLRMV4)
+        self.event(C.SUBMISSION_ORG, mlp.submission_org)
+        self.event(C.SUBMISSION_DIVISION, mlp.division)
+        self.event(C.SUBMISSION_PLATFORM, mlp.submission_platform)
+        self.event(C.SUBMISSION_STATUS, mlp.submission_status)
+        gbs = cfg.loader.batch_size * facts.world_size
+        self.event(C.GLOBAL_BATCH_SIZE, gbs)
+        self.event(C.GRADIENT_ACCUMULATION_STEPS, 1)
+        self.event(C.SEED, int(cfg.seed))
+        self.event(C.OPT_NAME, "Adam")
+        self.event(C.OPT_BASE_LR, tr.learning_rate)
+        self.event(C.OPT_ADAM_BETA_1, tr.adam_beta1)
+        self.event(C.OPT_ADAM_BETA_2, tr.adam_beta2)
+        self.event(C.OPT_ADAM_EPSILON, tr.adam_eps)
+        self.event(C.OPT_WEIGHT_DECAY, tr.weight_decay)
+        self.event(C.OPT_GRADIENT_CLIP_NORM, tr.grad_clip_norm)
+        self.event(C.OPT_SPARSE_NAME, "RowWiseAdagrad")
+        self.event(C.OPT_SPARSE_BASE_LR, tr.learning_rate)
+        self.event(C.OPT_LR_WARMUP_STEPS, tr.warmup_steps)
+        self.event(C.OPT_LR_WARMUP_START_LR, 0.0)
+        self.event("eval_every_data_pct", tr.eval_every_data_pct)
+        self.event(C.MAX_SEQUENCE_LENGTH, cfg.sampler.max_seq_len)
+        precision = PRECISION[cfg.model.sequence_dtype]
+        self.event(C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, precision)
+        self.event(C.LOWEST_NUMERICAL_PRECISION_IN_ATTN, precision)
+        self.event(C.LOWEST_NUMERICAL_PRECISION_IN_COMM, "fp32")
+        for key in (C.TENSOR_PARALLELISM, C.PIPELINE_PARALLELISM, C.CONTEXT_PARALLELISM, C.EXPERT_PARALLELISM):
+            self.event(key, 1)
+        self.event(C.MICRO_BATCH_SIZE, cfg.loader.batch_size)
+        self.event(C.CONFIG_FILENAME, facts.config_filename)
+        self.barrier()
+        self.end(C.INIT_STOP)
+        self.barrier()
+        self.start(C.RUN_START)
+        self.event(C.TRAIN_SAMPLES, facts.train_samples)
+        self.event(C.EVAL_SAMPLES, facts.eval_samples)
+        self.block_start(0, facts.train_samples)
+
+    def block_start(self, samples: int, train_samples: int) -> None:
+        self.start(C.BLOCK_START, metadata={C.SAMPLES_COUNT: samples, "epoch_num": samples / train_samples})
+        self.block_open = True
+
+    def block_stop(self, samples: int, train_samples: int) -> None:
+        if self.block_open:
+            self.end(C.BLOCK_STOP, metadata={C.SAMPLES_COUNT: samples, "epoch_num": samples / train_samples})
+            self.block_open = False
+
+    def evaluation(self, samples: int, train_samples: int, auc: Callable[[], float]) -> float:
+        """EVAL_START, the eval itself, EVAL_ACCURACY, EVAL_STOP; returns the AUC."""
+        meta = {C.SAMPLES_COUNT: samples, "epoch_num": samples / train_samples}
+        self.block_stop(samples, train_samples)
+        self.start(C.EVAL_START, metadata=meta)
+        value = auc()
+        self.event(C.EVAL_ACCURACY, value, metadata=meta)
+        self.end(C.EVAL_STOP, metadata=meta)
+        return value
+
+    def run_stop(self, samples: int, train_samples: int, status: str) -> None:
+        self.block_stop(samples, train_samples)
+        self.barrier()
+        self.end(C.RUN_STOP, metadata={"status": "success" if status == "success" else "aborted",
+                                       C.SAMPLES_COUNT: samples})

@@ -1,0 +1,104 @@
+"""MLPerf run logs against the real ``mlperf_logging`` compliance checker (training 6.1.0)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from dlrmv4.config import load_config
+from dlrmv4.errors import UserError
+from dlrmv4.mlperf.rules import (REFERENCE_EVAL_SAMPLES, REFERENCE_TRAIN_SAMPLES, check_closed_division,
+                                 run_checker, write_dataset_rules)
+from dlrmv4.mlperf.runlog import RunFacts, RunLog
+from dlrmv4.train.schedule import EvalSchedule
+
+
+def reference_config(gbs: int, lr: float):
+    cfg = load_config("yambda-5b")
+    return dataclasses.replace(cfg, loader=dataclasses.replace(cfg.loader, batch_size=gbs),
+                               train=dataclasses.replace(cfg.train, learning_rate=lr))
+
+
+def write_reference_log(path: Path, cfg, aucs: list[float], extra=None) -> None:
+    """The schedule and logging code at the reference constants: evals on the real eval grid."""
+    facts = RunFacts(REFERENCE_TRAIN_SAMPLES, REFERENCE_EVAL_SAMPLES, "yambda-5b.toml")
+    schedule = EvalSchedule(REFERENCE_TRAIN_SAMPLES, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
+    log = RunLog(path)
+    log.open(0)
+    log.init_start()
+    log.init_stop_and_run_start(cfg, facts)
+    if extra:
+        extra(log)
+    samples = 0
+    for samples, auc in zip(schedule.points(), aucs):
+        log.evaluation(samples, REFERENCE_TRAIN_SAMPLES, lambda a=auc: a)
+        if auc < cfg.train.target_auc:
+            log.block_start(samples, REFERENCE_TRAIN_SAMPLES)
+    log.run_stop(samples, REFERENCE_TRAIN_SAMPLES, "success" if aucs[-1] >= cfg.train.target_auc else "aborted")
+    log.close()
+
+
+@pytest.mark.parametrize("gbs", [8192, 16384, 32768])
+def test_reference_constants_pass_the_official_closed_rules(tmp_path, gbs):
+    cfg = reference_config(gbs, 1.0e-6 * gbs / 8192)
+    check_closed_division(cfg, REFERENCE_TRAIN_SAMPLES, REFERENCE_EVAL_SAMPLES)  # allowed: no error
+    write_reference_log(tmp_path / "log.txt", cfg, [0.70, 0.74, 0.7501])
+    passed, output = run_checker(tmp_path / "log.txt")
+    assert passed, output[-3000:]
+    assert "closed_dlrmv4.yaml" in output
+
+
+@pytest.mark.parametrize("case", ["wrong_lr", "missing_key", "second_run_start", "target_missed"])
+def test_bad_logs_fail_the_checker(tmp_path, case):
+    cfg = reference_config(8192, 2.0e-6 if case == "wrong_lr" else 1.0e-6)
+    aucs = [0.70, 0.74] if case == "target_missed" else [0.70, 0.76]
+    extra = (lambda log: log.start("run_start")) if case == "second_run_start" else None
+    write_reference_log(tmp_path / "log.txt", cfg, aucs, extra)
+    if case == "missing_key":
+        lines = (tmp_path / "log.txt").read_text().splitlines(keepends=True)
+        (tmp_path / "log.txt").write_text("".join(l for l in lines if '"key": "opt_adam_beta_2"' not in l))
+    passed, output = run_checker(tmp_path / "log.txt")
+    assert not passed
+    expected = {"wrong_lr": "opt_base_learning_rate", "missing_key": "opt_adam_beta_2",
+                "second_run_start": "run_start", "target_missed": "target_accuracy"}[case]
+    assert expected in output
+
+
+def test_closed_division_refuses_a_forbidden_learning_rate():
+    cfg = reference_config(8192, 5e-6)
+    with pytest.raises(UserError, match=r"closed division forbids this run: learning rate 5e-06 is outside"):
+        check_closed_division(cfg, REFERENCE_TRAIN_SAMPLES, REFERENCE_EVAL_SAMPLES)
+    open_run = dataclasses.replace(cfg, mlperf=dataclasses.replace(cfg.mlperf, division="open"))
+    check_closed_division(open_run, REFERENCE_TRAIN_SAMPLES, REFERENCE_EVAL_SAMPLES)  # not the closed rules
+    check_closed_division(cfg, 134_291, 17_483)  # another dataset: its project rules apply instead
+
+
+def test_project_rules_replace_only_the_benchmark_file(tmp_path):
+    """A synthetic-size log passes the project rules and fails the official ones; the project rules
+    still apply common.yaml and closed_common.yaml (a missing common key fails)."""
+    cfg = load_config("synthetic-tiny")
+    train, evals = 134_291, 17_483
+    schedule = EvalSchedule(train, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
+    log = RunLog(tmp_path / "log.txt")
+    log.open(0)
+    log.init_start()
+    log.init_stop_and_run_start(cfg, RunFacts(train, evals, "synthetic-tiny.toml"))
+    points = list(schedule.points())[:3]
+    for samples, auc in zip(points, [0.60, 0.62, 0.66]):
+        log.evaluation(samples, train, lambda a=auc: a)
+        if auc < cfg.train.target_auc:
+            log.block_start(samples, train)
+    log.run_stop(points[-1], train, "success")
+    log.close()
+    rules = write_dataset_rules(tmp_path / "rules", cfg, train, evals, schedule.interval, schedule.first)
+    passed, output = run_checker(tmp_path / "log.txt", rules)
+    assert passed, output[-3000:]
+    assert "closed_common.yaml" in output and "checks.yaml" in output and "closed_dlrmv4.yaml" not in output
+    assert not run_checker(tmp_path / "log.txt")[0]
+    lines = (tmp_path / "log.txt").read_text().splitlines(keepends=True)
+    (tmp_path / "log.txt").write_text("".join(l for l in lines if '"key": "submission_org"' not in l))
+    passed, output = run_checker(tmp_path / "log.txt", rules)
+    assert not passed and "submission_org" in output
