@@ -16,9 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_run_and_time_reaches_the_target_from_nothing(tmp_path):
-    env = {**os.environ, "DLRMV4_NO_VENV": "1"}  # this interpreter already has the packages
-    proc = subprocess.run([str(REPO / "run_and_time.sh"), "--data-path", str(tmp_path / "data"),
-                           "--run-dir", str(tmp_path / "run"), "--no-progress"],
+    # DLRMV4_NO_VENV: this interpreter already has the packages; DATA_PATH is a submission knob.
+    env = {**os.environ, "DLRMV4_NO_VENV": "1", "DATA_PATH": str(tmp_path / "data")}
+    proc = subprocess.run([str(REPO / "run_and_time.sh"), "--run-dir", str(tmp_path / "run"), "--no-progress"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -37,3 +37,10 @@ def test_run_and_time_reaches_the_target_from_nothing(tmp_path):
     assert re.search(r"mlperf_log\.txt PASSED the MLPerf compliance checker \(training 6\.1\.0, the project rules", out)
     result = re.search(r"^RESULT,dlrmv4,0,(\d+),[^,]+,\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [AP]M$", out, re.M)
     assert result and 0 < int(result[1]) <= history["seconds"] + 60
+
+
+def test_run_and_time_refuses_several_gpus_per_node(tmp_path):
+    env = {**os.environ, "DLRMV4_NO_VENV": "1", "GPUS_PER_NODE": "8"}
+    proc = subprocess.run([str(REPO / "run_and_time.sh")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.startswith("[dlrmv4] error: GPUS_PER_NODE=8")
+    assert not (tmp_path / "data").exists()

@@ -236,3 +236,15 @@ def test_restart_starts_cold_and_an_unwritable_run_dir_is_one_line(data_path, tm
     proc = subprocess.run([sys.executable, "-m", "dlrmv4", "train", *bad], capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("[dlrmv4] error: run directory") and "not writable" in proc.stderr
+
+
+def test_an_unwritable_mlperf_log_fails_before_training(data_path, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    values = _overrides(data_path, tmp_path / "run")
+    values["mlperf.log_file"] = str(blocker / "mlperf_log.txt")
+    proc = subprocess.run([sys.executable, "-m", "dlrmv4", "train", *_cli_flags(values)], capture_output=True,
+                          text=True)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"[dlrmv4] error: MLPerf log file {blocker / 'mlperf_log.txt'} is not writable")
+    assert not (tmp_path / "run" / "checkpoints").exists()
