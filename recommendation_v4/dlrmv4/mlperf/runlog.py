@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -21,6 +22,7 @@ from mlperf_logging.mllog.mllog import MLLogger
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.errors import UserError
 
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 PRECISION = {"bfloat16": "bfloat16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -71,7 +73,8 @@ class RunLog:
         self._handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(self._handler)
         logger.setLevel(logging.INFO)
-        self._mllog = MLLogger(logger=logger, default_stack_offset=2)
+        # Caller file names relative to the package root: no machine's paths in the log.
+        self._mllog = MLLogger(logger=logger, default_stack_offset=2, root_dir=re.escape(str(PACKAGE_ROOT)))
 
     @property
     def opened(self) -> bool:

@@ -1,0 +1,72 @@
+"""The committed synthetic RCPs and the script that makes them, with the real ``rcp_checker``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RCP_JSON = REPO / "rcp" / "rcps_dlrmv4_synthetic-tiny.json"
+FRESH = REPO / "rcp" / "synthetic-tiny-check"
+
+
+def test_committed_rcps_have_the_official_format():
+    rcps = json.loads(RCP_JSON.read_text())
+    assert sorted(r["BS"] for r in rcps.values()) == [64, 128, 256]
+    for name, record in rcps.items():
+        assert name == f"dlrmv4_ref_{record['BS']}" and record["Benchmark"] == "dlrmv4"
+        assert len(record["Epochs to converge"]) == 20  # references need 2x the 10 submission runs
+        assert record["Hyperparams"]["opt_base_learning_rate"] == pytest.approx(0.003 * record["BS"] / 128)
+
+
+@pytest.mark.parametrize("gbs", [64, 128, 256])
+def test_fresh_runs_pass_the_rcp_checker(gbs, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mlperf_logging.rcp_checker", str(FRESH / str(gbs)),
+                           "--rcp_version", "6.1.0", "--custom_rcps", str(RCP_JSON),
+                           "--log_output", str(tmp_path / "rcp.log")], capture_output=True, text=True)
+    assert proc.returncode == 0 and "RCP test PASSED" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_set_converging_too_fast_fails_the_rcp_checker(tmp_path):
+    """The check is real: the RCPs bound how fast a submission may converge, and the same fresh runs
+    told they converged 40 % earlier fail."""
+    fast = tmp_path / "256"
+    fast.mkdir()
+    for log in sorted((FRESH / "256").glob("result_*.txt")):
+        lines = []
+        for line in log.read_text().splitlines():
+            record = json.loads(line[len(":::MLLOG "):])
+            if record["key"] == "eval_accuracy":
+                record["metadata"]["samples_count"] = int(record["metadata"]["samples_count"] * 0.6)
+            lines.append(":::MLLOG " + json.dumps(record))
+        (fast / log.name).write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "mlperf_logging.rcp_checker", str(fast), "--rcp_version", "6.1.0",
+                           "--custom_rcps", str(RCP_JSON), "--log_output", str(tmp_path / "rcp.log")],
+                          capture_output=True, text=True)
+    assert "RCP test FAILED" in proc.stdout + proc.stderr
+
+
+def test_generator_runs_and_reads_convergence_from_the_log(tmp_path):
+    """One short run through the script: its log lands where the checker expects it, and a run
+    that stops before the target is recorded as not converged."""
+    from dlrmv4.config import load_config
+    from dlrmv4.data.preprocess import preprocess
+    from raw_factory import random_events, write_raw
+
+    cfg = load_config("synthetic-tiny", None, {("preprocess", "num_train_days"): 4, ("preprocess", "min_history"): 20})
+    raw = write_raw(tmp_path / "raw", random_events(5, num_users=20, max_events=200, span_days=6))
+    preprocess(raw, tmp_path / "data" / "processed" / "synthetic-tiny", cfg.dataset, cfg.preprocess, progress=False)
+    proc = subprocess.run([sys.executable, str(REPO / "rcp" / "generate_rcps.py"), "--data-path",
+                           str(tmp_path / "data"), "--batch-sizes", "16", "--seeds", "1", "--parallel", "1",
+                           "--out", str(tmp_path / "rcp"), "--work", str(tmp_path / "runs"), "--",
+                           "--num-train-days", "4", "--min-history", "20", "--max-steps", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "gbs 16 seed 1: did not converge" in proc.stdout
+    assert (tmp_path / "rcp" / "16" / "result_1.txt").read_text().count(":::MLLOG") > 30
+    record = json.loads((tmp_path / "rcp" / "rcps_dlrmv4_synthetic-tiny.json").read_text())["dlrmv4_ref_16"]
+    assert record["Runs"] == 1 and record["Not converged"] == 1 and record["Epochs to converge"] == []
