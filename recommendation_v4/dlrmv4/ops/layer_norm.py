@@ -43,15 +43,17 @@ def _check(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                kernels: str = "auto") -> torch.Tensor:
-    _check(x, weight, bias)
-    if resolve(kernels, x.device) == "pytorch":
-        return ref.layer_norm(x, weight, bias, eps)
-    return _LayerNormFn.apply(x, weight, bias, eps, False)
+    return _norm(x, weight, bias, eps, kernels, swish=False)
 
 
 def swish_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                      kernels: str = "auto") -> torch.Tensor:
+    return _norm(x, weight, bias, eps, kernels, swish=True)
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, kernels: str,
+          swish: bool) -> torch.Tensor:
     _check(x, weight, bias)
     if resolve(kernels, x.device) == "pytorch":
-        return ref.swish_layer_norm(x, weight, bias, eps)
-    return _LayerNormFn.apply(x, weight, bias, eps, True)
+        return (ref.swish_layer_norm if swish else ref.layer_norm)(x, weight, bias, eps)
+    return _LayerNormFn.apply(x, weight, bias, eps, swish)

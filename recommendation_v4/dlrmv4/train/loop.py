@@ -230,15 +230,15 @@ class StreamingTrainer:
                 history.status = "aborted"
             elif cfg.train.max_steps and history.steps >= cfg.train.max_steps:
                 history.status = "stopped"
-            if history.status != "running":
-                self.finite.check()
-                self.runlog.run_stop(history.samples, self.train_samples, history.status)
-            if history.status != "running" or self.cadence.due(history.steps, time.perf_counter(), last_of_window):
-                self.finite.check()  # never checkpoint a diverged state
+            finished = history.status != "running"
+            if finished or self.cadence.due(history.steps, time.perf_counter(), last_of_window):
+                self.finite.check()  # never log RUN_STOP for, or checkpoint, a diverged state
+                if finished:  # before the save: the checkpoint records the log with RUN_STOP in it
+                    self.runlog.run_stop(history.samples, self.train_samples, history.status)
                 history.seconds += time.perf_counter() - started
                 started = time.perf_counter()
                 self.save(history, window)
-            if history.status != "running":
+            if finished:
                 break
             tick = time.perf_counter()
 
