@@ -6,28 +6,76 @@
 # verdict and the MLPerf RESULT line.
 # Every flag of `python -m dlrmv4 train --help` passes through (for example --preset synthetic-small,
 # --data-path DIR, --seed N). Each call is a new run (--restart); to continue an interrupted run,
-# call `python -m dlrmv4 train` with the same flags instead.
+# call `python -m dlrmv4 train` (under the same launcher) with the same flags instead.
 #
-# Submission knobs from the environment (each is also a flag; flags given here win):
+# Submission knobs from the environment (each but the launch ones is also a flag; flags win):
 #   SEED, DATASET (a preset, e.g. yambda-5b), DATA_PATH, GLOBAL_BATCH_SIZE, LEARNING_RATE,
-#   LOG_FILE (the MLPerf log), GPUS_PER_NODE (1 until multi-GPU runs land).
+#   LOG_FILE (the MLPerf log).
+# Launch (README "Multi-GPU and multi-node"):
+#   GPUS_PER_NODE (processes per node, default 1; on a machine without GPUs, gloo CPU processes),
+#   NNODES (default 1), NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node torchrun rendezvous).
+#   With more than one process the data is prepared once first, then torchrun starts one process
+#   per GPU. Under SLURM (tools/slurm/dlrmv4.sbatch runs `srun run_and_time.sh`), each task maps
+#   SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS to RANK/LOCAL_RANK/WORLD_SIZE and trains; task 0
+#   checks the log. PREPARE_ONLY=1 prepares the data and exits (the sbatch script's first step).
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 knobs=()
 [[ -n "${SEED:-}" ]] && knobs+=(--seed "${SEED}")
 [[ -n "${DATASET:-}" ]] && knobs+=(--preset "${DATASET}")
 [[ -n "${DATA_PATH:-}" ]] && knobs+=(--data-path "${DATA_PATH}")
-[[ -n "${GLOBAL_BATCH_SIZE:-}" ]] && knobs+=(--batch-size "${GLOBAL_BATCH_SIZE}")  # one process: GBS = batch
+[[ -n "${GLOBAL_BATCH_SIZE:-}" ]] && knobs+=(--batch-size "${GLOBAL_BATCH_SIZE}")
 [[ -n "${LEARNING_RATE:-}" ]] && knobs+=(--learning-rate "${LEARNING_RATE}")
 [[ -n "${LOG_FILE:-}" ]] && knobs+=(--log-file "${LOG_FILE}")
-if [[ -n "${GPUS_PER_NODE:-}" && "${GPUS_PER_NODE}" != "1" ]]; then
-    echo "[dlrmv4] error: GPUS_PER_NODE=${GPUS_PER_NODE}: this version trains on one process (one GPU or the CPU)" >&2
-    exit 1
-fi
+gpus_per_node="${GPUS_PER_NODE:-1}"
+nnodes="${NNODES:-1}"
+for value in "${gpus_per_node}" "${nnodes}"; do
+    if ! [[ "${value}" =~ ^[1-9][0-9]*$ ]]; then
+        echo "[dlrmv4] error: GPUS_PER_NODE and NNODES must be positive integers, got '${value}'" >&2
+        exit 1
+    fi
+done
 source "${repo_root}/tools/ensure_env.sh"
 args=("${knobs[@]+"${knobs[@]}"}" "$@")
+md5s=(--reference-md5s "${repo_root}/md5sums")
+
+if [[ "${PREPARE_ONLY:-0}" == "1" ]]; then
+    exec python -m dlrmv4 prepare --if-missing "${md5s[@]}" "${args[@]+"${args[@]}"}"
+fi
+
+if [[ -n "${SLURM_PROCID:-}" && -z "${RANK:-}" ]]; then
+    # One task of an srun step: this process is one rank.
+    : "${MASTER_ADDR:?MASTER_ADDR must name the first node (tools/slurm/dlrmv4.sbatch sets it)}"
+    export RANK="${SLURM_PROCID}" LOCAL_RANK="${SLURM_LOCALID:?}" WORLD_SIZE="${SLURM_NTASKS:?}"
+    export LOCAL_WORLD_SIZE="${SLURM_NTASKS_PER_NODE:-${gpus_per_node}}"
+    LOCAL_WORLD_SIZE="${LOCAL_WORLD_SIZE%%(*}"  # SLURM writes "8(x2)" for uniform nodes
+    export MASTER_PORT="${MASTER_PORT:-29500}"
+    python -m dlrmv4 train --restart "${args[@]+"${args[@]}"}"
+    if [[ "${RANK}" == "0" ]]; then
+        python -m dlrmv4 check-log "${args[@]+"${args[@]}"}"
+    fi
+    exit 0
+fi
+
+world=$((gpus_per_node * nnodes))
 start=$(date +%s)
-python -m dlrmv4 train --restart --reference-md5s "${repo_root}/md5sums" "${args[@]+"${args[@]}"}"
+if (( world == 1 )); then
+    python -m dlrmv4 train --restart "${md5s[@]}" "${args[@]+"${args[@]}"}"
+else
+    python -m dlrmv4 prepare --if-missing "${md5s[@]}" "${args[@]+"${args[@]}"}"
+    start=$(date +%s)
+    if (( nnodes == 1 )); then
+        rendezvous=(--standalone)
+    else
+        rendezvous=(--nnodes "${nnodes}" --node-rank "${NODE_RANK:?NODE_RANK must be set on each node}"
+                    --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:?}:${MASTER_PORT:-29500}")
+    fi
+    torchrun "${rendezvous[@]}" --nproc-per-node "${gpus_per_node}" -m dlrmv4 train --restart \
+        "${args[@]+"${args[@]}"}"
+    if [[ "${NODE_RANK:-0}" != "0" ]]; then
+        exit 0
+    fi
+fi
 end=$(date +%s)
 echo "[dlrmv4] run finished in $((end - start)) s ($(date -u +%Y-%m-%dT%H:%M:%SZ))"
 python -m dlrmv4 check-log "${args[@]+"${args[@]}"}"

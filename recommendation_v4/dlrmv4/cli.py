@@ -6,6 +6,7 @@ Every failure the user can fix is one line on stderr and exit status 1.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -91,6 +92,11 @@ def cmd_verify(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
 
 
 def cmd_prepare(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    from dlrmv4.data.paths import store_dir
+
+    if getattr(args, "if_missing", False) and (store_dir(cfg.dataset) / "meta.json").exists():
+        _say(f"store ready at {store_dir(cfg.dataset)}: nothing to prepare")
+        return
     cmd_preprocess(cfg, args)
     cmd_verify(cfg, args)
 
@@ -128,11 +134,14 @@ def cmd_train(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     from dlrmv4.data.paths import store_dir
     from dlrmv4.train.run import run_training
 
-    if not (store_dir(cfg.dataset) / "meta.json").exists():
+    # Under a multi-process launcher the data is prepared once beforehand (run_and_time.sh does it).
+    if not (store_dir(cfg.dataset) / "meta.json").exists() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         cmd_prepare(cfg, args)
     config_filename = Path(args.config).name if args.config else f"{args.preset or 'defaults'}.toml"
     history, report = run_training(cfg, log=_say, progress=not args.no_progress, restart=args.restart,
                                    config_filename=config_filename)
+    if os.environ.get("RANK", "0") != "0":
+        return  # rank 0 speaks for the run
     best = max((e.auc for e in history.evals), default=float("nan"))
     _say(f"run {history.status}: {history.steps:,} steps, {history.samples:,} samples, {len(history.evals)} evals, "
          f"best AUC {best:.4f} (target {cfg.train.target_auc}); report {report}")
@@ -195,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("verify", "prepare", "pipeline", "train"):
             p.add_argument("--reference-md5s", default=None,
                            help="published checksum file (the repository's md5sums) to compare the store with")
+        if name == "prepare":
+            p.add_argument("--if-missing", action="store_true", help="do nothing when the store already exists")
         if name == "verify":
             p.add_argument("--store", default=None, help="store directory (default: from the dataset config)")
         if name == "train":

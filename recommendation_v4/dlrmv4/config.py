@@ -89,7 +89,8 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class LoaderConfig:
-    batch_size: int = _field(1_024, "samples per batch on one process", min=1)
+    batch_size: int = _field(1_024, "global batch size: samples per optimizer step over all processes (each of "
+                             "the world's processes takes an equal contiguous slice)", min=1)
     num_workers: int = _field(2, "loader worker processes (0 builds batches in the main process)", min=0, max=256)
     shuffle_within_window: bool = _field(False, "seeded shuffle of anchors inside each window")
     prefetch_batches: int = _field(2, "batches each worker prepares ahead", min=1, max=64)
@@ -129,6 +130,15 @@ class EmbeddingConfig:
     artist_rows: int = _field(0, "rows of the artist table (0: from the store)", min=0)
     album_rows: int = _field(0, "rows of the album table (0: from the store)", min=0)
     embedding_init_std: float = _field(0.01, "std of the normal init of every table row", min=0.0)
+    sharding_types: str = _field("", "TorchRec sharding type per table, 'table=type,...' ('*' for every table; "
+                                 "types: row_wise, column_wise, table_wise, data_parallel); empty: the planner "
+                                 "chooses")
+    placement: str = _field("", "TorchRec table placement, 'table=where,...' ('*' for every table; where: hbm, "
+                            "uvm, uvm_caching); empty: the planner chooses")
+    hbm_cap_gib: float = _field(0.0, "device memory per rank the TorchRec planner may fill with tables (GiB; 0: "
+                                "the device's own size)", min=0.0)
+    qcomm: str = _field("none", "TorchRec quantized embedding all-to-all: forward and backward in fp16 or bf16",
+                        choices=("none", "fp16", "bf16"))
 
 
 @dataclass(frozen=True)
@@ -156,6 +166,14 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    backend: str = _field("auto", "torch.distributed backend of multi-process runs (auto: nccl on GPUs, gloo on "
+                          "the CPU)", choices=("auto", "nccl", "gloo"))
+    timeout_seconds: float = _field(600.0, "a collective that waits longer than this fails the run (a rank died "
+                                    "or hangs)", min=1.0)
+
+
+@dataclass(frozen=True)
 class MlperfConfig:
     division: str = _field("closed", "MLPerf division: closed pins every hyperparameter but the LR and the batch "
                            "size (checked before the run starts on the reference dataset)", choices=("closed", "open"))
@@ -176,6 +194,7 @@ class BenchmarkConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     mlperf: MlperfConfig = field(default_factory=MlperfConfig)
 
 
@@ -187,6 +206,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "embeddings": EmbeddingConfig,
     "train": TrainConfig,
+    "distributed": DistributedConfig,
     "mlperf": MlperfConfig,
 }
 

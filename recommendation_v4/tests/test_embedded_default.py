@@ -10,6 +10,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from dlrmv4.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,8 +41,10 @@ def test_run_and_time_reaches_the_target_from_nothing(tmp_path):
     assert result and 0 < int(result[1]) <= history["seconds"] + 60
 
 
-def test_run_and_time_refuses_several_gpus_per_node(tmp_path):
-    env = {**os.environ, "DLRMV4_NO_VENV": "1", "GPUS_PER_NODE": "8"}
+@pytest.mark.parametrize("knob, value", [("GPUS_PER_NODE", "two"), ("NNODES", "0")])
+def test_run_and_time_refuses_a_bad_process_count(tmp_path, knob, value):
+    env = {**os.environ, "DLRMV4_NO_VENV": "1", knob: value}
     proc = subprocess.run([str(REPO / "run_and_time.sh")], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert proc.returncode == 1 and proc.stderr.startswith("[dlrmv4] error: GPUS_PER_NODE=8")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"[dlrmv4] error: GPUS_PER_NODE and NNODES must be positive integers, got '{value}'"
     assert not (tmp_path / "data").exists()

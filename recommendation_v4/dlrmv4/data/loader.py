@@ -6,6 +6,10 @@ time order; the optional in-window shuffle permutes it first with a generator se
 i mod num_workers, which is exactly the order the DataLoader's round-robin collects them in,
 so the stream is identical for any number of workers. Workers convert numpy to torch (zero
 copy); the main process pins them when a GPU is present.
+
+In a run of several processes the plan is the global one (the batch size is the global batch
+size) and each rank builds only its contiguous slice of every batch (``rank_bounds``), so the
+global batches, the step count and the eval points do not depend on the world size.
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ class BatchSlice(NamedTuple):
     window: int
     start: int
     stop: int
+
+
+def rank_bounds(part: BatchSlice, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank ``rank``'s share ``[lo, hi)`` of a batch: contiguous, sizes differing by at most one."""
+    n = part.stop - part.start
+    return part.start + n * rank // world_size, part.start + n * (rank + 1) // world_size
 
 
 def plan_batches(window_sizes: Sequence[tuple[int, int]], batch_size: int, drop_last: bool) -> list[BatchSlice]:
@@ -55,7 +65,8 @@ class WindowDataset(IterableDataset):
     """
 
     def __init__(self, store: Store, windows: Sequence[int], cfg: SamplerConfig, *, batch_size: int,
-                 shuffle: bool = False, seed: int = 0, drop_last: bool = False, start_batch: int = 0) -> None:
+                 shuffle: bool = False, seed: int = 0, drop_last: bool = False, start_batch: int = 0,
+                 rank: int = 0, world_size: int = 1) -> None:
         super().__init__()
         windows = [int(w) for w in windows]
         bad = [w for w in windows if not 0 <= w < store.num_windows]
@@ -71,6 +82,7 @@ class WindowDataset(IterableDataset):
         self.shuffle = shuffle
         self.seed = seed
         self.start_batch = start_batch
+        self.rank, self.world_size = rank, world_size
 
     def __len__(self) -> int:
         return len(self.plan) - self.start_batch
@@ -87,15 +99,20 @@ class WindowDataset(IterableDataset):
         for part in mine:
             if part.window != order_window:
                 order_window, order = part.window, window_order(store, part.window, self.shuffle, self.seed)
-            yield build_batch(store, order[part.start:part.stop], self.cfg, item_sides).to_torch()
+            lo, hi = rank_bounds(part, self.rank, self.world_size)
+            if lo == hi:  # a tail batch smaller than the world: this rank scores a stand-in, ignored
+                lo = hi - 1 if hi > part.start else part.start
+                hi = lo + 1
+            yield build_batch(store, order[lo:hi], self.cfg, item_sides).to_torch()
 
 
 def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfig, start_batch: int = 0,
-                       drop_last: bool = False) -> DataLoader:
-    """A DataLoader over ``windows`` (in the given order) that starts at batch ``start_batch`` (resume)."""
+                       drop_last: bool = False, rank: int = 0, world_size: int = 1) -> DataLoader:
+    """A DataLoader over ``windows`` (in the given order) that starts at batch ``start_batch`` (resume)
+    and yields rank ``rank``'s slice of every batch."""
     dataset = WindowDataset(store, windows, cfg.sampler, batch_size=cfg.loader.batch_size,
                             shuffle=cfg.loader.shuffle_within_window, seed=cfg.seed, drop_last=drop_last,
-                            start_batch=start_batch)
+                            start_batch=start_batch, rank=rank, world_size=world_size)
     workers = cfg.loader.num_workers
     # An own generator: creating an iterator draws a worker base seed, which must not consume the
     # global torch RNG (dropout draws from it, and a resumed run must see the same stream).

@@ -123,8 +123,7 @@ class RunLog:
         self.event(C.SUBMISSION_DIVISION, mlp.division)
         self.event(C.SUBMISSION_PLATFORM, mlp.submission_platform)
         self.event(C.SUBMISSION_STATUS, mlp.submission_status)
-        gbs = cfg.loader.batch_size * facts.world_size
-        self.event(C.GLOBAL_BATCH_SIZE, gbs)
+        self.event(C.GLOBAL_BATCH_SIZE, cfg.loader.batch_size)  # the batch of one step, over all ranks
         self.event(C.GRADIENT_ACCUMULATION_STEPS, 1)
         self.event(C.SEED, int(cfg.seed))
         self.event(C.OPT_NAME, "Adam")
@@ -146,7 +145,7 @@ class RunLog:
         self.event(C.LOWEST_NUMERICAL_PRECISION_IN_COMM, "fp32")
         for key in (C.TENSOR_PARALLELISM, C.PIPELINE_PARALLELISM, C.CONTEXT_PARALLELISM, C.EXPERT_PARALLELISM):
             self.event(key, 1)
-        self.event(C.MICRO_BATCH_SIZE, cfg.loader.batch_size)
+        self.event(C.MICRO_BATCH_SIZE, cfg.loader.batch_size // facts.world_size)
         self.event(C.CONFIG_FILENAME, facts.config_filename)
         self.barrier()
         self.end(C.INIT_STOP)

@@ -8,6 +8,11 @@ Layout: ``run_dir/checkpoints/step-<8 digits>/`` holding
   - ``COMPLETE``: sha256 and size of every other file, written last.
 The directory is built under a temp name beside it and renamed once, so a reader sees either no
 checkpoint or a whole one; the marker also catches later damage (truncation, bit rot).
+
+Several processes: every rank writes its shards into rank 0's temp directory (DCP, coordinated
+over the gloo control group), rank 0 gathers the per-rank small state (RNG streams) into
+``state.pkl``, writes the marker and renames; the run directory must be on a file system every
+node sees. DCP reshards on load, so a checkpoint written by N ranks loads on M.
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dlrmv4.config import TrainConfig
 from dlrmv4.data.store import atomic_directory
+from dlrmv4.train.distributed import Cluster
 
 MARKER = "COMPLETE"
 POSITION_FILE = "position.json"
@@ -86,9 +93,17 @@ def _split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     return tensor_state, {k: v for k, v in state.items() if k not in tensor_state}
 
 
-def _dcp_quietly(fn: Any, state_dict: dict[str, Any], path: Path) -> None:
+def _dcp_quietly(fn: Any, state_dict: dict[str, Any], path: Path, cluster: Cluster | None = None) -> None:
     """Run DCP save/load; without a process group it works in one process (``no_dist`` is implied
-    in torch 2.13) but warns on every call, which says nothing new here."""
+    in torch 2.13) but warns on every call, which says nothing new here. With several ranks it is
+    a collective over the cluster's control group."""
+    if cluster is not None and cluster.world_size > 1:
+        # Keep ShardedTensors whole: flattening drops those with no shard on this rank (table-wise
+        # plans), and a key missing that way sends DCP down its pre-2.4 key format.
+        planner = {"planner": DefaultLoadPlanner(flatten_sharded_tensors=False)} if fn is dcp.load else {}
+        with cluster._guard(f"checkpoint {fn.__name__}"):
+            fn(state_dict, checkpoint_id=str(path), process_group=cluster.control, **planner)
+        return
     single = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():
         if single:
@@ -161,30 +176,52 @@ def _prune(root: Path, keep: int, just_written: Path) -> None:
 
 
 def save_checkpoint(run_dir: str | os.PathLike, position: CheckpointPosition, state: dict[str, Any],
-                    keep_last: int) -> Path:
+                    keep_last: int, cluster: Cluster | None = None, rank_state: Any = None) -> Path:
     """Write ``run_dir/checkpoints/step-<position.step>/`` atomically and prune to ``keep_last``.
 
     ``state`` maps names to Stateful objects (``nn.Module``, ``ModelAndOptimizers``), saved by DCP
-    and later loaded in place, or to small picklable values (RNG states, metric state, ...).
-    Single-writer: in a multi-process run only one process may call this for now.
+    and later loaded in place, or to small picklable values (metric state, run-log state, ...).
+    ``rank_state`` is this rank's own small state (RNG streams); ``load_checkpoint`` returns every
+    rank's as ``rank_states``. With a cluster of several ranks every rank must call this.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     tensor_state, small_state = _split_state(state)
     root = _checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_dead_temp_dirs(root)
     final = root / f"step-{position.step:08d}"
-    with atomic_directory(final) as tmp:
-        _dcp_quietly(dcp.save, tensor_state, tmp)
-        _write_synced(tmp / POSITION_FILE, json.dumps(dataclasses.asdict(position), indent=1).encode())
-        _write_synced(tmp / PICKLE_FILE, pickle.dumps(small_state, protocol=pickle.HIGHEST_PROTOCOL))
-        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-                 for p in _content_files(tmp)}
-        _write_synced(tmp / MARKER, json.dumps({"files": files}, indent=1, sort_keys=True).encode())
+    if cluster is None or cluster.world_size == 1:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_dead_temp_dirs(root)
+        with atomic_directory(final) as tmp:
+            _dcp_quietly(dcp.save, tensor_state, tmp)
+            _write_small_files(tmp, position, {**small_state, "rank_states": [rank_state]})
+    elif cluster.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_dead_temp_dirs(root)
+        with atomic_directory(final) as tmp:
+            cluster.broadcast(str(tmp))
+            _dcp_quietly(dcp.save, tensor_state, tmp, cluster)
+            rank_states = cluster.gather(rank_state)
+            _write_small_files(tmp, position, {**small_state, "rank_states": rank_states})
+        cluster.barrier()  # the others go on once the checkpoint is complete
+    else:
+        tmp = Path(cluster.broadcast(None))
+        _dcp_quietly(dcp.save, tensor_state, tmp, cluster)
+        cluster.gather(rank_state)
+        cluster.barrier()
+        return final
     _fsync_dir(root)
     _prune(root, keep_last, final)
     return final
+
+
+def _write_small_files(tmp: Path, position: CheckpointPosition, small_state: dict[str, Any]) -> None:
+    """position.json, state.pkl and, last, the marker over every file in ``tmp``."""
+    _write_synced(tmp / POSITION_FILE, json.dumps(dataclasses.asdict(position), indent=1).encode())
+    _write_synced(tmp / PICKLE_FILE, pickle.dumps(small_state, protocol=pickle.HIGHEST_PROTOCOL))
+    files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in _content_files(tmp)}
+    _write_synced(tmp / MARKER, json.dumps({"files": files}, indent=1, sort_keys=True).encode())
 
 
 def _problem(ckpt: Path, verify_hashes: bool) -> str | None:
@@ -218,12 +255,14 @@ def latest_checkpoint(run_dir: str | os.PathLike, verify_hashes: bool = True) ->
     return None
 
 
-def load_checkpoint(path: str | os.PathLike, state_template: dict[str, Any]) -> tuple[CheckpointPosition, dict[str, Any]]:
+def load_checkpoint(path: str | os.PathLike, state_template: dict[str, Any],
+                    cluster: Cluster | None = None) -> tuple[CheckpointPosition, dict[str, Any]]:
     """Load a checkpoint written by ``save_checkpoint``.
 
     Stateful entries of ``state_template`` (modules, ``ModelAndOptimizers``) are restored in place
-    through DCP and returned as the same objects; the other entries are returned as saved (the
-    template's values for them are ignored). Call ``latest_checkpoint`` first to pick a sound one.
+    through DCP and returned as the same objects (resharded to this cluster); the other entries are
+    returned as saved (the template's values for them are ignored), with ``rank_states`` the list
+    of every saving rank's own state. Call ``latest_checkpoint`` first to pick a sound one.
     """
     path = Path(path)
     tensor_state, _ = _split_state(state_template)
@@ -231,7 +270,7 @@ def load_checkpoint(path: str | os.PathLike, state_template: dict[str, Any]) -> 
     with open(path / PICKLE_FILE, "rb") as fh:
         small_state = pickle.load(fh)
     if tensor_state:
-        _dcp_quietly(dcp.load, tensor_state, path)
+        _dcp_quietly(dcp.load, tensor_state, path, cluster)
     return position, {**small_state, **tensor_state}
 
 

@@ -11,8 +11,15 @@ EXACT_ROWWISE_ADAGRAD (weight decay 0), whose update for one row that the batch 
 (fbgemm_gpu/codegen/genscript/optimizers.py: rowwise_adagrad(), split_weight_update_cpu and
 split_precomputation). TorchRec fuses it into the backward; the plain backend applies it in
 ``sparse_step``. Initial weights come from seeded generators, chunk by chunk, so both backends (and
-any row sharding) start from the same numbers. Checkpoints hold full fp32 tables and states in one
-format, so a run can resume on either backend.
+any row sharding) start from the same numbers. Checkpoints go through ``checkpoint_state`` (a
+``torch.distributed.checkpoint`` entry: ``tables.<name>.weight`` / ``.momentum``, sharded tensors
+where TorchRec shards them), so a run resumes on either backend and on any number of ranks.
+
+Several processes: TorchRec shards the tables by its planner's plan (``train/sharding.py``); the
+plain backend keeps a replica of every table on each rank (data parallel) and exchanges the
+gradients before the update (a dense all-reduce for tables smaller than the batch's gradient
+rows, an all-gather of (id, row) pairs for the others, then a fixed-order ``segment_reduce``), so
+every replica applies the same update to the same bits.
 
 Ids are not range-checked in the hot path (that would need a device-to-host sync every step);
 ``check_ids`` does it with a clear message, for debug runs and tests.
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,11 +37,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dlrmv4.config import BenchmarkConfig
+from torch.distributed.checkpoint.stateful import Stateful
+
+from dlrmv4.config import BenchmarkConfig, EmbeddingConfig
 from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, table_rows
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings import SequenceEmbeddings
+from dlrmv4.train.distributed import Cluster
+from dlrmv4.train.sharding import plan_sharding, qcomm_registry
 
 SHARED_TABLES = ("item", "artist", "album")
 TABLE_NAMES = SHARED_TABLES + CONTEXTUAL_FEATURES
@@ -115,8 +127,9 @@ class SparseEmbeddings(nn.Module, abc.ABC):
 
     backend: str
 
-    def __init__(self, specs: list[TableSpec], dim: int, lr: float, eps: float) -> None:
+    def __init__(self, specs: list[TableSpec], dim: int, lr: float, eps: float, cluster: Cluster) -> None:
         super().__init__()
+        self.cluster = cluster
         if [s.name for s in specs] != list(TABLE_NAMES):
             raise ValueError(f"table specs must name {TABLE_NAMES}, got {[s.name for s in specs]}")
         self.specs = list(specs)
@@ -147,13 +160,43 @@ class SparseEmbeddings(nn.Module, abc.ABC):
         """The learning rate of the next update (the warm-up changes it every step)."""
 
     @abc.abstractmethod
-    def state_for_checkpoint(self) -> dict:
-        """``{'tables': {name: {'weight': [rows, E], 'momentum': [rows]}}}``: fp32 host copies, one
-        format for both backends."""
+    def live_tables(self) -> dict[str, dict[str, Any]]:
+        """``{name: {'weight': [rows, E], 'momentum': [rows]}}`` of the live storage: plain tensors or
+        TorchRec ShardedTensors whose local shards are views of FBGEMM's own (loads write in place)."""
 
-    @abc.abstractmethod
+    def checkpoint_state(self) -> "TableState":
+        """The tables as one ``torch.distributed.checkpoint`` entry (saved and loaded in place)."""
+        return TableState(self)
+
+    def state_for_checkpoint(self) -> dict:
+        """``{'tables': {name: {'weight': [rows, E], 'momentum': [rows]}}}``: full fp32 host copies, one
+        format for both backends. With sharded tables it is a collective: every rank must call it;
+        rank 0 gets the tables, the others an empty dict."""
+        tables: dict[str, dict[str, torch.Tensor]] = {}
+        rows = {s.name: s.rows for s in self.specs}
+        for name, parts in self.live_tables().items():
+            shapes = {"weight": (rows[name], self.dim), "momentum": (rows[name],)}
+            full = {part: _full_on_rank0(t, shapes[part], self.cluster) for part, t in parts.items()}
+            if self.cluster.is_main:
+                tables[name] = full
+        return {"tables": tables} if self.cluster.is_main else {}
+
+    @torch.no_grad()
     def load_from_checkpoint(self, state: dict) -> None:
-        """Restore weights and Adagrad state exactly, from either backend's checkpoint."""
+        """Restore weights and Adagrad state exactly from full tables (``state_for_checkpoint``)."""
+        self._check_state(state)
+        for name, parts in self.live_tables().items():
+            for part, live in parts.items():
+                full = state["tables"][name][part]
+                if live is None:
+                    continue
+                if hasattr(live, "local_shards"):
+                    for shard in live.local_shards():
+                        index = tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets,
+                                                                       shard.metadata.shard_sizes))
+                        shard.tensor.copy_(full[index])
+                else:
+                    live.copy_(full)
 
     def _check_state(self, state: dict) -> None:
         for spec in self.specs:
@@ -164,14 +207,89 @@ class SparseEmbeddings(nn.Module, abc.ABC):
                                 f"{spec.rows} rows x {self.dim}: was it saved with another config?")
 
 
+class TableState(Stateful):
+    """A backend's tables as a DCP entry: ``state_dict`` hands out the live tensors and DCP writes into
+    them in place on load (resharding as needed); ``load_state_dict`` copies what DCP handed back as
+    a new tensor instead."""
+
+    def __init__(self, embeddings: SparseEmbeddings) -> None:
+        self.embeddings = embeddings
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tables": {name: {part: t for part, t in parts.items() if t is not None}
+                           for name, parts in self.embeddings.live_tables().items()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for name, parts in self.embeddings.live_tables().items():
+            for part, live in parts.items():
+                if live is None or hasattr(live, "local_shards"):
+                    continue  # nothing here, or loaded in place shard by shard
+                loaded = state_dict["tables"][name][part]
+                if loaded is not live:
+                    live.copy_(loaded)
+
+
+def _full_on_rank0(tensor, shape: tuple[int, ...], cluster: Cluster) -> torch.Tensor | None:
+    """A host copy of a whole table (or state) on rank 0, from a plain or a sharded tensor (None on
+    a rank that holds no part of it)."""
+    if tensor is not None and not hasattr(tensor, "local_shards"):
+        return tensor.detach().to("cpu", copy=True) if cluster.is_main else None
+    shards = tensor.local_shards() if tensor is not None else []
+    pieces = [(tuple(s.metadata.shard_offsets), s.tensor.detach().to("cpu", copy=True)) for s in shards]
+    gathered = cluster.gather(pieces)
+    if not cluster.is_main:
+        return None
+    full = torch.zeros(shape, dtype=torch.float32)
+    for rank_pieces in gathered:
+        for offsets, piece in rank_pieces:
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))] = piece
+    return full
+
+
+def rowwise_adagrad_(weight: torch.Tensor, momentum: torch.Tensor, ids: torch.Tensor, values: torch.Tensor,
+                     lr: torch.Tensor, eps: float) -> None:
+    """FBGEMM's row-wise Adagrad for gradient rows ``values`` of rows ``ids`` (duplicates summed).
+
+    Static shapes and no host sync: the sorted ids are cut into segments, segment s sums into slot
+    s (``segment_reduce``: a fixed order, so replicas on several ranks compute identical bits);
+    slots past the last segment hold zero-length segments, id 0, a zero gradient and a zero
+    multiplier (with eps 0 an untouched row 0 would otherwise give 0 * inf = NaN).
+    """
+    if ids.numel() == 0:
+        return
+    dim = weight.shape[1]
+    sorted_ids, order = torch.sort(ids, stable=True)
+    new = torch.ones_like(sorted_ids, dtype=torch.bool)
+    new[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    segment = torch.cumsum(new, 0) - 1
+    lengths = torch.zeros_like(sorted_ids).index_add_(0, segment, torch.ones_like(sorted_ids))
+    rows = torch.zeros_like(sorted_ids).scatter_(0, segment, sorted_ids)
+    g = torch.segment_reduce(values[order], "sum", lengths=lengths, unsafe=True, initial=0.0)
+    momentum.index_add_(0, rows, (g * g).sum(1) / dim)
+    multiplier = lr / (torch.sqrt(momentum[rows]) + eps)
+    multiplier = torch.where(lengths > 0, multiplier, 0.0)
+    weight.index_add_(0, rows, -(g * multiplier[:, None]))
+
+
+def rowwise_adagrad_dense_(weight: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, lr: torch.Tensor,
+                           eps: float) -> None:
+    """The same update from a dense [rows, E] gradient (duplicates already summed): a row with an
+    all-zero gradient changes neither its state nor its weight, as in FBGEMM."""
+    touched = (grad != 0).any(1)
+    momentum.add_((grad * grad).sum(1) / weight.shape[1])
+    multiplier = torch.where(touched, lr / (torch.sqrt(momentum) + eps), 0.0)
+    weight.sub_(grad * multiplier[:, None])
+
+
 class PlainEmbeddings(SparseEmbeddings):
-    """fp32 nn.Parameter tables with sparse gradients; row-wise Adagrad in ``sparse_step``."""
+    """fp32 nn.Parameter tables with sparse gradients; row-wise Adagrad in ``sparse_step``. On several
+    ranks every rank holds every table (data parallel) and the gradients are all-gathered."""
 
     backend = "plain"
 
     def __init__(self, specs: list[TableSpec], dim: int, lr: float, eps: float, std: float, seed: int,
-                 device: torch.device) -> None:
-        super().__init__(specs, dim, lr, eps)
+                 device: torch.device, cluster: Cluster) -> None:
+        super().__init__(specs, dim, lr, eps, cluster)
         self.weights = nn.ParameterDict({
             s.name: nn.Parameter(init_rows(i, s.rows, 0, s.rows, dim, std, seed, device)) for i, s in enumerate(specs)})
         for s in specs:
@@ -191,71 +309,91 @@ class PlainEmbeddings(SparseEmbeddings):
 
     @torch.no_grad()
     def sparse_step(self) -> None:
+        grads = {}
         for spec in self.specs:
             weight = self.weights[spec.name]
             if weight.grad is not None:
-                self._update(weight, getattr(self, f"momentum_{spec.name}"), weight.grad)
+                grads[spec.name] = (weight.grad._indices()[0], weight.grad._values())
                 weight.grad = None
+        for name, grad in self._exchange(grads).items():
+            momentum = getattr(self, f"momentum_{name}")
+            if isinstance(grad, torch.Tensor):
+                rowwise_adagrad_dense_(self.weights[name], momentum, grad, self.lr_tensor, self.eps)
+            else:
+                rowwise_adagrad_(self.weights[name], momentum, *grad, self.lr_tensor, self.eps)
 
-    def _update(self, weight: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor) -> None:
-        ids, values = grad._indices()[0], grad._values()
-        if ids.numel() == 0:
-            return
-        # Coalesce with static shapes (no host sync): segment s of the sorted ids sums into slot s;
-        # slots past the last segment keep id 0, a zero gradient and a zero multiplier (with eps 0,
-        # an untouched row 0 would otherwise give 0 * inf = NaN), so they change nothing.
-        sorted_ids, order = torch.sort(ids, stable=True)
-        new = torch.ones_like(sorted_ids, dtype=torch.bool)
-        new[1:] = sorted_ids[1:] != sorted_ids[:-1]
-        segment = torch.cumsum(new, 0) - 1
-        rows = torch.zeros_like(sorted_ids).scatter_(0, segment, sorted_ids)
-        g = torch.zeros_like(values).index_add_(0, segment, values[order])
-        momentum.index_add_(0, rows, (g * g).sum(1) / self.dim)
-        multiplier = self.lr_tensor / (torch.sqrt(momentum[rows]) + self.eps)
-        multiplier = torch.where(torch.arange(len(rows), device=rows.device) <= segment[-1], multiplier, 0.0)
-        weight.index_add_(0, rows, -(g * multiplier[:, None]))
+    def _exchange(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+        """Every rank's gradient of every table; values / world size, as each rank's loss is the mean
+        over its own slice. Row counts are host-side shapes (one small gloo message between ranks).
+        A table with fewer rows than the gradient rows of all ranks goes dense: the rows summed into
+        [rows, E] (then one all-reduce, identical sums on every rank); the others as (id, row) pairs,
+        all-gathered in rank order."""
+        world = self.cluster.world_size
+        device = self.lr_tensor.device
+        local = {s.name: grads.get(s.name, (torch.zeros(0, dtype=torch.int64, device=device),
+                                            torch.zeros(0, self.dim, dtype=torch.float32, device=device)))
+                 for s in self.specs}
+        counts = self.cluster.all_gather_ints([local[s.name][0].numel() for s in self.specs])
+        out: dict[str, Any] = {}
+        gathered = []
+        for k, spec in enumerate(self.specs):
+            ids, values = local[spec.name]
+            if spec.rows < sum(rank_counts[k] for rank_counts in counts):
+                dense = torch.zeros(spec.rows, self.dim, dtype=torch.float32, device=device)
+                dense.index_add_(0, ids, values / world if world > 1 else values)
+                out[spec.name] = self.cluster.all_reduce_(dense)
+            elif world == 1:
+                out[spec.name] = (ids, values)
+            else:
+                gathered.append(k)
+        if gathered:
+            totals = [sum(rank_counts[k] for k in gathered) for rank_counts in counts]
+            ids = self.cluster.all_gather_rows(torch.cat([local[self.specs[k].name][0] for k in gathered]), totals)
+            values = self.cluster.all_gather_rows(
+                torch.cat([local[self.specs[k].name][1] for k in gathered]) / world, totals)
+            # Rank-major, table-minor pieces -> per table, in rank order.
+            sizes = [rank_counts[k] for rank_counts in counts for k in gathered]
+            id_parts, value_parts = ids.split(sizes), values.split(sizes)
+            t = len(gathered)
+            for j, k in enumerate(gathered):
+                out[self.specs[k].name] = (torch.cat(id_parts[j::t]), torch.cat(value_parts[j::t]))
+        return out
 
     def set_learning_rate(self, lr: float) -> None:
         self.lr = lr
         self.lr_tensor.fill_(lr)
 
-    def state_for_checkpoint(self) -> dict:
-        return {"tables": {s.name: {"weight": self.weights[s.name].detach().to("cpu", copy=True),
-                                    "momentum": getattr(self, f"momentum_{s.name}").to("cpu", copy=True)}
-                           for s in self.specs}}
-
-    @torch.no_grad()
-    def load_from_checkpoint(self, state: dict) -> None:
-        self._check_state(state)
-        for s in self.specs:
-            self.weights[s.name].copy_(state["tables"][s.name]["weight"])
-            getattr(self, f"momentum_{s.name}").copy_(state["tables"][s.name]["momentum"])
+    def live_tables(self) -> dict[str, dict[str, Any]]:
+        return {s.name: {"weight": self.weights[s.name].data, "momentum": getattr(self, f"momentum_{s.name}")}
+                for s in self.specs}
 
 
 class TorchRecEmbeddings(SparseEmbeddings):
-    """An EmbeddingCollection in DistributedModelParallel, FBGEMM row-wise Adagrad fused in the backward."""
+    """An EmbeddingCollection in DistributedModelParallel, sharded by TorchRec's planner (row-, column-
+    or table-wise); FBGEMM's row-wise Adagrad fused in the backward."""
 
     backend = "torchrec"
 
     def __init__(self, specs: list[TableSpec], dim: int, lr: float, eps: float, std: float, seed: int,
-                 device: torch.device) -> None:
-        super().__init__(specs, dim, lr, eps)
+                 device: torch.device, cluster: Cluster, cfg: EmbeddingConfig) -> None:
+        super().__init__(specs, dim, lr, eps, cluster)
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
-        from torchrec import EmbeddingCollection, EmbeddingConfig
+        from torchrec import EmbeddingCollection, EmbeddingConfig as TableConfig
         from torchrec.distributed import DistributedModelParallel
         from torchrec.distributed.embedding import EmbeddingCollectionSharder
 
         if not dist.is_initialized():
             raise UserError("the torchrec embedding backend needs torch.distributed initialised "
                             "(gloo on the CPU, NCCL on GPUs); or set embeddings.embedding_backend=plain")
-        tables = [EmbeddingConfig(name=s.name, embedding_dim=dim, num_embeddings=s.rows,
-                                  feature_names=list(_table_features(s.name))) for s in specs]
+        tables = [TableConfig(name=s.name, embedding_dim=dim, num_embeddings=s.rows,
+                              feature_names=list(_table_features(s.name))) for s in specs]
         sharder = EmbeddingCollectionSharder(fused_params={
             "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr, "eps": eps,
-            "weight_decay": 0.0})
+            "weight_decay": 0.0}, qcomm_codecs_registry=qcomm_registry(cfg))
         # Built on "meta": DMP allocates only this rank's shards.
         collection = EmbeddingCollection(tables=tables, device=torch.device("meta"))
-        self.dmp = DistributedModelParallel(collection, device=device, sharders=[sharder])
+        self.plan = plan_sharding(collection, [sharder], cfg, cluster.world_size, cluster.local_world_size, device)
+        self.dmp = DistributedModelParallel(collection, device=device, sharders=[sharder], plan=self.plan)
         self.keys = [f for s in specs for f in _table_features(s.name)]
         with torch.no_grad():
             for i, s in enumerate(specs):
@@ -268,7 +406,9 @@ class TorchRecEmbeddings(SparseEmbeddings):
         return self.dmp.state_dict()[f"embeddings.{name}.weight"]
 
     def _momentum(self, name: str):
-        return self.dmp.fused_optimizer.state_dict()["state"][f"embeddings.{name}.weight"][f"{name}.momentum1"]
+        """The table's Adagrad state, or None on a rank that holds none of it (table-wise plans)."""
+        state = self.dmp.fused_optimizer.state_dict()["state"].get(f"embeddings.{name}.weight")
+        return None if state is None else state[f"{name}.momentum1"]
 
     def forward(self, batch: TorchJaggedBatch) -> SequenceEmbeddings:
         from torchrec import KeyedJaggedTensor
@@ -294,25 +434,8 @@ class TorchRecEmbeddings(SparseEmbeddings):
         # The fused optimizer's step() only pushes param_groups' lr into the FBGEMM modules.
         self.dmp.fused_optimizer.step()
 
-    def _full(self, sharded, name: str) -> torch.Tensor:
-        shards = sharded.local_shards()
-        if len(shards) != 1 or tuple(shards[0].tensor.shape) != tuple(sharded.size()):
-            raise UserError(f"embedding table {name!r} is split over ranks: full-table checkpoints "
-                            "need world size 1 (use torch.distributed.checkpoint for sharded runs)")
-        return shards[0].tensor
-
-    def state_for_checkpoint(self) -> dict:
-        return {"tables": {s.name: {"weight": self._full(self._weight(s.name), s.name).detach().to("cpu", copy=True),
-                                    "momentum": self._full(self._momentum(s.name), s.name).to("cpu", copy=True)}
-                           for s in self.specs}}
-
-    @torch.no_grad()
-    def load_from_checkpoint(self, state: dict) -> None:
-        self._check_state(state)
-        for s in self.specs:
-            # The state dicts' local shards are views of FBGEMM's own storage: copy in place.
-            self._full(self._weight(s.name), s.name).copy_(state["tables"][s.name]["weight"])
-            self._full(self._momentum(s.name), s.name).copy_(state["tables"][s.name]["momentum"])
+    def live_tables(self) -> dict[str, dict[str, Any]]:
+        return {s.name: {"weight": self._weight(s.name), "momentum": self._momentum(s.name)} for s in self.specs}
 
 
 def torchrec_works(device: torch.device) -> bool:
@@ -344,8 +467,14 @@ def resolve_backend(cfg: BenchmarkConfig, device: torch.device) -> str:
 
 
 def make_embeddings(specs: list[TableSpec], cfg: BenchmarkConfig, device: torch.device | str,
-                    seed: int) -> SparseEmbeddings:
+                    seed: int, cluster: Cluster | None = None) -> SparseEmbeddings:
     device = torch.device(device)
-    cls = TorchRecEmbeddings if resolve_backend(cfg, device) == "torchrec" else PlainEmbeddings
-    return cls(specs, cfg.model.embedding_dim, cfg.train.learning_rate, cfg.train.adagrad_eps,
-               cfg.embeddings.embedding_init_std, seed, device)
+    cluster = cluster or Cluster(0, 1, 0, 1, device)
+    args = (specs, cfg.model.embedding_dim, cfg.train.learning_rate, cfg.train.adagrad_eps,
+            cfg.embeddings.embedding_init_std, seed, device, cluster)
+    if resolve_backend(cfg, device) == "torchrec":
+        return TorchRecEmbeddings(*args, cfg.embeddings)
+    if cfg.embeddings.sharding_types or cfg.embeddings.placement or cfg.embeddings.qcomm != "none":
+        raise UserError("embeddings.sharding_types, placement and qcomm are TorchRec settings: the plain backend "
+                        "keeps a replica of every table on each rank")
+    return PlainEmbeddings(*args)

@@ -6,6 +6,11 @@ Windows 0..W-2 train; window W-1 (the last day of the train span) is the holdout
 streams every train window (its workers live for the whole run); batches never span windows and a
 window's last partial batch is dropped, so every step has the global batch size, eval points land
 on multiples of the eval interval, and the loader position is just the step number.
+
+Several ranks: each takes its slice of every global batch; the dense model is wrapped in
+DistributedDataParallel (gradients averaged, so a step equals the one-process step on the whole
+global batch), the window loss, the divergence monitor and the eval scores are reduced over the
+ranks, decisions that depend on the clock are shared, and only rank 0 writes the run log.
 """
 
 from __future__ import annotations
@@ -17,15 +22,18 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from dlrmv4.config import BenchmarkConfig
-from dlrmv4.data.loader import make_window_loader
+from dlrmv4.data.loader import make_window_loader, rank_bounds
 from dlrmv4.data.store import Store
 from dlrmv4.mlperf.runlog import RunFacts, RunLog
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.checkpoint import (CheckpointCadence, CheckpointPosition, ModelAndOptimizers, latest_checkpoint,
                                      load_checkpoint, save_checkpoint)
-from dlrmv4.train.metrics import AucAccumulator
+from dlrmv4.errors import UserError
+from dlrmv4.train.distributed import Cluster
+from dlrmv4.train.metrics import AucAccumulator, exact_auc
 from dlrmv4.train.optim import (FiniteMonitor, TrainingDivergedError, WarmupSchedule, clip_dense_gradients,
                                 make_dense_optimizer)
 from dlrmv4.train.progress import TrainProgress
@@ -73,14 +81,29 @@ def sample_counts(store: Store) -> tuple[int, int]:
     return int(anchors[windows].sum()), int(anchors[holdout])
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s own random streams (dropout); rank 0 keeps the run's seed."""
+    if rank == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0] >> 1)
+
+
 class StreamingTrainer:
-    """One run on one device: the model, the sparse tables, both optimizers, the data stream."""
+    """One run on one device per rank: the model, the sparse tables, both optimizers, the data stream."""
 
     def __init__(self, cfg: BenchmarkConfig, store: Store, model: DlrmHSTU, embeddings, device: torch.device,
                  log: Callable[[str], None] = print, progress: bool = False, runlog: RunLog | None = None,
-                 config_filename: str = "python-api") -> None:
+                 config_filename: str = "python-api", cluster: Cluster | None = None) -> None:
         self.cfg, self.store, self.model, self.embeddings = cfg, store, model, embeddings
         self.device, self._log, self.show_progress = device, log, progress
+        self.cluster = cluster or Cluster(0, 1, 0, 1, device)
+        world = self.cluster.world_size
+        if cfg.loader.batch_size % world:
+            raise UserError(f"the global batch size {cfg.loader.batch_size} does not split evenly over {world} "
+                            "processes: use a multiple of the world size")
+        # Buffers are not synchronised: every rank builds the same ones. Inputs are already on the device.
+        self.train_model = model if world == 1 else DistributedDataParallel(
+            model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
         self.runlog = runlog if runlog is not None else RunLog(Path(cfg.train.run_dir) / RUN_LOG_FILE)
         self.config_filename = config_filename
         self.progress: TrainProgress | None = None
@@ -93,11 +116,12 @@ class StreamingTrainer:
         self.train_samples, self.eval_samples = sample_counts(store)
         self.evals = EvalSchedule(self.train_samples, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
         self.cadence = CheckpointCadence(cfg.train)
-        self.finite = FiniteMonitor(device)
+        self.finite = FiniteMonitor(device, None if world == 1 else lambda t: self.cluster.all_reduce_(t, "min"))
         # The current window's running loss: checkpointed, so a resumed window reports the same mean.
         self.window_loss = torch.zeros((), dtype=torch.float64, device=device)
         self.window_steps = 0
         self.train_clock = TrainClock()
+        self.saved_runlog: dict[str, Any] | None = None
 
     def log(self, msg: str) -> None:
         if self.progress is None:
@@ -107,37 +131,58 @@ class StreamingTrainer:
                 self._log(msg)
 
     # -- state ---------------------------------------------------------------------------
-    def _state(self, history: RunHistory) -> dict[str, Any]:
+    def _state(self, history: RunHistory, runlog_state: dict[str, Any]) -> dict[str, Any]:
         return {"dense": ModelAndOptimizers(self.model, [self.optimizer]),
-                "sparse": self.embeddings.state_for_checkpoint(),
-                "rng": capture_rng_state({"dropout": self.model.dropout_generator}),
-                "window_accumulator": (float(self.window_loss), self.window_steps),
-                "runlog": self.runlog.state(),
+                "sparse": self.embeddings.checkpoint_state(),
+                # The mean over ranks: a resume on another world size continues the same number.
+                "window_accumulator": (self._global_window_loss(), self.window_steps),
+                "runlog": runlog_state,
                 "history": history}
 
-    def save(self, history: RunHistory, window: int) -> None:
+    def _global_window_loss(self) -> float:
+        total = self.cluster.all_reduce_(self.window_loss.clone())
+        return float(total) / self.cluster.world_size
+
+    def save(self, history: RunHistory, window: int, runlog_state: dict[str, Any] | None = None) -> None:
         position = CheckpointPosition(step=history.steps, samples_seen=history.samples, window=window,
                                       batch_in_window=0, evals_done=len(history.evals))
-        path = save_checkpoint(self.cfg.train.run_dir, position, self._state(history),
-                               self.cfg.train.keep_last_checkpoints)
+        # This rank's own streams and loss sum: a resume on the same world size continues them exactly.
+        own = {"rng": capture_rng_state({"dropout": self.model.dropout_generator}),
+               "window_loss": float(self.window_loss)}
+        state = self._state(history, runlog_state if runlog_state is not None else self.runlog.state())
+        path = save_checkpoint(self.cfg.train.run_dir, position, state,
+                               self.cfg.train.keep_last_checkpoints, self.cluster, rank_state=own)
         self.log(f"checkpoint {path.name} at step {history.steps}")
 
     def restore(self) -> RunHistory:
         """Continue from the newest complete checkpoint of run_dir, or start fresh."""
-        path = latest_checkpoint(self.cfg.train.run_dir)
+        path = self.cluster.broadcast(latest_checkpoint(self.cfg.train.run_dir) if self.cluster.is_main else None)
         if path is None:
             if not self.runlog.opened:
                 self.runlog.open(0)
                 self.runlog.init_start()
             self.runlog.init_stop_and_run_start(self.cfg, RunFacts(self.train_samples, self.eval_samples,
-                                                                   self.config_filename))
+                                                                   self.config_filename, self.cluster.world_size))
             return RunHistory()
-        template = {"dense": ModelAndOptimizers(self.model, [self.optimizer])}
-        position, state = load_checkpoint(path, template)
-        self.embeddings.load_from_checkpoint(state["sparse"])
-        restore_rng_state(state["rng"], {"dropout": self.model.dropout_generator})
-        self.runlog.resume(state["runlog"])
+        template = {"dense": ModelAndOptimizers(self.model, [self.optimizer]),
+                    "sparse": self.embeddings.checkpoint_state()}
+        position, state = load_checkpoint(path, template, self.cluster)
+        saved_world = len(state["rank_states"])
         loss_sum, self.window_steps = state["window_accumulator"]
+        if saved_world == self.cluster.world_size:
+            own = state["rank_states"][self.cluster.rank]
+            restore_rng_state(own["rng"], {"dropout": self.model.dropout_generator})
+            loss_sum = own["window_loss"]
+        else:
+            # Other ranks, other streams: re-derive them from (seed, step, rank). The data stream and
+            # every table and weight continue exactly; only dropout masks differ from an unbroken run.
+            reseed = rank_seed(int(np.random.SeedSequence([self.cfg.seed, position.step]).generate_state(1)[0]),
+                               self.cluster.rank)
+            torch.manual_seed(reseed)
+            self.model.dropout_generator.manual_seed(reseed)
+            self.log(f"checkpoint written by {saved_world} process(es), resuming on {self.cluster.world_size}: "
+                     "random streams re-derived from the seed and the step")
+        self.saved_runlog = state["runlog"]  # reopened by run() only if the run goes on
         self.window_loss.fill_(loss_sum)
         history: RunHistory = state["history"]
         self.log(f"resumed from {path.name}: step {position.step}, {position.samples_seen:,} samples")
@@ -146,7 +191,7 @@ class StreamingTrainer:
     # -- steps ---------------------------------------------------------------------------
     def step(self, batch, step: int, window: int) -> torch.Tensor:
         self.schedule.apply(step, self.optimizer, self.embeddings.set_learning_rate)
-        out = self.model(batch, self.embeddings(batch))
+        out = self.train_model(batch, self.embeddings(batch))
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         clip_dense_gradients(self.dense_params, self.cfg.train.grad_clip_norm)
@@ -158,14 +203,24 @@ class StreamingTrainer:
 
     @torch.no_grad()
     def evaluate(self, window: int) -> float:
-        """Exact AUC over every anchor of ``window``."""
+        """Exact AUC over every anchor of ``window`` (each rank scores its slices, then all gather)."""
         self.model.eval()
         acc = AucAccumulator(self.device)
-        for batch in make_window_loader(self.store, [window], self.cfg):
+        rank, world = self.cluster.rank, self.cluster.world_size
+        loader = make_window_loader(self.store, [window], self.cfg, rank=rank, world_size=world)
+        plan = loader.dataset.plan
+        for batch, part in zip(loader, plan):
+            lo, hi = rank_bounds(part, rank, world)
             batch = batch.to(self.device)
-            acc.update(self.model(batch, self.embeddings(batch)).logits, batch.label)
+            logits = self.model(batch, self.embeddings(batch)).logits
+            acc.update(logits[: hi - lo], batch.label[: hi - lo])  # a stand-in slice (empty) adds nothing
         self.model.train()
-        return acc.compute()
+        if world == 1:
+            return acc.compute()
+        sizes = [sum(hi - lo for lo, hi in (rank_bounds(p, r, world) for p in plan)) for r in range(world)]
+        state = acc.state_dict()
+        return exact_auc(self.cluster.all_gather_rows(state["scores"], sizes),
+                         self.cluster.all_gather_rows(state["labels"], sizes))
 
     def _eval(self, history: RunHistory, window: int, eval_window: int, started: float) -> bool:
         self.finite.check()
@@ -184,12 +239,19 @@ class StreamingTrainer:
     # -- the run -------------------------------------------------------------------------
     def run(self) -> RunHistory:
         history = self.restore()
+        max_steps = self.cfg.train.max_steps
+        if history.status == "stopped" and (max_steps == 0 or history.steps < max_steps):
+            history.status = "running"  # a max_steps stop is a pause: a larger limit continues the run
+            self.log(f"continuing the stopped run from step {history.steps}")
         if history.status != "running":
             self.log(f"run already finished ({history.status}); nothing to do")
             return history
-        loader = make_window_loader(self.store, self.windows, self.cfg, start_batch=history.steps, drop_last=True)
+        if self.saved_runlog is not None:
+            self.runlog.resume(self.saved_runlog)
+        loader = make_window_loader(self.store, self.windows, self.cfg, start_batch=history.steps, drop_last=True,
+                                    rank=self.cluster.rank, world_size=self.cluster.world_size)
         self.progress = TrainProgress(len(loader.dataset.plan) * self.cfg.loader.batch_size, history.samples,
-                                      self.show_progress)
+                                      self.show_progress and self.cluster.is_main)
         try:
             self._stream(history, loader)
         except TrainingDivergedError:
@@ -231,13 +293,18 @@ class StreamingTrainer:
             elif cfg.train.max_steps and history.steps >= cfg.train.max_steps:
                 history.status = "stopped"
             finished = history.status != "running"
-            if finished or self.cadence.due(history.steps, time.perf_counter(), last_of_window):
+            due = self.cadence.due(history.steps, time.perf_counter(), last_of_window)
+            if self.cadence.every_seconds > 0:
+                due = self.cluster.any(due)  # clocks differ between ranks; the save is collective
+            if finished or due:
                 self.finite.check()  # never log RUN_STOP for, or checkpoint, a diverged state
+                # A max_steps stop may be continued: its checkpoint records the log before RUN_STOP.
+                paused_log = self.runlog.state() if history.status == "stopped" else None
                 if finished:  # before the save: the checkpoint records the log with RUN_STOP in it
                     self.runlog.run_stop(history.samples, self.train_samples, history.status)
                 history.seconds += time.perf_counter() - started
                 started = time.perf_counter()
-                self.save(history, window)
+                self.save(history, window, paused_log)
             if finished:
                 break
             tick = time.perf_counter()
@@ -250,7 +317,7 @@ class StreamingTrainer:
         synced = time.perf_counter()
         self.finite.check()  # the one host read per window; it also waits for the window's last steps
         self.train_clock.add(time.perf_counter() - synced, steps=0)
-        mean_loss = float(self.window_loss) / self.window_steps
+        mean_loss = self._global_window_loss() / self.window_steps
         rate = self.train_clock.steps * self.cfg.loader.batch_size / max(self.train_clock.seconds, 1e-9)
         history.window_losses.append((window, history.samples, mean_loss))
         history.throughput.append((history.seconds + time.perf_counter() - started, rate))

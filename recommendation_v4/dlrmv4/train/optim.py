@@ -125,9 +125,11 @@ class FiniteMonitor:
     a passing ``check`` the monitor holds nothing worth saving, hence no state dict.
     """
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, reduce_min: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self._step = torch.full((), -1, dtype=torch.int64, device=device)
         self._window = torch.full((), -1, dtype=torch.int64, device=device)
+        # Several ranks: the first bad step of any rank, so every rank stops with the same message.
+        self._reduce_min = reduce_min
 
     def update(self, loss: torch.Tensor, step: int, window: int) -> None:
         first_bad = ~torch.isfinite(loss.detach()).all() & (self._step < 0)
@@ -135,6 +137,13 @@ class FiniteMonitor:
         self._window = torch.where(first_bad, window, self._window)
 
     def check(self) -> None:
-        step, window = torch.stack([self._step, self._window]).tolist()
+        if self._reduce_min is not None:
+            # (step, window) as one key, smallest step first; windows fit in 20 bits.
+            none = torch.iinfo(torch.int64).max
+            key = torch.where(self._step < 0, none, self._step * (1 << 20) + self._window)
+            key = self._reduce_min(key.reshape(1).clone())[0]
+            step, window = (-1, -1) if int(key) == none else divmod(int(key), 1 << 20)
+        else:
+            step, window = torch.stack([self._step, self._window]).tolist()
         if step >= 0:
             raise TrainingDivergedError(step, window)

@@ -19,8 +19,13 @@ from dlrmv4.mlperf.rules import check_closed_division
 from dlrmv4.mlperf.runlog import RunLog
 from dlrmv4.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
 from dlrmv4.train.embeddings import make_embeddings, store_table_counts, table_specs
-from dlrmv4.train.loop import RUN_LOG_FILE, RunHistory, StreamingTrainer, sample_counts
+from dlrmv4.train.sharding import check_sharding_options, describe_plan, plan_rows
+from dlrmv4.train.distributed import Cluster, is_comm_failure, lost_rank_error, start_cluster
+from dlrmv4.train.loop import RUN_LOG_FILE, RunHistory, StreamingTrainer, rank_seed, sample_counts
 from dlrmv4.train.report import AUC_PLOT, REPORT_FILE, THROUGHPUT_PLOT, parameter_digest, write_report
+
+# Tables larger than this are not gathered onto one host for the report's digest.
+DIGEST_TABLE_LIMIT_BYTES = 4 << 30
 
 
 def seed_everything(seed: int) -> None:
@@ -58,42 +63,85 @@ def run_log_path(cfg: BenchmarkConfig) -> Path:
 def run_training(cfg: BenchmarkConfig, log: Callable[[str], None] = print, progress: bool = False,
                  restart: bool = False, config_filename: str = "python-api") -> tuple[RunHistory, Path]:
     """Train until the target AUC, ``max_steps`` or the end of the data, resuming from the newest
-    checkpoint of ``run_dir`` unless ``restart``; returns the history and the report path."""
+    checkpoint of ``run_dir`` unless ``restart``; returns the history and the report path.
+
+    Under a launcher (torchrun, or run_and_time.sh under SLURM) every process calls this; rank 0
+    alone logs, writes the MLPerf log and the report."""
+    check_sharding_options(cfg.embeddings)
+    cluster = start_cluster(cfg.distributed, need_group=cfg.embeddings.embedding_backend == "torchrec")
+    try:
+        return _run(cfg, cluster, log if cluster.is_main else (lambda _: None), progress, restart, config_filename)
+    except Exception as exc:
+        # DDP's and TorchRec's own collectives fail deep in the step when a peer is gone.
+        if cluster.world_size > 1 and not isinstance(exc, UserError) and is_comm_failure(exc):
+            raise lost_rank_error(cluster, "a collective of the training step", exc) from exc
+        raise
+    finally:
+        cluster.shutdown()
+
+
+def _run(cfg: BenchmarkConfig, cluster: Cluster, log: Callable[[str], None], progress: bool, restart: bool,
+         config_filename: str) -> tuple[RunHistory, Path]:
     run_dir = Path(cfg.train.run_dir)
-    check_run_dir_writable(run_dir)
-    store = open_store(store_dir(cfg.dataset))
+    if cfg.loader.batch_size % cluster.world_size:
+        raise UserError(f"the global batch size {cfg.loader.batch_size} does not split evenly over "
+                        f"{cluster.world_size} processes: use a multiple of the world size")
+    store_path = store_dir(cfg.dataset)
+    if cluster.world_size > 1 and not (store_path / "meta.json").exists():
+        raise UserError(f"no prepared store at {store_path}: prepare the data once before a multi-process run "
+                        "(python -m dlrmv4 prepare with the same flags; run_and_time.sh does it)")
+    store = open_store(store_path)
     train_samples, eval_samples = sample_counts(store)
     check_closed_division(cfg, train_samples, eval_samples)
-    runlog = RunLog(run_log_path(cfg))
-    runlog.check_writable(runlog.path)  # fail before any work, not at the first event
-    if restart:
-        clear_run_dir(run_dir)
-    if latest_checkpoint(run_dir) is None:  # a cold start: the MLPerf run begins here
+    runlog = RunLog(run_log_path(cfg), rank=cluster.rank, barrier=cluster.barrier)
+    if cluster.is_main:
+        check_run_dir_writable(run_dir)
+        runlog.check_writable(runlog.path)  # fail before any work, not at the first event
+        if restart:
+            clear_run_dir(run_dir)
+    cold = cluster.broadcast(latest_checkpoint(run_dir) is None if cluster.is_main else None)
+    if cold:  # the MLPerf run begins here
         runlog.open(0)
         runlog.init_start()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = cluster.device
     seed_everything(cfg.seed)
-    model = DlrmHSTU(cfg.model, seed=cfg.seed).to(device)
-    embeddings = make_embeddings(table_specs(cfg, *store_table_counts(store)), cfg, device, cfg.seed)
-    trainer = StreamingTrainer(cfg, store, model, embeddings, device, log, progress, runlog, config_filename)
-    log(f"training on {device} with {embeddings.backend} embeddings: {len(trainer.windows)} train windows, "
-        f"holdout window {trainer.holdout}, {trainer.train_samples:,} train samples, eval every "
+    model = DlrmHSTU(cfg.model, seed=rank_seed(cfg.seed, cluster.rank)).to(device)
+    embeddings = make_embeddings(table_specs(cfg, *store_table_counts(store)), cfg, device, cfg.seed, cluster)
+    trainer = StreamingTrainer(cfg, store, model, embeddings, device, log, progress, runlog, config_filename, cluster)
+    log(f"training on {cluster.describe()} with {embeddings.backend} embeddings: {len(trainer.windows)} train "
+        f"windows, holdout window {trainer.holdout}, {trainer.train_samples:,} train samples, global batch "
+        f"{cfg.loader.batch_size} ({cfg.loader.batch_size // cluster.world_size} per process), eval every "
         f"{trainer.evals.interval:,} samples from {trainer.evals.first:,}, target AUC {cfg.train.target_auc}")
+    if embeddings.backend == "torchrec":
+        log(describe_plan(embeddings.plan))
     try:
         history = trainer.run()
     finally:
         runlog.close()
-    sparse = {f"sparse.{name}.{part}": t for name, table in embeddings.state_for_checkpoint()["tables"].items()
-              for part, t in table.items()}
-    dense = {f"dense.{k}": v for k, v in model.state_dict().items()}
+    digest = run_digest(model, embeddings)
+    if not cluster.is_main:
+        return history, run_dir / REPORT_FILE
     report, plots = write_report(run_dir, {
         "history": history.to_dict(), "config": to_dict(cfg), "eval_interval": trainer.evals.interval,
         "first_eval_samples": trainer.evals.first, "train_samples": trainer.train_samples,
-        "device": str(device), "embedding_backend": embeddings.backend,
-        "parameters_sha256": parameter_digest({**dense, **sparse}), "mlperf_log": str(runlog.path),
+        "device": str(device), "world_size": cluster.world_size, "embedding_backend": embeddings.backend,
+        "sharding_plan": plan_rows(embeddings.plan) if embeddings.backend == "torchrec" else None,
+        "parameters_sha256": digest, "mlperf_log": str(runlog.path),
         "eval_samples": trainer.eval_samples}, cfg.train.target_auc)
     if plots:
         log(f"plots: {', '.join(str(p) for p in plots)}")
     else:
         log("matplotlib is not installed: report written without plots")
     return history, report
+
+
+def run_digest(model: torch.nn.Module, embeddings) -> str | None:
+    """sha256 over every dense parameter and every table (None where the tables are too large to
+    gather on one host; a collective with sharded tables)."""
+    table_bytes = sum(s.rows for s in embeddings.specs) * embeddings.dim * 4
+    if table_bytes > DIGEST_TABLE_LIMIT_BYTES:
+        return None
+    tables = embeddings.state_for_checkpoint().get("tables", {})
+    sparse = {f"sparse.{name}.{part}": t for name, table in tables.items() for part, t in table.items()}
+    dense = {f"dense.{k}": v for k, v in model.state_dict().items()}
+    return parameter_digest({**dense, **sparse}) if embeddings.cluster.is_main else None

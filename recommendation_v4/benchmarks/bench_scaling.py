@@ -1,0 +1,235 @@
+"""Scaling over processes: samples/s of the training step on 1 and N processes of one machine, the
+same model, launched by torchrun exactly like a run (real loader slices, DDP for the dense model,
+the embedding backend's own exchange), vs the one-process run measured in the same call.
+
+Weak scaling (default): a fixed batch per process, global batch = processes x batch; strong
+scaling (``--scaling strong``): one global batch split over the processes. Every world size
+times the same span of the stream (``--warmup-samples`` untimed, then ``--samples`` timed, in
+whole global batches), so each trains on the same data; rank 0 reports after a barrier. With the
+plain backend every rank holds every table: the run checks the replicas ended identical.
+
+    python benchmarks/bench_scaling.py --data-path ../data --worlds 1 2 --per-rank-batch 256 --label gpu-ref ...
+    python benchmarks/bench_scaling.py --data-path data --worlds 1 2 --scaling strong --label cpu-gloo
+
+Any config flag passes through (model shape, backend, workers). The store must exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _replace(cfg: BenchmarkConfig, overrides: dict) -> BenchmarkConfig:
+    sections: dict[str, dict] = {}
+    for (section, name), value in overrides.items():
+        sections.setdefault(section, {})[name] = value
+    return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in sections.items()})
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of one world size (started by torchrun from ``main``)."""
+    from dlrmv4.data.loader import make_window_loader
+    from dlrmv4.data.paths import store_dir
+    from dlrmv4.data.store import open_store
+    from dlrmv4.model.hstu import DlrmHSTU
+    from dlrmv4.train.distributed import start_cluster
+    from dlrmv4.train.embeddings import make_embeddings, store_table_counts, table_specs
+    from dlrmv4.train.loop import StreamingTrainer, rank_seed
+    from dlrmv4.train.run import seed_everything
+
+    world = int(os.environ["WORLD_SIZE"])
+    base = config_from_args(args)
+    gbs = args.per_rank_batch * world if args.scaling == "weak" else args.per_rank_batch
+    cfg = _replace(base, {("loader", "batch_size"): gbs})
+    cluster = start_cluster(cfg.distributed)
+    device = cluster.device
+    store = open_store(store_dir(cfg.dataset))
+    seed_everything(cfg.seed)
+    model = DlrmHSTU(cfg.model, seed=rank_seed(cfg.seed, cluster.rank)).to(device)
+    embeddings = make_embeddings(table_specs(cfg, *store_table_counts(store)), cfg, device, cfg.seed, cluster)
+    trainer = StreamingTrainer(cfg, store, model, embeddings, device, log=lambda _: None, cluster=cluster)
+    loader = make_window_loader(store, trainer.windows, cfg, drop_last=True, rank=cluster.rank, world_size=world)
+    plan = loader.dataset.plan
+    warmup, steps = args.warmup_samples // gbs, args.samples // gbs
+    if len(plan) < warmup + 2 * steps or steps < 1:
+        raise SystemExit(f"the store has {len(plan)} global batches of {gbs}; lower --warmup-samples/--samples")
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    tokens = 0
+    started = 0.0
+    stream = iter(loader)
+    for i in range(warmup + steps):
+        batch = next(stream)
+        if i == warmup:
+            sync()
+            cluster.barrier()
+            started = time.perf_counter()
+        if i >= warmup:
+            tokens += batch.total_tokens
+        trainer.step(batch.to(device, non_blocking=True), i, plan[i].window)
+    sync()
+    cluster.barrier()
+    seconds = time.perf_counter() - started
+    # The bare step: the next batches already in device memory (no loader, no host-to-device copy).
+    bare_batches = [next(stream).to(device) for _ in range(min(steps, len(plan) - warmup - steps))]
+    sync()
+    cluster.barrier()
+    bare_started = time.perf_counter()
+    for j, batch in enumerate(bare_batches):
+        trainer.step(batch, warmup + steps + j, plan[warmup + steps + j].window)
+    sync()
+    cluster.barrier()
+    bare_seconds = time.perf_counter() - bare_started
+    if args.profile:
+        profile_bare_steps(trainer, bare_batches[:10], plan, warmup + steps, cluster.is_main)
+    trainer.finite.check()
+    tokens_all = cluster.gather(tokens)
+    # Replicas (plain backend) and dense weights must be identical on every rank.
+    digest = hashlib.sha256()
+    for name, parts in sorted(embeddings.live_tables().items()):
+        for part, t in sorted(parts.items()):
+            if t is not None and not hasattr(t, "local_shards"):
+                digest.update(t.detach().cpu().numpy().tobytes())
+    for _, t in sorted(model.state_dict().items()):
+        digest.update(t.detach().cpu().numpy().tobytes())
+    digests = cluster.gather(digest.hexdigest())
+    if cluster.is_main:
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        Path(args.worker_out).write_text(json.dumps({
+            "world_size": world, "global_batch": gbs, "per_rank_batch": gbs // world, "steps": steps,
+            "seconds": seconds, "samples_per_s": steps * gbs / seconds, "bare_steps": len(bare_batches),
+            "bare_samples_per_s": len(bare_batches) * gbs / bare_seconds,
+            "mean_history_tokens": sum(tokens_all) / (steps * gbs), "peak_gib_rank0": peak,
+            "replicas_identical": len(set(digests)) == 1, "backend": embeddings.backend,
+            "threads_per_rank": torch.get_num_threads()}))
+    cluster.shutdown()
+
+
+def profile_bare_steps(trainer, batches, plan, first_step: int, print_it: bool) -> None:
+    """Where the time of a few bare steps goes (rank 0 prints the profiler's tables)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for j, batch in enumerate(batches):
+            trainer.step(batch, first_step + j, plan[first_step + j].window)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    if print_it:
+        averages = prof.key_averages()
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        print(f"profile of {len(batches)} bare steps, by device time:\n" + averages.table(sort_by=sort, row_limit=25))
+        print("by host time:\n" + averages.table(sort_by="cpu_time_total", row_limit=25), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_config_arguments(parser)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="process counts (the first is the baseline)")
+    parser.add_argument("--per-rank-batch", type=int, default=256,
+                        help="batch per process (weak) or the global batch (strong)")
+    parser.add_argument("--scaling", choices=("weak", "strong"), default="weak")
+    parser.add_argument("--warmup-samples", type=int, default=10_240, help="untimed samples first (compile, autotune)")
+    parser.add_argument("--samples", type=int, default=25_600, help="timed samples")
+    parser.add_argument("--label", default=None, help="row name in results/scaling (default: the device)")
+    parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print a profile of 10 bare steps per process count")
+    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    args, _ = parser.parse_known_args()
+    if args.worker_out:
+        worker(args)
+        return
+    config_from_args(args)  # a bad flag fails here, once
+    passthrough = [a for a in sys.argv[1:]]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in args.worlds:
+            out = Path(tmp) / f"world{world}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   __file__, *passthrough, "--worker-out", str(out)]
+            env = dict(os.environ)
+            if not torch.cuda.is_available():  # CPU: share the cores between the processes
+                env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"world size {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+            if args.profile:
+                print(proc.stdout[-20000:])
+            results.append(json.loads(out.read_text()))
+            print(f"world {world}: {results[-1]['samples_per_s']:,.0f} samples/s", flush=True)
+    base = results[0]
+    for r in results:
+        for kind in ("", "bare_"):
+            r[f"{kind}speedup"] = r[f"{kind}samples_per_s"] / base[f"{kind}samples_per_s"]
+            r[f"{kind}efficiency"] = r[f"{kind}speedup"] / (r["world_size"] / base["world_size"])
+    cfg = config_from_args(args)
+    row = {"label": args.label or ("gpu" if torch.cuda.is_available() else "cpu"), "device": _device_name(),
+           "torch": torch.__version__, "scaling": args.scaling, "d_model": cfg.model.d_model,
+           "num_layers": cfg.model.num_layers, "max_seq_len": cfg.sampler.max_seq_len,
+           "num_workers": cfg.loader.num_workers, "results": results,
+           "command": "python benchmarks/bench_scaling.py " + " ".join(sys.argv[1:])}
+    print(_table([row]))
+    if not args.no_save:
+        _save(row)
+
+
+def _device_name() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}"
+    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+
+
+def _table(rows: list[dict]) -> str:
+    lines = ["| row | device | scaling | model D x layers, max seq | backend | processes | batch / process | "
+             "global batch | mean history tokens | loop samples/s | loop speedup (efficiency) | bare step samples/s | "
+             "bare speedup (efficiency) | replicas identical |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        for r in row["results"]:
+            lines.append(f"| {row['label']} | {row['device']} | {row['scaling']} | {row['d_model']} x "
+                         f"{row['num_layers']}, {row['max_seq_len']} | {r['backend']} | {r['world_size']} | "
+                         f"{r['per_rank_batch']} | {r['global_batch']} | {r['mean_history_tokens']:.0f} | "
+                         f"{r['samples_per_s']:,.0f} | {r['speedup']:.2f}x ({r['efficiency']:.0%}) | "
+                         f"{r['bare_samples_per_s']:,.0f} | {r['bare_speedup']:.2f}x ({r['bare_efficiency']:.0%}) | "
+                         f"{'yes' if r['replicas_identical'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def _save(row: dict) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "scaling.json"
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
+    rows = [r for r in rows if r["label"] != row["label"]] + [row]
+    path.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    commands = "\n".join(f"- {r['label']}: `{r['command']}`" for r in rows)
+    (RESULTS / "scaling.md").write_text(
+        "Scaling over processes of one machine, vs one process in the same call; efficiency = speedup / "
+        "process ratio. 'loop': the training step fed by the real loader (each rank builds its slice, pinned "
+        "host-to-device copy); 'bare step': the same step on batches already in device memory (DDP dense model "
+        "and the backend's table exchange included). Both cover the same span of the data for every process "
+        "count. 'replicas identical': every rank's dense weights (and plain-backend tables) hashed equal at "
+        "the end.\n\n"
+        f"{_table(rows)}\n\nCommands:\n{commands}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""The processes of one run: the launcher's environment, the process group, and the few collectives
+the loop needs beyond TorchRec's and DDP's own.
+
+A run is one process unless a launcher started several: ``torchrun`` (and ``run_and_time.sh``
+under SLURM, which maps ``SLURM_PROCID``... to these names) sets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; each process then joins
+the group through ``env://``. Tensors travel on the main group (NCCL on GPUs, gloo on the CPU);
+host-side control messages (paths, decisions, small objects) on a gloo group, so they never wait
+for the device. Every collective has the configured timeout: a rank that dies or hangs makes the
+others fail with ``RankLostError`` instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlrmv4.config import DistributedConfig
+from dlrmv4.errors import UserError
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class RankLostError(UserError):
+    """A collective failed: another rank exited, was killed, or stopped answering."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None = None  # None: one process, no process group
+    control: Any = None  # the gloo group for host-side messages (None: one process)
+    timeout_seconds: float = 600.0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    def describe(self) -> str:
+        if not self.distributed:
+            return f"one process on {self.device}"
+        return (f"{self.world_size} processes ({self.local_world_size} per node, {self.backend}), "
+                f"rank {self.rank} on {self.device}")
+
+    # -- host-side control messages --------------------------------------------------------
+    def _guard(self, what: str):
+        return _Guard(self, what)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            with self._guard("barrier"):
+                dist.barrier(group=self.control)
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        with self._guard("broadcast"):
+            dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0, in rank order (None elsewhere)."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size if self.is_main else None
+        with self._guard("gather"):
+            dist.gather_object(obj, out, dst=0, group=self.control)
+        return out
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's list of ints (same length on every rank), on every rank."""
+        if self.world_size == 1:
+            return [list(values)]
+        local = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        with self._guard("all_gather"):
+            dist.all_gather(out, local, group=self.control)
+        return [t.tolist() for t in out]
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any (a decision all ranks must share)."""
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64)
+        with self._guard("all_reduce"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return bool(t.item())
+
+    # -- device tensors ----------------------------------------------------------------------
+    def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In place over every rank, on the main group (no host read)."""
+        if self.world_size > 1:
+            reduce_op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+            with self._guard("all_reduce"):
+                dist.all_reduce(tensor, op=reduce_op)
+        return tensor
+
+    def all_gather_rows(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along dim 0, rank order; ``sizes[r]`` is rank r's row
+        count, known on the host (so the exchange needs no device read)."""
+        if self.world_size == 1:
+            return tensor
+        longest = max(sizes)
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        out = tensor.new_empty((self.world_size * longest, *tensor.shape[1:]))
+        with self._guard("all_gather"):
+            dist.all_gather_into_tensor(out, padded)
+        return torch.cat([out[r * longest: r * longest + n] for r, n in enumerate(sizes)])
+
+    def shutdown(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _Guard:
+    """Turns a failed collective into one clear line naming this rank."""
+
+    def __init__(self, cluster: Cluster, what: str) -> None:
+        self.cluster, self.what = cluster, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None and is_comm_failure(exc) and not isinstance(exc, UserError):
+            raise lost_rank_error(self.cluster, self.what, exc) from exc
+        return False
+
+
+_COMM_FAILURE = re.compile(r"gloo|nccl|connection|timed out|timeout|peer|socket|broken pipe", re.IGNORECASE)
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """A failure of the transport under a collective (not a bug in the step itself)."""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and bool(_COMM_FAILURE.search(str(exc))))
+
+
+def lost_rank_error(cluster: Cluster, what: str, exc: BaseException) -> RankLostError:
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return RankLostError(f"rank {cluster.rank} of {cluster.world_size}: {what} failed, another rank exited or "
+                         f"stopped answering (timeout {cluster.timeout_seconds:g} s): {first_line[:200]}")
+
+
+def launched_world() -> tuple[int, int, int, int] | None:
+    """(rank, world size, local rank, local world size) from a launcher's environment, or None."""
+    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
+        return None
+    missing = [v for v in LAUNCHER_VARIABLES if v not in os.environ]
+    if missing:
+        raise UserError(f"multi-process launch: {', '.join(missing)} not set (launch with torchrun, or "
+                        "run_and_time.sh, which sets them under SLURM)")
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    except ValueError as exc:
+        raise UserError(f"multi-process launch: a rank variable is not an integer ({exc})") from exc
+    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
+        raise UserError(f"multi-process launch: RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local_rank}, "
+                        f"LOCAL_WORLD_SIZE={local_world} are inconsistent")
+    return rank, world, local_rank, local_world
+
+
+def _device(local_rank: int, local_world: int) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_world > count:
+        raise UserError(f"{local_world} processes on this node but {count} visible GPU(s): one process per GPU")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def start_cluster(cfg: DistributedConfig, need_group: bool = False) -> Cluster:
+    """Join the launcher's process group, or run as one process. ``need_group`` makes a one-process
+    group where none was launched (TorchRec's DistributedModelParallel needs one)."""
+    launched = launched_world()
+    rank, world, local_rank, local_world = launched or (0, 1, 0, 1)
+    device = _device(local_rank, local_world)
+    if launched is None and not need_group:
+        return Cluster(0, 1, 0, 1, device, timeout_seconds=cfg.timeout_seconds)
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError("distributed.backend=nccl needs GPUs; use gloo (or auto) on the CPU")
+    timeout = datetime.timedelta(seconds=cfg.timeout_seconds)
+    if dist.is_initialized():
+        raise UserError("torch.distributed is already initialised in this process")
+    try:
+        if launched is None:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
+        control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    except (RuntimeError, dist.DistError, ValueError) as exc:
+        raise UserError(f"rank {rank} of {world}: could not join the process group at "
+                        f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}: "
+                        f"{str(exc).strip().splitlines()[0][:200]}") from exc
+    return Cluster(rank, world, local_rank, local_world, device, backend, control, cfg.timeout_seconds)
