@@ -177,6 +177,14 @@ def cmd_check_log(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
           f"{time.strftime('%Y-%m-%d %I:%M:%S %p', time.localtime(started))}", flush=True)
 
 
+def cmd_merge_traces(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    from dlrmv4.train.trace import TRACE_DIR, merge_traces
+
+    trace_dir = Path(args.traces) if args.traces else Path(cfg.train.run_dir) / TRACE_DIR
+    for path in merge_traces(trace_dir):
+        _say(f"merged trace {path} (open it in ui.perfetto.dev or chrome://tracing)")
+
+
 def cmd_show_config(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     print(to_toml(cfg), end="")
 
@@ -189,6 +197,7 @@ COMMANDS: dict[str, tuple[Callable[[BenchmarkConfig, argparse.Namespace], None],
     "sample": (cmd_sample, "assemble a few jagged batches from the first window and print them"),
     "pipeline": (cmd_pipeline, "prepare + sample: the data path end to end"),
     "train": (cmd_train, "the benchmark: prepare the data if needed, then train to the target AUC"),
+    "merge-traces": (cmd_merge_traces, "merge the per-rank profiler traces of train.profile_steps into one file per window"),
     "check-log": (cmd_check_log, "run the official MLPerf compliance checker on a run's log; print RESULT"),
     "show-config": (cmd_show_config, "print the resolved configuration as TOML"),
 }
@@ -211,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             p.add_argument("--restart", action="store_true",
                            help="start cold: delete run_dir's checkpoints and report instead of resuming")
+        if name == "merge-traces":
+            p.add_argument("--traces", default=None, help="trace folder (default: <run_dir>/traces)")
         if name == "check-log":
             p.add_argument("--log", default=None, help="the run log (default: mlperf.log_file or <run_dir>/mlperf_log.txt)")
         if name in ("sample", "pipeline"):

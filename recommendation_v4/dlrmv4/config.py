@@ -163,6 +163,8 @@ class TrainConfig:
     checkpoint_every_seconds: float = _field(0.0, "checkpoint every N seconds (0: off)", min=0.0)
     checkpoint_every_window: bool = _field(True, "checkpoint at the end of every train window")
     keep_last_checkpoints: int = _field(2, "complete checkpoints kept on disk", min=1)
+    profile_steps: str = _field("", "step windows to record with the torch profiler on every rank, 'start-end,...' "
+                                "(half-open; Chrome traces in <run_dir>/traces, merge with merge-traces)")
 
 
 @dataclass(frozen=True)

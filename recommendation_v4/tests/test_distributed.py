@@ -229,8 +229,9 @@ def test_a_killed_rank_ends_the_others_without_a_launcher(data_path, tmp_path):
     assert len(errors) == 1 and "rank 0 of 2" in errors[0] and "another rank" in errors[0], err[-3000:]
 
 
-def test_the_slurm_path_trains_and_checks_the_log(data_path, tmp_path):
-    """run_and_time.sh as two srun tasks: both train, task 0 checks the MLPerf log."""
+def test_the_slurm_path_trains_checks_the_log_and_traces(data_path, tmp_path):
+    """run_and_time.sh as two srun tasks: both train (recording a profiler window), task 0 checks
+    the MLPerf log; merge-traces puts both ranks' traces in one file."""
     run_dir = tmp_path / "run"
     port = _free_port()
     procs = []
@@ -239,7 +240,7 @@ def test_the_slurm_path_trains_and_checks_the_log(data_path, tmp_path):
                    SLURM_NTASKS_PER_NODE="2(x1)", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    DLRMV4_NO_VENV="1")
         cmd = ["bash", str(REPO / "run_and_time.sh"), *_flags(data_path, run_dir, **{
-            "train.max_steps": 0, "train.target_auc": 0.0})]
+            "train.max_steps": 0, "train.target_auc": 0.0, "train.profile_steps": "2-4"})]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
@@ -247,3 +248,9 @@ def test_the_slurm_path_trains_and_checks_the_log(data_path, tmp_path):
     assert "compliance checker" not in outs[1][0]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["world_size"] == 2 and report["history"]["status"] == "success"
+    assert sorted(p.name for p in (run_dir / "traces").iterdir()) == ["steps-2-4.rank0.json", "steps-2-4.rank1.json"]
+    merge = subprocess.run([sys.executable, "-m", "dlrmv4", "merge-traces", "--preset=", f"--run-dir={run_dir}"],
+                           capture_output=True, text=True, env=_env())
+    assert merge.returncode == 0, merge.stderr
+    events = json.loads((run_dir / "traces" / "steps-2-4.merged.json").read_text())["traceEvents"]
+    assert {e["pid"] >> 32 for e in events if isinstance(e.get("pid"), int)} == {0, 1}

@@ -34,11 +34,12 @@ from dlrmv4.train.checkpoint import (CheckpointCadence, CheckpointPosition, Mode
 from dlrmv4.errors import UserError
 from dlrmv4.train.distributed import Cluster
 from dlrmv4.train.metrics import AucAccumulator, exact_auc
-from dlrmv4.train.optim import (FiniteMonitor, TrainingDivergedError, WarmupSchedule, clip_dense_gradients,
-                                make_dense_optimizer)
+from dlrmv4.train.optim import FiniteMonitor, TrainingDivergedError
+from dlrmv4.train.step import TrainStep
 from dlrmv4.train.progress import TrainProgress
 from dlrmv4.train.rng import capture_rng_state, restore_rng_state
 from dlrmv4.train.schedule import EvalSchedule
+from dlrmv4.train.trace import StepProfiler, parse_step_windows
 
 
 RUN_LOG_FILE = "mlperf_log.txt"
@@ -102,14 +103,11 @@ class StreamingTrainer:
             raise UserError(f"the global batch size {cfg.loader.batch_size} does not split evenly over {world} "
                             "processes: use a multiple of the world size")
         # Buffers are not synchronised: every rank builds the same ones. Inputs are already on the device.
-        self.train_model = model if world == 1 else DistributedDataParallel(
+        train_model = model if world == 1 else DistributedDataParallel(
             model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
         self.runlog = runlog if runlog is not None else RunLog(Path(cfg.train.run_dir) / RUN_LOG_FILE)
         self.config_filename = config_filename
         self.progress: TrainProgress | None = None
-        self.dense_params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = make_dense_optimizer(self.dense_params, cfg.train)
-        self.schedule = WarmupSchedule(cfg.train)
         self.windows, self.holdout = split_windows(store)
         if not self.windows:
             raise ValueError("the store has fewer than two windows: nothing to train on")
@@ -117,11 +115,15 @@ class StreamingTrainer:
         self.evals = EvalSchedule(self.train_samples, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
         self.cadence = CheckpointCadence(cfg.train)
         self.finite = FiniteMonitor(device, None if world == 1 else lambda t: self.cluster.all_reduce_(t, "min"))
+        self.step = TrainStep(model, embeddings, cfg.train, self.finite, train_model)
+        self.optimizer = self.step.optimizer
         # The current window's running loss: checkpointed, so a resumed window reports the same mean.
         self.window_loss = torch.zeros((), dtype=torch.float64, device=device)
         self.window_steps = 0
         self.train_clock = TrainClock()
         self.saved_runlog: dict[str, Any] | None = None
+        self.profiler = StepProfiler(parse_step_windows(cfg.train.profile_steps), Path(cfg.train.run_dir),
+                                     self.cluster.rank, device)
 
     def log(self, msg: str) -> None:
         if self.progress is None:
@@ -188,19 +190,7 @@ class StreamingTrainer:
         self.log(f"resumed from {path.name}: step {position.step}, {position.samples_seen:,} samples")
         return history
 
-    # -- steps ---------------------------------------------------------------------------
-    def step(self, batch, step: int, window: int) -> torch.Tensor:
-        self.schedule.apply(step, self.optimizer, self.embeddings.set_learning_rate)
-        out = self.train_model(batch, self.embeddings(batch))
-        self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        clip_dense_gradients(self.dense_params, self.cfg.train.grad_clip_norm)
-        self.optimizer.step()
-        self.embeddings.sparse_step()
-        loss = out.loss.detach()
-        self.finite.update(loss, step, window)
-        return loss
-
+    # -- evaluation ----------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, window: int) -> float:
         """Exact AUC over every anchor of ``window`` (each rank scores its slices, then all gather)."""
@@ -258,9 +248,14 @@ class StreamingTrainer:
             self.runlog.run_stop(history.samples, self.train_samples, "aborted")
             raise
         finally:
+            self._trace_written(self.profiler.close())
             self.progress.close()
             self.progress = None
         return history
+
+    def _trace_written(self, path: Path | None) -> None:
+        if path is not None:
+            self.log(f"profiler trace {path}")
 
     def _stream(self, history: RunHistory, loader) -> None:
         cfg = self.cfg
@@ -270,7 +265,9 @@ class StreamingTrainer:
         for i, batch in enumerate(loader, start=history.steps):
             window = plan[i].window
             batch = batch.to(self.device, non_blocking=True)
+            self.profiler.before_step(history.steps)
             self.window_loss += self.step(batch, history.steps, window)
+            self._trace_written(self.profiler.after_step(history.steps))
             self.window_steps += 1
             history.steps += 1
             history.samples += cfg.loader.batch_size
