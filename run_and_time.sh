@@ -14,8 +14,8 @@
 # Launch (README "Multi-GPU and multi-node"):
 #   GPUS_PER_NODE (processes per node, default 1; on a machine without GPUs, gloo CPU processes),
 #   NNODES (default 1), NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node torchrun rendezvous).
-#   With more than one process the data is prepared once first, then torchrun starts one process
-#   per GPU. Under SLURM (tools/slurm/dlrmv4.sbatch runs `srun run_and_time.sh`), each task maps
+#   With more than one process on one node the data is prepared once first, then torchrun starts
+#   one process per GPU; across nodes, prepare it beforehand on one node (PREPARE_ONLY=1). Under SLURM (tools/slurm/dlrmv4.sbatch runs `srun run_and_time.sh`), each task maps
 #   SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS to RANK/LOCAL_RANK/WORLD_SIZE and trains; task 0
 #   checks the log. PREPARE_ONLY=1 prepares the data and exits (the sbatch script's first step).
 set -euo pipefail
@@ -62,14 +62,14 @@ start=$(date +%s)
 if (( world == 1 )); then
     python -m dlrmv4 train --restart "${md5s[@]}" "${args[@]+"${args[@]}"}"
 else
-    python -m dlrmv4 prepare --if-missing "${md5s[@]}" "${args[@]+"${args[@]}"}"
-    start=$(date +%s)
     if (( nnodes == 1 )); then
+        python -m dlrmv4 prepare --if-missing "${md5s[@]}" "${args[@]+"${args[@]}"}"
         rendezvous=(--standalone)
-    else
+    else  # the nodes would race to write one store: it is prepared beforehand, once (PREPARE_ONLY=1)
         rendezvous=(--nnodes "${nnodes}" --node-rank "${NODE_RANK:?NODE_RANK must be set on each node}"
                     --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:?}:${MASTER_PORT:-29500}")
     fi
+    start=$(date +%s)
     torchrun "${rendezvous[@]}" --nproc-per-node "${gpus_per_node}" -m dlrmv4 train --restart \
         "${args[@]+"${args[@]}"}"
     if [[ "${NODE_RANK:-0}" != "0" ]]; then

@@ -254,3 +254,15 @@ def test_the_slurm_path_trains_checks_the_log_and_traces(data_path, tmp_path):
     assert merge.returncode == 0, merge.stderr
     events = json.loads((run_dir / "traces" / "steps-2-4.merged.json").read_text())["traceEvents"]
     assert {e["pid"] >> 32 for e in events if isinstance(e.get("pid"), int)} == {0, 1}
+
+
+def test_run_and_time_launches_torchrun_with_gpus_per_node(data_path, tmp_path):
+    """GPUS_PER_NODE=2 on one node: run_and_time.sh prepares (here: finds the store), starts torchrun
+    with two processes (gloo on the CPU) and checks the log."""
+    run_dir = tmp_path / "run"
+    env = dict(_env(), GPUS_PER_NODE="2", DLRMV4_NO_VENV="1")
+    proc = subprocess.run(["bash", str(REPO / "run_and_time.sh"), *_flags(data_path, run_dir, **{
+        "train.target_auc": 0.0})], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "nothing to prepare" in proc.stdout and "training on 2 processes" in proc.stdout
+    assert "PASSED the MLPerf compliance checker" in proc.stdout and "RESULT,dlrmv4," in proc.stdout
