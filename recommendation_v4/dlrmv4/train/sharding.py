@@ -58,7 +58,6 @@ def check_sharding_options(cfg: EmbeddingConfig) -> None:
 def constraints(cfg: EmbeddingConfig) -> dict[str, Any]:
     from torchrec.distributed.planner import ParameterConstraints
 
-    check_sharding_options(cfg)
     sharding = parse_table_options(cfg.sharding_types, "sharding_types", SHARDING_TYPES)
     placement = parse_table_options(cfg.placement, "placement", tuple(PLACEMENTS))
     out = {}
