@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from labelled_rows import save_labelled_row
 from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args
 from dlrmv4.data.loader import make_window_loader
 from dlrmv4.data.paths import store_dir
@@ -36,9 +36,6 @@ from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.embeddings import make_embeddings, store_table_counts, table_specs
 from dlrmv4.train.loop import StreamingTrainer
 from dlrmv4.train.run import clear_run_dir, seed_everything
-
-RESULTS = Path(__file__).parent / "results"
-
 
 def make_trainer(cfg: BenchmarkConfig, store, device: torch.device) -> StreamingTrainer:
     seed_everything(cfg.seed)
@@ -141,15 +138,9 @@ def _table(rows: list[dict]) -> str:
 
 
 def _save(row: dict) -> None:
-    path = RESULTS / "loop_overhead.json"
-    rows = json.loads(path.read_text())["rows"] if path.exists() else []
-    rows = [r for r in rows if r["label"] != row["label"]] + [row]
-    path.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
-    commands = "\n".join(f"- {r['label']}: `{r['command']}`" for r in rows)
-    (RESULTS / "loop_overhead.md").write_text(
+    save_labelled_row("loop_overhead", row, (
         "Loop and loader cost: `StreamingTrainer.run` vs the bare step on the same batches already in device "
-        "memory (medians of alternating repeats; overhead = bare / loop - 1). Plain-PyTorch embeddings.\n\n"
-        f"{_table(rows)}\n\nCommands:\n{commands}\n")
+        "memory (medians of alternating repeats; overhead = bare / loop - 1). Plain-PyTorch embeddings."), _table)
 
 
 if __name__ == "__main__":

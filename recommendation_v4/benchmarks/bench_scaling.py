@@ -30,10 +30,8 @@ from pathlib import Path
 
 import torch
 
+from labelled_rows import save_labelled_row
 from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args
-
-RESULTS = Path(__file__).parent / "results"
-
 
 def _replace(cfg: BenchmarkConfig, overrides: dict) -> BenchmarkConfig:
     sections: dict[str, dict] = {}
@@ -215,20 +213,13 @@ def _table(rows: list[dict]) -> str:
 
 
 def _save(row: dict) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "scaling.json"
-    rows = json.loads(path.read_text())["rows"] if path.exists() else []
-    rows = [r for r in rows if r["label"] != row["label"]] + [row]
-    path.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
-    commands = "\n".join(f"- {r['label']}: `{r['command']}`" for r in rows)
-    (RESULTS / "scaling.md").write_text(
+    save_labelled_row("scaling", row, (
         "Scaling over processes of one machine, vs one process in the same call; efficiency = speedup / "
         "process ratio. 'loop': the training step fed by the real loader (each rank builds its slice, pinned "
         "host-to-device copy); 'bare step': the same step on batches already in device memory (DDP dense model "
         "and the backend's table exchange included). Both cover the same span of the data for every process "
         "count. 'replicas identical': every rank's dense weights (and plain-backend tables) hashed equal at "
-        "the end.\n\n"
-        f"{_table(rows)}\n\nCommands:\n{commands}\n")
+        "the end."), _table)
 
 
 if __name__ == "__main__":

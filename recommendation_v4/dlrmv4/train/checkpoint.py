@@ -101,7 +101,7 @@ def _dcp_quietly(fn: Any, state_dict: dict[str, Any], path: Path, cluster: Clust
         # Keep ShardedTensors whole: flattening drops those with no shard on this rank (table-wise
         # plans), and a key missing that way sends DCP down its pre-2.4 key format.
         planner = {"planner": DefaultLoadPlanner(flatten_sharded_tensors=False)} if fn is dcp.load else {}
-        with cluster._guard(f"checkpoint {fn.__name__}"):
+        with cluster.guard(f"checkpoint {fn.__name__}"):
             fn(state_dict, checkpoint_id=str(path), process_group=cluster.control, **planner)
         return
     single = not (dist.is_available() and dist.is_initialized())

@@ -57,12 +57,13 @@ class Cluster:
                 f"rank {self.rank} on {self.device}")
 
     # -- host-side control messages --------------------------------------------------------
-    def _guard(self, what: str):
+    def guard(self, what: str):
+        """A context in which a failed collective becomes one line naming this rank."""
         return _Guard(self, what)
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            with self._guard("barrier"):
+            with self.guard("barrier"):
                 dist.barrier(group=self.control)
 
     def broadcast(self, obj: Any) -> Any:
@@ -70,7 +71,7 @@ class Cluster:
         if self.world_size == 1:
             return obj
         box = [obj]
-        with self._guard("broadcast"):
+        with self.guard("broadcast"):
             dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
@@ -79,7 +80,7 @@ class Cluster:
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size if self.is_main else None
-        with self._guard("gather"):
+        with self.guard("gather"):
             dist.gather_object(obj, out, dst=0, group=self.control)
         return out
 
@@ -89,7 +90,7 @@ class Cluster:
             return [list(values)]
         local = torch.tensor(values, dtype=torch.int64)
         out = [torch.empty_like(local) for _ in range(self.world_size)]
-        with self._guard("all_gather"):
+        with self.guard("all_gather"):
             dist.all_gather(out, local, group=self.control)
         return [t.tolist() for t in out]
 
@@ -98,7 +99,7 @@ class Cluster:
         if self.world_size == 1:
             return flag
         t = torch.tensor([int(flag)], dtype=torch.int64)
-        with self._guard("all_reduce"):
+        with self.guard("all_reduce"):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
         return bool(t.item())
 
@@ -107,7 +108,7 @@ class Cluster:
         """In place over every rank, on the main group (no host read)."""
         if self.world_size > 1:
             reduce_op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
-            with self._guard("all_reduce"):
+            with self.guard("all_reduce"):
                 dist.all_reduce(tensor, op=reduce_op)
         return tensor
 
@@ -120,7 +121,7 @@ class Cluster:
         padded = tensor.new_zeros((longest, *tensor.shape[1:]))
         padded[: tensor.shape[0]] = tensor
         out = tensor.new_empty((self.world_size * longest, *tensor.shape[1:]))
-        with self._guard("all_gather"):
+        with self.guard("all_gather"):
             dist.all_gather_into_tensor(out, padded)
         return torch.cat([out[r * longest: r * longest + n] for r, n in enumerate(sizes)])
 
