@@ -106,7 +106,8 @@ def build_cases(batch: int, dim: int, dtype: torch.dtype, device: torch.device, 
             lambda ref_fn=ref_fn, x=x, w=w, b=b: ref_fn(x, w, b, 1e-6),
             2 * t_all * width * e, 5 * t_all * width * e, compile_ok=fn is layer_norm)
 
-    # Output block: u is a column slice of the uvqk projection, dropout 0.1 as in training.
+    # Output block: u, before the SiLU the block applies, is a column slice of the uvqk projection;
+    # dropout 0.1 as in training. The SiLU adds arithmetic only, so the byte counts are unchanged.
     uvqk, attn = rand(t_all, 4 * dim), rand(t_all, dim)
     w, b = rand(dim, dt=torch.float32), rand(dim, dt=torch.float32)
     add("output_block (p=0.1)", f"[{t_all}, {dim}] -> [{t_all}, {3 * dim}]", [uvqk, attn, w, b],
@@ -114,10 +115,10 @@ def build_cases(batch: int, dim: int, dtype: torch.dtype, device: torch.device, 
         lambda: ref_ob.output_block(uvqk[:, :dim], attn, w, b, 1e-6, 0.1, True),
         5 * t_all * dim * e, 10 * t_all * dim * e)
 
-    ctx, hist, cand = rand(batch, NUM_CONTEXTUAL, dim), rand(t_hist, dim), rand(batch, dim)
-    add("concat_sequences", f"{batch}×[{NUM_CONTEXTUAL}+L+1, {dim}] -> [{t_all}, {dim}]", [ctx, hist, cand],
-        lambda: concat_sequences(ctx, hist, hist_offsets, cand, max_history, kernels="triton")[0],
-        lambda: ref_jagged.concat_sequences(ctx, hist, hist_offsets, cand)[0],
+    ctx, tokens = rand(batch, NUM_CONTEXTUAL, dim), rand(t_hist + batch, dim)
+    add("concat_sequences", f"{batch}×[{NUM_CONTEXTUAL}+L+1, {dim}] -> [{t_all}, {dim}]", [ctx, tokens],
+        lambda: concat_sequences(ctx, tokens, hist_offsets, max_history, kernels="triton")[0],
+        lambda: ref_jagged.concat_sequences(ctx, tokens[:t_hist], tokens[t_hist:], hist_offsets)[0],
         2 * t_all * dim * e, 4 * t_all * dim * e, compile_ok=False)
 
     values = rand(t_all, dim)

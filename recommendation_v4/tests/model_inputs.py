@@ -34,6 +34,5 @@ def random_embeddings(batch: TorchJaggedBatch, dim: int, seed: int, dtype=torch.
     g = torch.Generator().manual_seed(seed)
     t, b = batch.total_tokens, batch.num_samples
     r = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()  # noqa: E731
-    return SequenceEmbeddings(history_item=r(t, dim), history_artist=r(t, dim), history_album=r(t, dim),
-                              candidate_item=r(b, dim), candidate_artist=r(b, dim), candidate_album=r(b, dim),
-                              contextual=r(b, NUM_CONTEXTUAL, dim))
+    return SequenceEmbeddings(item=r(t + b, dim), artist=r(t + b, dim), album=r(t + b, dim),
+                              contextual=r(b, NUM_CONTEXTUAL, dim), candidate=r(b, 3 * dim))

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from dlrmv4.config import BenchmarkConfig, LoaderConfig, SamplerConfig
 from dlrmv4.data.batch import BATCH_DTYPES, TorchJaggedBatch
@@ -125,3 +126,12 @@ def test_packed_batch_moves_as_one_buffer(store):
     # A batch whose fields do not share one buffer moves field by field.
     loose = dataclasses.replace(tb, label=tb.label.clone())
     assert loose._packed() is None and np.array_equal(loose.to("cpu").label.numpy(), host.label)
+
+
+def test_device_prefetcher_passes_batches_through_on_the_cpu():
+    from dlrmv4.train.prefetch import DevicePrefetcher
+    from model_inputs import random_batch
+
+    host = [random_batch([3, 1, 4], seed=i) for i in range(3)]
+    out = list(DevicePrefetcher(host, torch.device("cpu")))
+    assert len(out) == 3 and all(torch.equal(a.history_item_id, b.history_item_id) for a, b in zip(host, out))

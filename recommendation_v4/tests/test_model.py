@@ -42,7 +42,7 @@ def test_forward_backward_reaches_every_parameter():
     out.loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
     assert missing == []
-    assert emb.history_item.grad is not None and emb.contextual.grad is not None
+    assert emb.item.grad is not None and emb.contextual.grad is not None
 
 
 def test_triton_kernels_match_the_pytorch_reference():
@@ -55,7 +55,7 @@ def test_triton_kernels_match_the_pytorch_reference():
         emb = random_embeddings(batch, cfg.embedding_dim, seed=4)
         out = model(batch, emb)
         out.loss.backward()
-        results[kernels] = (out.logits.detach(), out.loss.detach(), _grads(model), emb.history_item.grad)
+        results[kernels] = (out.logits.detach(), out.loss.detach(), _grads(model), emb.item.grad)
     ref, tri = results["pytorch"], results["triton"]
     assert _rel(tri[0], ref[0]) < 1e-4
     assert _rel(tri[1], ref[1]) < 1e-4
@@ -103,3 +103,25 @@ def test_reference_flops_match_the_spec():
     lengths = [4096, 2048, 100]
     total = batch_flops(cfg, lengths)
     assert total.stu == pytest.approx(sum(dense_flops_per_sample(cfg, s).stu for s in lengths))
+
+
+def test_tower_takes_its_input_in_column_blocks():
+    """tower(a, b) is tower(cat([a, b], -1)) without the concatenation, gradients included."""
+    from dlrmv4.model.layers import Tower
+
+    torch.manual_seed(3)
+    tower = Tower(24, 16, 8, 1e-6, "pytorch").double()
+    a = torch.randn(5, 10, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, 14, dtype=torch.float64, requires_grad=True)
+    blocks = tower(a, b)
+    blocks.square().sum().backward()
+    grads = (a.grad, b.grad, tower[0].weight.grad, tower[0].bias.grad)
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    tower.zero_grad()
+    whole = tower(torch.cat([a2, b2], -1))
+    whole.square().sum().backward()
+    torch.testing.assert_close(blocks, whole, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, (a2.grad, b2.grad, tower[0].weight.grad, tower[0].bias.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="do not add up to 24"):
+        tower(a)

@@ -201,3 +201,31 @@ def test_empty_batch():
         out, dq, dk, dv, _ = forward_backward(q, k, v, offsets, 0, None, 0.2, kernels)
         assert out.shape == (0, 1, 16) and dq.shape == (0, 1, 16)
 
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton interpreter tests (tests/gpu/ covers the compiled kernels)")
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+def test_backward_into_column_slices_of_one_buffer(monkeypatch, dq_mode):
+    """attention_bwd(out=...) writes dq, dk, dv into the q, k, v columns of one [T, W] gradient, equal
+    to the gradients it returns otherwise, and leaves the other columns alone."""
+    from dlrmv4.ops.triton.attention import attention_bwd
+
+    poison_outputs(monkeypatch)
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    lengths = random_lengths(gen, 4, 45)
+    heads, dqk, dv = 2, 32, 16
+    q, k, v, offsets, _ = make_batch(lengths, heads, dqk, dv, torch.float32, "cpu", seed)
+    do = torch.randn(v.shape, generator=gen)
+    args = (do, q, k, v, offsets, None, max(lengths), 0.3)
+    fresh = attention_bwd(*args, dq_mode=dq_mode)
+    grad = torch.full((q.shape[0], heads * (2 * dv + 2 * dqk)), 7.0)
+    cols = [grad[:, lo:lo + heads * d].unflatten(1, (heads, d))
+            for lo, d in ((2 * heads * dv, dqk), (2 * heads * dv + heads * dqk, dqk), (heads * dv, dv))]
+    got = attention_bwd(*args, dq_mode=dq_mode, out=tuple(cols))
+    for name, a, slot, e in zip(("dq", "dk", "dv"), got, cols, fresh):
+        assert a.data_ptr() == slot.data_ptr(), f"{name} not returned in its buffer"
+        torch.testing.assert_close(slot, e, rtol=0, atol=0, msg=f"{name} (seed {seed})")
+    assert (grad[:, :heads * dv] == 7).all(), "the u columns were written"
+    with pytest.raises(ValueError, match="out must be"):
+        attention_bwd(*args, out=(cols[0], cols[1], cols[0]))

@@ -55,7 +55,8 @@ def test_concat_matches_loop(kernels, dtype, b, c, d, max_len, gen, poison):
     lengths = random_lengths(b, max_len, gen)
     for contiguous in (True, False):
         ctx, hist, cand, offsets = inputs(b, c, d, lengths, dtype, gen, contiguous)
-        values, seq_offsets = concat_sequences(ctx, hist, offsets, cand, max(lengths), kernels=kernels)
+        values, seq_offsets = concat_sequences(ctx, torch.cat([hist, cand]), offsets, max(lengths),
+                                               kernels=kernels)
         expect = loop_concat(ctx, hist, offsets, cand)
         assert torch.equal(values, expect)  # a copy: bit-exact
         assert seq_offsets.dtype == torch.int64
@@ -70,7 +71,7 @@ def test_concat_matches_loop(kernels, dtype, b, c, d, max_len, gen, poison):
 
 def test_concat_with_a_loose_max_history_len(gen, poison):
     ctx, hist, cand, offsets = inputs(3, 2, 16, [4, 0, 6], torch.float32, gen)
-    values, _ = concat_sequences(ctx, hist, offsets, cand, 50, kernels="triton")
+    values, _ = concat_sequences(ctx, torch.cat([hist, cand]), offsets, 50, kernels="triton")
     assert torch.equal(values, loop_concat(ctx, hist, offsets, cand))
 
 
@@ -104,6 +105,6 @@ def test_timestamps_follow_the_concat_layout(c, gen):
 def test_bad_inputs_are_reported(gen):
     ctx, hist, cand, offsets = inputs(2, 1, 8, [1, 2], torch.float32, gen)
     with pytest.raises(ValueError, match="int64"):
-        concat_sequences(ctx, hist, offsets.int(), cand, 2)
-    with pytest.raises(ValueError, match="candidate"):
-        concat_sequences(ctx, hist, offsets, cand[:1], 2)
+        concat_sequences(ctx, torch.cat([hist, cand]), offsets.int(), 2)
+    with pytest.raises(ValueError, match="candidate rows"):
+        concat_sequences(ctx, torch.cat([hist, cand])[:, 1:], offsets, 2)

@@ -1,5 +1,6 @@
-"""The fused STU output block: Triton kernel (interpreted) against the reference in float64,
-with dropout compared through the kernel's own mask (``output_block_keep_mask``)."""
+"""The fused STU output block, Dropout([SiLU(u) ‖ attn ‖ SiLU(u) ⊙ LayerNorm(attn)]) from u before
+its SiLU: Triton kernel (interpreted) against the reference in float64, and both against the
+formula spelled out, with dropout compared through the kernel's own mask (``output_block_keep_mask``)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ EPS = 1e-6
 
 
 def make_inputs(t: int, hd: int, dtype: torch.dtype, gen: torch.Generator):
-    """u and attn as column slices of one wide tensor, as the model's split of uvqk gives them."""
-    wide = randn((t, 4 * hd), gen, dtype, scale=1.5).requires_grad_()
+    """u and attn as column slices of one wide tensor, as the model's split of uvqk gives them; u
+    wide enough to reach both saturated ends of the SiLU."""
+    wide = randn((t, 4 * hd), gen, dtype, scale=3.0).requires_grad_()
     attn = randn((t, hd), gen, dtype, scale=2.0, shift=0.3).requires_grad_()
     w = randn(hd, gen, scale=0.3, shift=1.0).requires_grad_()
     b = randn(hd, gen, scale=0.3).requires_grad_()
@@ -51,6 +53,55 @@ def test_matches_reference(dtype, t, hd, p, training, gen, poison):
     assert not dwide[:, :hd].any() and not dwide[:, 2 * hd:].any()
 
 
+def spelled_out(u, attn, w, b, keep, p):
+    """The block written out in float64 from u before its SiLU (no reference module involved)."""
+    su = u * torch.sigmoid(u)
+    mu = attn.mean(1, keepdim=True)
+    ln = (attn - mu) / torch.sqrt(((attn - mu) ** 2).mean(1, keepdim=True) + EPS) * w + b
+    return torch.cat([su, attn, su * ln], 1) * keep / (1 - p)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_silu_of_u_inside_the_block(p, gen, poison):
+    """Kernel and reference apply the SiLU themselves: y and every gradient match the formula
+    differentiated by autograd in float64, with and without dropout."""
+    t, hd, seed = 37, 48, secrets.randbits(31)
+    _, u, attn, w, b = make_inputs(t, hd, torch.float32, gen)
+    keep = output_block_keep_mask(t, hd, p, seed, "cpu")
+    u64, a64, w64, b64 = leaf64(u), leaf64(attn), leaf64(w), leaf64(b)
+    want = spelled_out(u64, a64, w64, b64, keep, p)
+    dy = randn(want.shape, gen)
+    grads = torch.autograd.grad(want, (u64, a64, w64, b64), dy.double())
+    ref = output_block(u64, a64, w64, b64, EPS, p, seed, True, kernels="pytorch", keep_mask=keep)
+    torch.testing.assert_close(ref, want, rtol=1e-12, atol=1e-12)
+    for kernels in ("triton", "pytorch"):
+        leaves = [x.detach().clone().requires_grad_() for x in (u, attn, w, b)]
+        y = output_block(*leaves, EPS, p, seed, True, kernels=kernels, keep_mask=keep)
+        assert_close(y, want, torch.float32, f"{kernels} y")
+        for name, got, g in zip(("du", "dattn", "dweight", "dbias"), torch.autograd.grad(y, leaves, dy), grads):
+            assert_close(got, g, torch.float32, f"{kernels} {name}")
+
+
+def test_backward_writes_du_into_a_given_buffer(gen, poison):
+    """``du_out`` (the u columns of a wider gradient) receives du; the other columns stay as they were."""
+    from dlrmv4.ops.triton import output_block as tri
+
+    t, hd, p, seed = 21, 32, 0.2, secrets.randbits(31)
+    _, u, attn, w, b = make_inputs(t, hd, torch.float32, gen)
+    y, mean, rstd, keep = tri.forward(u, attn, w, b, EPS, p, seed, True)
+    dy = randn(y.shape, gen)
+    du, da, dw, db = tri.backward(u, attn, w, b, dy, mean, rstd, keep, p)
+    wide = torch.full((t, 3 * hd), 7.0)
+    got = tri.backward(u, attn, w, b, dy, mean, rstd, keep, p, du_out=wide[:, hd:2 * hd])
+    assert got[0].data_ptr() == wide[:, hd:2 * hd].data_ptr()
+    assert torch.equal(wide[:, hd:2 * hd], du)
+    assert (wide[:, :hd] == 7).all() and (wide[:, 2 * hd:] == 7).all()
+    for a, e in zip(got[1:], (da, dw, db)):
+        assert torch.equal(a, e)
+    with pytest.raises(ValueError, match="du_out must be"):
+        tri.backward(u, attn, w, b, dy, mean, rstd, keep, p, du_out=wide[:, :hd - 1])
+
+
 def test_no_affine(gen, poison):
     u = randn((9, 24), gen).requires_grad_()
     a = randn((9, 24), gen).requires_grad_()
@@ -83,6 +134,9 @@ def test_dropout_mask_is_a_function_of_the_seed(gen, poison):
     # The three segments draw independent decisions.
     s = m1.view(t, 3, hd).float()
     assert abs((s[:, 0] * s[:, 1]).mean().item() - (1 - p) ** 2) < 0.05
+    # So do neighbouring columns (the two 16-bit halves of one Philox number) and neighbouring rows.
+    assert abs((s[:, :, 0::2] * s[:, :, 1::2]).mean().item() - (1 - p) ** 2) < 0.05
+    assert abs((s[0::2] * s[1::2]).mean().item() - (1 - p) ** 2) < 0.05
     assert torch.equal(y1 != 0, m1 & (y1 != 0))  # zeros exactly where dropped (inputs are never 0)
     assert (y1 != 0).sum() == m1.sum()
 

@@ -155,6 +155,11 @@ class TorchJaggedBatch:
             return self._map(lambda t: t.pin_memory())
         return self._on(packed.pin_memory())
 
+    def device_buffers(self) -> list[torch.Tensor]:
+        """The tensors that own the batch's memory: the packed buffer, or every field."""
+        packed = self._packed()
+        return [packed] if packed is not None else [getattr(self, name) for name in BATCH_DTYPES]
+
     def to(self, device: torch.device | str, non_blocking: bool = True) -> TorchJaggedBatch:
         """One host-to-device copy when packed (non-blocking from pinned memory)."""
         packed = self._packed()

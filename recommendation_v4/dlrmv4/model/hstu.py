@@ -51,7 +51,7 @@ class DlrmHSTU(nn.Module):
 
     def user_representation(self, batch: TorchJaggedBatch, emb: SequenceEmbeddings) -> torch.Tensor:
         """The candidate position's output of the sequence model, [B, D] (in the autocast dtype)."""
-        device = emb.candidate_item.device
+        device = emb.item.device
         dtype = DTYPES[self.cfg.sequence_dtype]
         seeds = self._dropout_seeds()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -63,7 +63,7 @@ class DlrmHSTU(nn.Module):
 
     def forward(self, batch: TorchJaggedBatch, emb: SequenceEmbeddings) -> ModelOutput:
         user = self.postprocessor(self.user_representation(batch, emb), batch.candidate_timestamp)
-        item = self.item_tower(torch.cat([emb.candidate_item, emb.candidate_artist, emb.candidate_album], -1).float())
+        item = self.item_tower(emb.candidate.float())
         logits = self.head(user * item).squeeze(-1)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.label) * self.cfg.loss_scale
         return ModelOutput(logits=logits, loss=loss)

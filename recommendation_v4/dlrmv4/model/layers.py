@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dlrmv4.ops.layer_norm import layer_norm, swish_layer_norm
@@ -35,8 +36,26 @@ class SwishLayerNorm(LayerNorm):
 
 
 class Tower(nn.Sequential):
-    """Linear(in -> hidden) -> SwishLayerNorm -> Linear(hidden -> out) -> LayerNorm: every MLP of SPEC §5."""
+    """Linear(in -> hidden) -> SwishLayerNorm -> Linear(hidden -> out) -> LayerNorm: every MLP of SPEC §5.
+
+    ``tower(a, b, ...)`` takes its input in column blocks, as if ``torch.cat([a, b, ...], -1)``: the
+    first Linear multiplies each block by its slice of the weight and accumulates in the GEMM
+    (``addmm``), so the concatenation (a full copy of the token rows) is never built.
+    """
 
     def __init__(self, in_dim: int, hidden: int, out_dim: int, eps: float, kernels: str) -> None:
         super().__init__(init_linear(nn.Linear(in_dim, hidden)), SwishLayerNorm(hidden, eps, kernels),
                          init_linear(nn.Linear(hidden, out_dim)), LayerNorm(out_dim, eps, kernels))
+
+    def forward(self, *blocks: torch.Tensor) -> torch.Tensor:
+        first, *rest = self
+        widths = [x.shape[-1] for x in blocks]
+        if sum(widths) != first.in_features:
+            raise ValueError(f"Tower: input blocks of widths {widths} do not add up to {first.in_features}")
+        weights = first.weight.split(widths, dim=1)
+        h = F.linear(blocks[0], weights[0], first.bias)
+        for x, w in zip(blocks[1:], weights[1:]):
+            h = torch.addmm(h, x, w.t())
+        for module in rest:
+            h = module(h)
+        return h

@@ -43,17 +43,16 @@ class Preprocessor(nn.Module):
                 history_timestamp: torch.Tensor, query_time: torch.Tensor,
                 max_history_length: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Returns (encoded sequence values [T + B*(C+1), D], seq_offsets [B+1], max sequence length)."""
-        b = emb.candidate_item.shape[0]
-        # History and candidate tokens share the branch MLPs: one matmul per layer for both.
-        content = self.content(torch.cat([emb.history_item, emb.candidate_item]))
-        extra = self.extra_ids(torch.cat([torch.cat([emb.history_artist, emb.history_album], -1),
-                                          torch.cat([emb.candidate_artist, emb.candidate_album], -1)]))
+        b = emb.num_candidates
+        # History and candidate tokens share the branch MLPs: one matmul per layer for both (the
+        # embeddings come as [history rows; candidate rows] per table).
+        content = self.content(emb.item)
+        extra = self.extra_ids(emb.artist, emb.album)
         actions = torch.cat([self._action_features(history_action),
                              self.target_action.expand(b, -1).to(self.action_vectors.dtype)])
         tokens = content + extra + self.action(actions)
-        history, candidate = tokens[:-b], tokens[-b:]
         contextual = torch.stack([proj(emb.contextual[:, i]) for i, proj in enumerate(self.contextual)], 1)
-        values, seq_offsets = concat_sequences(contextual.to(history.dtype), history, history_offsets, candidate,
+        values, seq_offsets = concat_sequences(contextual.to(tokens.dtype), tokens, history_offsets,
                                                max_history_length, kernels=self.cfg.kernels)
         timestamps = concat_sequence_timestamps(history_timestamp, history_offsets, query_time, self.num_contextual)
         x = position_time_encode(values, seq_offsets, timestamps, query_time, self.num_contextual,

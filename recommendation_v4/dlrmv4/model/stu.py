@@ -3,6 +3,9 @@
     n = LayerNorm(x);  [u | v | q | k] = n W_uvqk + b;  u = SiLU(u)
     attn = HSTU attention(q, k, v)     SiLU(alpha q k^T) / N, causal and target-aware, no softmax
     y = Dropout([u | attn | u * LayerNorm(attn)]);  x = x + y W_out
+
+Everything between the two projections (SiLU, attention, output block) is one op, ``stu_mixing``:
+it reads u, v, q, k as views of the projection and writes their gradients into one buffer.
 """
 
 from __future__ import annotations
@@ -14,8 +17,7 @@ from torch import nn
 
 from dlrmv4.config import ModelConfig
 from dlrmv4.model.layers import LayerNorm
-from dlrmv4.ops.attention import hstu_attention
-from dlrmv4.ops.output_block import output_block
+from dlrmv4.ops.stu_mixing import stu_mixing
 
 
 class STULayer(nn.Module):
@@ -36,16 +38,13 @@ class STULayer(nn.Module):
         cfg = self.cfg
         h, dqk, dv = cfg.num_heads, cfg.qk_dim, cfg.v_dim
         uvqk = self.uvqk(self.input_norm(x))
-        # Views into one projection output: the kernels take strides, nothing is copied.
-        u, v, q, k = torch.split(uvqk, [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
-        u = nn.functional.silu(u)
-        # One candidate per sequence: the target-aware mask equals the causal one (num_targets=None).
-        attn = hstu_attention(q.unflatten(-1, (h, dqk)), k.unflatten(-1, (h, dqk)), v.unflatten(-1, (h, dv)),
-                              seq_offsets, max_seq_len, num_targets=None, alpha=1.0 / math.sqrt(dqk),
-                              kernels=cfg.kernels)
-        y = output_block(u, attn.flatten(1), self.attn_norm_weight, self.attn_norm_bias, cfg.layer_norm_eps,
-                         cfg.linear_dropout, dropout_seed, self.training, kernels=cfg.kernels)
-        return x + self.out(y)
+        # One candidate per sequence: the target-aware mask equals the causal one stu_mixing applies.
+        y = stu_mixing(uvqk, seq_offsets, max_seq_len, num_heads=h, qk_dim=dqk, v_dim=dv,
+                       alpha=1.0 / math.sqrt(dqk), norm_weight=self.attn_norm_weight,
+                       norm_bias=self.attn_norm_bias, eps=cfg.layer_norm_eps, dropout_p=cfg.linear_dropout,
+                       seed=dropout_seed, training=self.training, kernels=cfg.kernels)
+        # x + y W_out^T in one GEMM: the residual is the GEMM's C operand, not a separate pass.
+        return torch.addmm(x, y, self.out.weight.t())
 
 
 class STUStack(nn.Module):

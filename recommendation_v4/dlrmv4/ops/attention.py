@@ -36,7 +36,8 @@ class _TritonHSTUAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def _check(q, k, v, seq_offsets, max_seq_len, num_targets) -> None:
+def check_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets) -> None:
+    """A one-line ValueError for inputs no implementation takes (also used by ops/stu_mixing.py)."""
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"hstu_attention: q, k must be [T, H, Dqk] and v [T, H, Dv]; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -55,7 +56,8 @@ def _check(q, k, v, seq_offsets, max_seq_len, num_targets) -> None:
         raise ValueError(f"hstu_attention: all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
-def _check_triton(q, v) -> None:
+def check_triton_attention_inputs(q, v) -> None:
+    """A one-line ValueError for inputs the Triton kernels do not take."""
     if q.dtype not in _TRITON_DTYPES:
         raise ValueError(f"hstu_attention: the Triton kernel takes fp16/bf16/fp32, not {q.dtype}; "
                          "use kernels='pytorch'")
@@ -68,9 +70,9 @@ def _check_triton(q, v) -> None:
 def hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
                    *, num_targets: torch.Tensor | None = None, alpha: float, kernels: str = "auto") -> torch.Tensor:
     """Jagged HSTU attention, [T, H, Dv] in q's dtype (see the module docstring)."""
-    _check(q, k, v, seq_offsets, max_seq_len, num_targets)
+    check_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets)
     max_seq_len = int(max_seq_len)
     if resolve(kernels, q.device) == "pytorch":
         return hstu_attention_reference(q, k, v, seq_offsets, max_seq_len, num_targets, alpha)
-    _check_triton(q, v)
+    check_triton_attention_inputs(q, v)
     return _TritonHSTUAttention.apply(q, k, v, seq_offsets, num_targets, max_seq_len, float(alpha))

@@ -24,13 +24,14 @@ def _unit_cols(x: torch.Tensor) -> torch.Tensor:
 # Triton is optional (the reference runs without it): kernel modules are imported on first use.
 class _ConcatFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, contextual, history, history_offsets, candidate, max_history_len):
+    def forward(ctx, contextual, tokens, history_offsets, max_history_len):
         from dlrmv4.ops.triton import jagged as tri
 
-        values = tri.concat_forward(_unit_cols(contextual), _unit_cols(history), history_offsets,
-                                    _unit_cols(candidate), max_history_len)
+        tokens = _unit_cols(tokens)
+        values = tri.concat_forward(_unit_cols(contextual), *_history_and_candidate(tokens, contextual.shape[0]),
+                                    history_offsets, max_history_len)
         ctx.save_for_backward(history_offsets)
-        ctx.shapes = (contextual.shape, history.shape, candidate.shape)
+        ctx.shapes = (contextual.shape, tokens.shape)
         ctx.max_history_len = max_history_len
         return values
 
@@ -39,29 +40,37 @@ class _ConcatFn(torch.autograd.Function):
         from dlrmv4.ops.triton import jagged as tri
 
         (history_offsets,) = ctx.saved_tensors
-        dctx, dhist, dcand = tri.concat_backward(_unit_cols(grad), history_offsets, ctx.shapes, ctx.max_history_len)
-        return dctx, dhist, None, dcand, None
+        # One gradient buffer for the tokens: the kernel writes its history and candidate rows.
+        dctx, dtokens = (torch.empty(s, device=grad.device, dtype=grad.dtype) for s in ctx.shapes)
+        tri.concat_backward(_unit_cols(grad), history_offsets, dctx,
+                            *_history_and_candidate(dtokens, dctx.shape[0]), ctx.max_history_len)
+        return dctx, dtokens, None, None
 
 
-def concat_sequences(contextual: torch.Tensor, history: torch.Tensor, history_offsets: torch.Tensor,
-                     candidate: torch.Tensor, max_history_len: int,
-                     kernels: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """contextual [B, C, D], history [T, D] jagged by history_offsets, candidate [B, D] ->
-    (values [T + B·(C+1), D], seq_offsets int64 [B+1]).
+def _history_and_candidate(tokens: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return tokens[:tokens.shape[0] - b], tokens[tokens.shape[0] - b:]
 
+
+def concat_sequences(contextual: torch.Tensor, tokens: torch.Tensor, history_offsets: torch.Tensor,
+                     max_history_len: int, kernels: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """contextual [B, C, D], tokens [T + B, D] (the T history rows, jagged by history_offsets, then
+    one candidate row per sequence) -> (values [T + B·(C+1), D], seq_offsets int64 [B+1]).
+
+    The tokens come as one tensor, as the model's token towers produce them: their gradient is
+    one buffer too, not two slices that autograd would add into a zero-filled one.
     ``max_history_len`` must be at least the longest history (it sizes the kernel's grid; rows
     past it would not be copied).
     """
     b, c, d = contextual.shape
-    if history.dim() != 2 or history.shape[1] != d or tuple(candidate.shape) != (b, d):
-        raise ValueError(f"concat_sequences: expected history [T, {d}] and candidate [{b}, {d}], got "
-                         f"{tuple(history.shape)} and {tuple(candidate.shape)}")
+    if tokens.dim() != 2 or tokens.shape[1] != d or tokens.shape[0] < b:
+        raise ValueError(f"concat_sequences: expected tokens [T + {b}, {d}] (history rows, then {b} candidate "
+                         f"rows), got {tuple(tokens.shape)}")
     if history_offsets.dtype != torch.int64 or history_offsets.numel() != b + 1:
         raise ValueError(f"concat_sequences: history_offsets must be int64 [{b + 1}], got "
                          f"{history_offsets.dtype} {tuple(history_offsets.shape)}")
-    if resolve(kernels, history.device) == "pytorch":
-        return ref.concat_sequences(contextual, history, history_offsets, candidate)
-    values = _ConcatFn.apply(contextual, history, history_offsets, candidate, max_history_len)
+    if resolve(kernels, tokens.device) == "pytorch":
+        return ref.concat_sequences(contextual, *_history_and_candidate(tokens, b), history_offsets)
+    values = _ConcatFn.apply(contextual, tokens, history_offsets, max_history_len)
     return values, ref.sequence_offsets(history_offsets, c)
 
 

@@ -44,6 +44,8 @@ from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, table_rows
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings import SequenceEmbeddings
+from dlrmv4.model.hstu import DTYPES
+from dlrmv4.ops.rowwise_adagrad import rowwise_adagrad_
 from dlrmv4.train.distributed import Cluster
 from dlrmv4.train.sharding import plan_sharding, qcomm_registry
 
@@ -112,13 +114,12 @@ def _table_features(name: str) -> tuple[str, ...]:
     return (f"history_{name}_id", f"candidate_{name}_id") if name in SHARED_TABLES else (name,)
 
 
-def _assemble(out: dict[str, torch.Tensor]) -> SequenceEmbeddings:
-    """SequenceEmbeddings from per-feature [n, E] lookups."""
-    return SequenceEmbeddings(
-        history_item=out["history_item_id"], history_artist=out["history_artist_id"],
-        history_album=out["history_album_id"], candidate_item=out["candidate_item_id"],
-        candidate_artist=out["candidate_artist_id"], candidate_album=out["candidate_album_id"],
-        contextual=torch.stack([out[name] for name in CONTEXTUAL_FEATURES], dim=1))
+def _assemble(sequence: dict[str, torch.Tensor], candidate: list[torch.Tensor]) -> SequenceEmbeddings:
+    """SequenceEmbeddings from per-table sequence rows ([T + B, E] for the shared tables, [B, E]
+    for the contextual ones) and the candidate's fp32 (item, artist, album) rows."""
+    return SequenceEmbeddings(item=sequence["item"], artist=sequence["artist"], album=sequence["album"],
+                              contextual=torch.stack([sequence[name] for name in CONTEXTUAL_FEATURES], dim=1),
+                              candidate=torch.cat(candidate, -1))
 
 
 class SparseEmbeddings(nn.Module, abc.ABC):
@@ -246,31 +247,6 @@ def _full_on_rank0(tensor, shape: tuple[int, ...], cluster: Cluster) -> torch.Te
     return full
 
 
-def rowwise_adagrad_(weight: torch.Tensor, momentum: torch.Tensor, ids: torch.Tensor, values: torch.Tensor,
-                     lr: torch.Tensor, eps: float) -> None:
-    """FBGEMM's row-wise Adagrad for gradient rows ``values`` of rows ``ids`` (duplicates summed).
-
-    Static shapes and no host sync: the sorted ids are cut into segments, segment s sums into slot
-    s (``segment_reduce``: a fixed order, so replicas on several ranks compute identical bits);
-    slots past the last segment hold zero-length segments, id 0, a zero gradient and a zero
-    multiplier (with eps 0 an untouched row 0 would otherwise give 0 * inf = NaN).
-    """
-    if ids.numel() == 0:
-        return
-    dim = weight.shape[1]
-    sorted_ids, order = torch.sort(ids, stable=True)
-    new = torch.ones_like(sorted_ids, dtype=torch.bool)
-    new[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    segment = torch.cumsum(new, 0) - 1
-    lengths = torch.zeros_like(sorted_ids).index_add_(0, segment, torch.ones_like(sorted_ids))
-    rows = torch.zeros_like(sorted_ids).scatter_(0, segment, sorted_ids)
-    g = torch.segment_reduce(values[order], "sum", lengths=lengths, unsafe=True, initial=0.0)
-    momentum.index_add_(0, rows, (g * g).sum(1) / dim)
-    multiplier = lr / (torch.sqrt(momentum[rows]) + eps)
-    multiplier = torch.where(lengths > 0, multiplier, 0.0)
-    weight.index_add_(0, rows, -(g * multiplier[:, None]))
-
-
 def rowwise_adagrad_dense_(weight: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, lr: torch.Tensor,
                            eps: float) -> None:
     """The same update from a dense [rows, E] gradient (duplicates already summed): a row with an
@@ -281,57 +257,92 @@ def rowwise_adagrad_dense_(weight: torch.Tensor, momentum: torch.Tensor, grad: t
     weight.sub_(grad * multiplier[:, None])
 
 
+class _TableLookup(torch.autograd.Function):
+    """One table's rows for the sequence (in the sequence dtype) and for the item tower (fp32). The
+    backward builds no ``weight.grad``: it hands the (ids, gradient rows) pairs to the table's list
+    of pending gradients, which ``sparse_step`` updates from in place (as FBGEMM's fused backward
+    does, without copying the rows into a sparse tensor)."""
+
+    @staticmethod
+    def forward(ctx, weight, sequence_ids, candidate_ids, dtype, pending):
+        ctx.save_for_backward(sequence_ids, candidate_ids)
+        ctx.pending = pending
+        return F.embedding(sequence_ids, weight).to(dtype), F.embedding(candidate_ids, weight)
+
+    @staticmethod
+    def backward(ctx, sequence_grad, candidate_grad):
+        sequence_ids, candidate_ids = ctx.saved_tensors
+        ctx.pending.append((sequence_ids, sequence_grad))
+        if candidate_ids.numel():
+            ctx.pending.append((candidate_ids, candidate_grad))
+        return None, None, None, None, None
+
+
 class PlainEmbeddings(SparseEmbeddings):
-    """fp32 nn.Parameter tables with sparse gradients; row-wise Adagrad in ``sparse_step``. On several
-    ranks every rank holds every table (data parallel) and the gradients are all-gathered."""
+    """fp32 nn.Parameter tables; the backward leaves each lookup's gradient rows pending and
+    ``sparse_step`` applies row-wise Adagrad from them. On several ranks every rank holds every
+    table (data parallel) and the gradients are all-gathered."""
 
     backend = "plain"
 
     def __init__(self, specs: list[TableSpec], dim: int, lr: float, eps: float, std: float, seed: int,
-                 device: torch.device, cluster: Cluster) -> None:
+                 device: torch.device, cluster: Cluster, kernels: str = "auto",
+                 sequence_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(specs, dim, lr, eps, cluster)
+        self.kernels = kernels  # the update's implementation (ops/rowwise_adagrad.py)
+        # The sequence rows come in the sequence model's dtype: its first layers would cast them anyway.
+        self.sequence_dtype = sequence_dtype
         self.weights = nn.ParameterDict({
             s.name: nn.Parameter(init_rows(i, s.rows, 0, s.rows, dim, std, seed, device)) for i, s in enumerate(specs)})
         for s in specs:
             self.register_buffer(f"momentum_{s.name}", torch.zeros(s.rows, dtype=torch.float32, device=device))
         # A tensor, not a float: lr / tensor would become reciprocal-then-multiply, not FBGEMM's division.
         self.register_buffer("lr_tensor", torch.tensor(lr, dtype=torch.float32, device=device))
+        self.pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {s.name: [] for s in specs}
 
     def forward(self, batch: TorchJaggedBatch) -> SequenceEmbeddings:
         ids = _feature_ids(batch)
-        out = {}
+        no_ids = torch.zeros(0, dtype=torch.int64, device=self.lr_tensor.device)
+        sequence, candidate = {}, []
         for spec in self.specs:
-            features = _table_features(spec.name)
-            # One lookup per table: history and candidate ids go through the same call.
-            rows = F.embedding(torch.cat([ids[f] for f in features]), self.weights[spec.name], sparse=True)
-            out.update(zip(features, rows.split([ids[f].numel() for f in features])))
-        return _assemble(out)
+            features = [ids[f] for f in _table_features(spec.name)]
+            # History and candidate ids in one lookup: its rows are SequenceEmbeddings' layout.
+            rows, candidate_rows = _TableLookup.apply(
+                self.weights[spec.name], torch.cat(features) if len(features) > 1 else features[0],
+                features[1] if len(features) > 1 else no_ids, self.sequence_dtype, self.pending[spec.name])
+            sequence[spec.name] = rows
+            if len(features) > 1:
+                candidate.append(candidate_rows)
+        return _assemble(sequence, candidate)
 
     @torch.no_grad()
     def sparse_step(self) -> None:
         grads = {}
-        for spec in self.specs:
-            weight = self.weights[spec.name]
-            if weight.grad is not None:
-                grads[spec.name] = (weight.grad._indices()[0], weight.grad._values())
-                weight.grad = None
+        for name, pieces in self.pending.items():
+            if pieces:
+                grads[name] = (torch.cat([i for i, _ in pieces]), [g for _, g in pieces])
+                pieces.clear()
         for name, grad in self._exchange(grads).items():
             momentum = getattr(self, f"momentum_{name}")
             if isinstance(grad, torch.Tensor):
                 rowwise_adagrad_dense_(self.weights[name], momentum, grad, self.lr_tensor, self.eps)
             else:
-                rowwise_adagrad_(self.weights[name], momentum, *grad, self.lr_tensor, self.eps)
+                rowwise_adagrad_(self.weights[name], momentum, *grad, self.lr_tensor, self.eps, self.kernels)
 
-    def _exchange(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    def _exchange(self, grads: dict[str, tuple[torch.Tensor, list[torch.Tensor]]]) -> dict[str, Any]:
         """Every rank's gradient of every table; values / world size, as each rank's loss is the mean
         over its own slice. Row counts are host-side shapes (one small gloo message between ranks).
         A table with fewer rows than the gradient rows of all ranks goes dense: the rows summed into
         [rows, E] (then one all-reduce, identical sums on every rank); the others as (id, row) pairs,
-        all-gathered in rank order."""
+        all-gathered in rank order. One rank keeps its own (ids, gradient pieces): the update reads
+        them in place."""
         world = self.cluster.world_size
+        if world == 1:
+            return grads
         device = self.lr_tensor.device
-        local = {s.name: grads.get(s.name, (torch.zeros(0, dtype=torch.int64, device=device),
-                                            torch.zeros(0, self.dim, dtype=torch.float32, device=device)))
+        local = {s.name: (grads[s.name][0], torch.cat([g.float() for g in grads[s.name][1]])) if s.name in grads
+                 else (torch.zeros(0, dtype=torch.int64, device=device),
+                       torch.zeros(0, self.dim, dtype=torch.float32, device=device))
                  for s in self.specs}
         counts = self.cluster.all_gather_ints([local[s.name][0].numel() for s in self.specs])
         out: dict[str, Any] = {}
@@ -342,8 +353,6 @@ class PlainEmbeddings(SparseEmbeddings):
                 dense = torch.zeros(spec.rows, self.dim, dtype=torch.float32, device=device)
                 dense.index_add_(0, ids, values / world if world > 1 else values)
                 out[spec.name] = self.cluster.all_reduce_(dense)
-            elif world == 1:
-                out[spec.name] = (ids, values)
             else:
                 gathered.append(k)
         if gathered:
@@ -422,7 +431,8 @@ class TorchRecEmbeddings(SparseEmbeddings):
         kjt = KeyedJaggedTensor(keys=self.keys, values=torch.cat([ids[k] for k in self.keys]),
                                 lengths=torch.cat(lengths), stride=b, length_per_key=per_key)
         out = self.dmp(kjt)
-        return _assemble({k: out[k].values() for k in self.keys})
+        return _assemble({s.name: torch.cat([out[f].values() for f in _table_features(s.name)]) for s in self.specs},
+                         [out[f"candidate_{name}_id"].values() for name in SHARED_TABLES])
 
     def sparse_step(self) -> None:
         """Nothing to do: FBGEMM applied the update inside the backward."""
@@ -477,4 +487,4 @@ def make_embeddings(specs: list[TableSpec], cfg: BenchmarkConfig, device: torch.
     if cfg.embeddings.sharding_types or cfg.embeddings.placement or cfg.embeddings.qcomm != "none":
         raise UserError("embeddings.sharding_types, placement and qcomm are TorchRec settings: the plain backend "
                         "keeps a replica of every table on each rank")
-    return PlainEmbeddings(*args)
+    return PlainEmbeddings(*args, kernels=cfg.model.kernels, sequence_dtype=DTYPES[cfg.model.sequence_dtype])

@@ -36,6 +36,7 @@ from dlrmv4.train.distributed import Cluster
 from dlrmv4.train.metrics import AucAccumulator, exact_auc
 from dlrmv4.train.optim import FiniteMonitor, TrainingDivergedError
 from dlrmv4.train.step import TrainStep
+from dlrmv4.train.prefetch import DevicePrefetcher
 from dlrmv4.train.progress import TrainProgress
 from dlrmv4.train.rng import capture_rng_state, restore_rng_state
 from dlrmv4.train.schedule import EvalSchedule
@@ -262,9 +263,8 @@ class StreamingTrainer:
         plan = loader.dataset.plan
         started = tick = time.perf_counter()
         self.model.train()
-        for i, batch in enumerate(loader, start=history.steps):
+        for i, batch in enumerate(DevicePrefetcher(loader, self.device), start=history.steps):
             window = plan[i].window
-            batch = batch.to(self.device, non_blocking=True)
             self.profiler.before_step(history.steps)
             self.window_loss += self.step(batch, history.steps, window)
             self._trace_written(self.profiler.after_step(history.steps))

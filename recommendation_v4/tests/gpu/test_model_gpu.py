@@ -22,7 +22,7 @@ def _run(cfg, batch, seed):
     out = model(batch, emb)
     out.loss.backward()
     grads = torch.cat([p.grad.flatten().float() for p in model.parameters()])
-    return out.logits.detach().float(), grads, emb.history_item.grad.float()
+    return out.logits.detach().float(), grads, emb.item.grad.float()
 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-3), ("bfloat16", 3e-2)])

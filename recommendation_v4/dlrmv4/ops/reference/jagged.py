@@ -34,8 +34,8 @@ def _source_rows(history_offsets: torch.Tensor, num_contextual: int, num_history
     return torch.where(pos < c, ctx_src, torch.where(pos == length - 1, cand_src, hist_src))
 
 
-def concat_sequences(contextual: torch.Tensor, history: torch.Tensor, history_offsets: torch.Tensor,
-                     candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def concat_sequences(contextual: torch.Tensor, history: torch.Tensor, candidate: torch.Tensor,
+                     history_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """contextual [B, C, D], history [T, D] (jagged), candidate [B, D] -> (values [T + B(C+1), D], offsets)."""
     b, c, d = contextual.shape
     src = torch.cat([contextual.reshape(b * c, d), history, candidate])

@@ -174,11 +174,11 @@ def _fwd_span(acc, q, k_seq, v_seq, stride_kt, stride_vt, offs_m, lo, hi, seq_le
 
 
 @triton.jit(do_not_specialize=["N_BUCKET"])
-def _fwd_kernel(Q, K, V, O, seq_offsets, num_targets,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                H, alpha, inv_n, N_BUCKET,
-                DQK: tl.constexpr, DV: tl.constexpr, HAS_TARGETS: tl.constexpr, SILU: tl.constexpr,
-                PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _hstu_attention_fwd(Q, K, V, O, seq_offsets, num_targets,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                        H, alpha, inv_n, N_BUCKET,
+                        DQK: tl.constexpr, DV: tl.constexpr, HAS_TARGETS: tl.constexpr, SILU: tl.constexpr,
+                        PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
@@ -232,12 +232,12 @@ def _dkdv_span(dk, dv, k, v, q_seq, do_seq, dq_seq, stride_qt, stride_dot, strid
 
 
 @triton.jit(do_not_specialize=["N_BUCKET"])
-def _dkdv_kernel(Q, K, V, DO, DQ, DK, DV_, seq_offsets, num_targets,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                 stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                 H, alpha, inv_n, N_BUCKET,
-                 DQK: tl.constexpr, DV: tl.constexpr, HAS_TARGETS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                 SILU: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _hstu_attention_dkdv(Q, K, V, DO, DQ, DK, DV_, seq_offsets, num_targets,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                         stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                         H, alpha, inv_n, N_BUCKET,
+                         DQK: tl.constexpr, DV: tl.constexpr, HAS_TARGETS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                         SILU: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     n_start = tl.program_id(0) * BLOCK_N  # low key blocks are seen by the most rows: they start first
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
@@ -297,11 +297,11 @@ def _dq_span(dq, q, do, k_seq, v_seq, stride_kt, stride_vt, offs_m, lo, hi, seq_
 
 
 @triton.jit(do_not_specialize=["N_BUCKET"])
-def _dq_kernel(Q, K, V, DO, DQ, seq_offsets, num_targets,
-               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-               stride_dqt, stride_dqh, H, alpha, inv_n, N_BUCKET,
-               DQK: tl.constexpr, DV: tl.constexpr, HAS_TARGETS: tl.constexpr, SILU: tl.constexpr,
-               PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _hstu_attention_dq(Q, K, V, DO, DQ, seq_offsets, num_targets,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                       stride_dqt, stride_dqh, H, alpha, inv_n, N_BUCKET,
+                       DQK: tl.constexpr, DV: tl.constexpr, HAS_TARGETS: tl.constexpr, SILU: tl.constexpr,
+                       PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
@@ -381,9 +381,9 @@ def _tuned(kernel, kind: str, configs, extra_key=(), reset=None):
         reset_to_zero=reset)(kernel)
 
 
-_fwd_tuned = _tuned(_fwd_kernel, "fwd", FWD_CONFIGS)
-_dkdv_tuned = _tuned(_dkdv_kernel, "dkdv", DKDV_CONFIGS, extra_key=("ATOMIC_DQ",), reset=["DQ"])
-_dq_tuned = _tuned(_dq_kernel, "dq", DQ_CONFIGS)
+_fwd_tuned = _tuned(_hstu_attention_fwd, "fwd", FWD_CONFIGS)
+_dkdv_tuned = _tuned(_hstu_attention_dkdv, "dkdv", DKDV_CONFIGS, extra_key=("ATOMIC_DQ",), reset=["DQ"])
+_dq_tuned = _tuned(_hstu_attention_dq, "dq", DQ_CONFIGS)
 
 
 def _launch(kind: str, tuned, plain, rows: int, bh: int, args: tuple, consts: dict) -> None:
@@ -453,26 +453,41 @@ def attention_fwd(q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: fl
     args = (q, k, v, out, seq_offsets, targets, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), heads, float(alpha), 1.0 / max_seq_len,
             triton.next_power_of_2(max_seq_len))
-    _launch("fwd", _fwd_tuned, _fwd_kernel, max_seq_len, bh, args, _common(q, v, num_targets, silu, "fwd"))
+    _launch("fwd", _fwd_tuned, _hstu_attention_fwd, max_seq_len, bh, args, _common(q, v, num_targets, silu, "fwd"))
+    return out
+
+
+def _grad_buffers(out, q, k, v):
+    """The caller's (dq, dk, dv) buffers, each shaped like its input with a dense feature dim."""
+    if len(out) != 3 or any(tuple(o.shape) != tuple(t.shape) or o.stride(-1) != 1 or o.device != t.device
+                            for o, t in zip(out, (q, k, v))):
+        raise ValueError("attention_bwd: out must be (dq, dk, dv) shaped like q, k, v on their device, each "
+                         "with unit stride in the feature dim")
     return out
 
 
 def attention_bwd(do, q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: float, *,
-                  dq_mode: str | None = None, silu: str | None = None):
-    """(dq, dk, dv), each in its input's dtype and shape."""
+                  dq_mode: str | None = None, silu: str | None = None, out=None):
+    """(dq, dk, dv), each in its input's dtype and shape. ``out`` = (dq, dk, dv) buffers (e.g. column
+    slices of one wider gradient; any row and head strides) receives them instead of new tensors."""
     dq_mode = dq_mode or DQ_MODE
     if dq_mode not in DQ_MODES:
         raise ValueError(f"dq_mode={dq_mode!r} is not one of {', '.join(DQ_MODES)}")
     do, q, k, v = (_unit_stride(t) for t in (do, q, k, v))
-    dk = _empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = _empty(v.shape, dtype=v.dtype, device=v.device)
+    if out is None:
+        dq_out = None
+        dk = _empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = _empty(v.shape, dtype=v.dtype, device=v.device)
+    else:
+        dq_out, dk, dv = _grad_buffers(out, q, k, v)
     atomic = dq_mode == "atomic"
     if _empty_batch(q, seq_offsets, max_seq_len):
-        return torch.zeros_like(q), dk.zero_(), dv.zero_()
+        dq = torch.zeros_like(q) if dq_out is None else dq_out.zero_()
+        return dq, dk.zero_(), dv.zero_()
     if atomic:
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     else:
-        dq = _empty(q.shape, dtype=q.dtype, device=q.device)
+        dq = _empty(q.shape, dtype=q.dtype, device=q.device) if dq_out is None else dq_out
     heads = q.shape[1]
     bh = (seq_offsets.numel() - 1) * heads
     targets = num_targets if num_targets is not None else seq_offsets
@@ -480,11 +495,11 @@ def attention_bwd(do, q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha
     args = (q, k, v, do, dq, dk, dv, seq_offsets, targets, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), dk.stride(0),
             dk.stride(1), dv.stride(0), dv.stride(1)) + scalars
-    _launch("dkdv", _dkdv_tuned, _dkdv_kernel, max_seq_len, bh, args,
+    _launch("dkdv", _dkdv_tuned, _hstu_attention_dkdv, max_seq_len, bh, args,
             {**_common(q, v, num_targets, silu, "dkdv"), "ATOMIC_DQ": atomic})
-    if atomic:
-        return dq.to(q.dtype), dk, dv
+    if atomic:  # the fp32 accumulator, rounded once into the input dtype (or the caller's buffer)
+        return (dq.to(q.dtype) if dq_out is None else dq_out.copy_(dq)), dk, dv
     args = (q, k, v, do, dq, seq_offsets, targets, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1)) + scalars
-    _launch("dq", _dq_tuned, _dq_kernel, max_seq_len, bh, args, _common(q, v, num_targets, silu, "dq"))
+    _launch("dq", _dq_tuned, _hstu_attention_dq, max_seq_len, bh, args, _common(q, v, num_targets, silu, "dq"))
     return dq, dk, dv

@@ -82,9 +82,9 @@ def normalize_rows(x, W, B, cols, mask, cmask, D, eps, HAS_W: tl.constexpr, HAS_
 
 
 @triton.jit
-def _fwd_kernel(X, W, B, Y, Mean, Rstd, N, D, stride_x, stride_y, eps,
-                HAS_W: tl.constexpr, HAS_B: tl.constexpr, SWISH: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _layer_norm_fwd(X, W, B, Y, Mean, Rstd, N, D, stride_x, stride_y, eps,
+                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, SWISH: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < N
@@ -101,9 +101,9 @@ def _fwd_kernel(X, W, B, Y, Mean, Rstd, N, D, stride_x, stride_y, eps,
 
 
 @triton.jit
-def _bwd_kernel(X, W, B, DY, DX, DWp, DBp, Mean, Rstd, N, D, stride_x, stride_dy, stride_dx, n_iters, n_progs,
-                HAS_W: tl.constexpr, HAS_B: tl.constexpr, SWISH: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _layer_norm_bwd(X, W, B, DY, DX, DWp, DBp, Mean, Rstd, N, D, stride_x, stride_dy, stride_dx, n_iters, n_progs,
+                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, SWISH: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -161,7 +161,7 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     if n == 0:
         return y, mean, rstd
     block_m, block_d, warps = row_tile(d, *tile)
-    _fwd_kernel[(triton.cdiv(n, block_m),)](
+    _layer_norm_fwd[(triton.cdiv(n, block_m),)](
         x2d, weight, bias, y, mean, rstd, n, d, x2d.stride(0), y.stride(0), eps,
         HAS_W=weight is not None, HAS_B=bias is not None, SWISH=swish,
         BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
@@ -180,7 +180,7 @@ def backward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     progs = persistent_programs(x2d.device, n_blocks, tile[2])
     dw_part, db_part = weight_grad_partials(x2d.device, progs, d, n, weight, bias)
     if n > 0:
-        _bwd_kernel[(progs,)](
+        _layer_norm_bwd[(progs,)](
             x2d, weight, bias, dy, dx, dw_part, db_part, mean, rstd, n, d,
             x2d.stride(0), dy.stride(0), dx.stride(0), triton.cdiv(n_blocks, progs), progs,
             HAS_W=weight is not None, HAS_B=bias is not None, SWISH=swish,

@@ -1,9 +1,17 @@
-"""Triton STU output block: y = Dropout([u ‖ attn ‖ u ⊙ LayerNorm(attn)]) in one pass.
+"""Triton STU output block: y = Dropout([SiLU(u) ‖ attn ‖ SiLU(u) ⊙ LayerNorm(attn)]) in one pass.
 
-One program holds a block of rows of u and attn in registers, normalises attn in fp32 and writes
-the three column segments of y. Dropout draws Philox numbers from (seed, row·HD + col): one
-``rand4x`` call gives the keep decisions of all three segments at that (row, col), so the
-backward (and ``keep_mask``) regenerate the mask from the seed instead of storing it.
+One program holds a block of rows of u and attn in registers, applies SiLU to u and normalises attn
+in fp32, and writes the three column segments of y. u arrives before its SiLU and the backward
+re-reads that pre-activation (SiLU' needs it), so no activated copy of u is ever stored.
+
+Dropout: the keep decisions come from Philox (``randint4x``) at (seed, row, column pair): its four
+32-bit numbers per two columns give six 16-bit uniforms, the three segments' decisions at both
+columns (an element is kept iff its uniform is >= round(p * 2^16), so the drop probability is p
+rounded to a multiple of 2^-16; kept elements are scaled by 1 / (1 - p)). Philox was most of the
+kernels' time (measured on an H200 at 730k x 512: forward 2.3 ms with dropout, 0.94 ms without),
+so the forward draws half as many numbers as one per element would and stores the decisions, three
+bits a byte, for the backward, which reads them (one byte per (row, column)) instead of drawing
+again. ``keep_mask`` draws the same decisions from the seed alone.
 """
 
 from __future__ import annotations
@@ -17,19 +25,31 @@ from dlrmv4.ops.triton.layer_norm import (normalize_rows, persistent_programs, r
 
 
 @triton.jit
-def _keep(seed, rows, cols, HD, p):
-    """Keep decisions of the three segments at (rows, cols): each true with probability 1 − p."""
-    offsets = rows.to(tl.int64)[:, None] * HD + cols[None, :]
-    r0, r1, r2, _ = tl.rand4x(seed, offsets)
-    return r0 >= p, r1 >= p, r2 >= p
+def _split16(r, threshold):
+    """Each 32-bit number of r [M, P] -> two decisions (low half, high half) -> [M, 2P], interleaved:
+    column 2j takes the low 16 bits of pair j, column 2j + 1 the high 16 bits."""
+    r = r.to(tl.uint32, bitcast=True)
+    lo = (r & 0xFFFF).to(tl.int32) >= threshold
+    hi = (r >> 16).to(tl.int32) >= threshold
+    both = tl.join(lo, hi)
+    return tl.reshape(both, (both.shape[0], 2 * both.shape[1]))
+
+
+@triton.jit
+def _keep(seed, rows, HD, threshold, BLOCK_H: tl.constexpr):
+    """Keep decisions [rows, BLOCK_H] of the three segments: one Philox call per two columns."""
+    pairs = tl.arange(0, BLOCK_H // 2)
+    offsets = rows.to(tl.int64)[:, None] * ((HD + 1) // 2) + pairs[None, :]
+    r0, r1, r2, _ = tl.randint4x(seed, offsets)
+    return _split16(r0, threshold), _split16(r1, threshold), _split16(r2, threshold)
 
 
 # Kernels take the seed unspecialised: it changes every step, and each new value's divisibility
 # by 16 would otherwise be compiled as a variant of its own.
 @triton.jit(do_not_specialize=["seed"])
-def _fwd_kernel(U, A, W, B, Y, Mean, Rstd, T, HD, stride_u, stride_a, stride_y, eps, p, scale, seed,
-                HAS_W: tl.constexpr, HAS_B: tl.constexpr, DROPOUT: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+def _output_block_fwd(U, A, W, B, Y, Mean, Rstd, KEEP, T, HD, stride_u, stride_a, stride_y, eps, threshold, scale,
+                      seed, HAS_W: tl.constexpr, HAS_B: tl.constexpr, DROPOUT: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_H)
     rmask = rows < T
@@ -39,14 +59,17 @@ def _fwd_kernel(U, A, W, B, Y, Mean, Rstd, T, HD, stride_u, stride_a, stride_y, 
     u = tl.load(U + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     a = tl.load(A + r64 * stride_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     ln, mean, rstd = normalize_rows(a, W, B, cols, mask, cmask, HD, eps, HAS_W, HAS_B)
-    y0 = u
+    su = u * tl.sigmoid(u)
+    y0 = su
     y1 = a
-    y2 = u * ln
+    y2 = su * ln
     if DROPOUT:
-        k0, k1, k2 = _keep(seed, rows, cols, HD, p)
+        k0, k1, k2 = _keep(seed, rows, HD, threshold, BLOCK_H)
         y0 = tl.where(k0, y0 * scale, 0.0)
         y1 = tl.where(k1, y1 * scale, 0.0)
         y2 = tl.where(k2, y2 * scale, 0.0)
+        bits = k0.to(tl.uint8) | (k1.to(tl.uint8) << 1) | (k2.to(tl.uint8) << 2)
+        tl.store(KEEP + r64 * HD + cols[None, :], bits, mask=mask)
     out = Y + r64 * stride_y + cols[None, :]
     tl.store(out, y0.to(Y.dtype.element_ty), mask=mask)
     tl.store(out + HD, y1.to(Y.dtype.element_ty), mask=mask)
@@ -55,11 +78,11 @@ def _fwd_kernel(U, A, W, B, Y, Mean, Rstd, T, HD, stride_u, stride_a, stride_y, 
     tl.store(Rstd + rows, rstd, mask=rmask)
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _bwd_kernel(U, A, W, B, DY, DU, DA, DWp, DBp, Mean, Rstd, T, HD,
-                stride_u, stride_a, stride_dy, stride_du, stride_da, p, scale, seed, n_iters, n_progs,
-                HAS_W: tl.constexpr, HAS_B: tl.constexpr, DROPOUT: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+@triton.jit
+def _output_block_bwd(U, A, W, B, DY, DU, DA, DWp, DBp, Mean, Rstd, KEEP, T, HD,
+                      stride_u, stride_a, stride_dy, stride_du, stride_da, scale, n_iters, n_progs,
+                      HAS_W: tl.constexpr, HAS_B: tl.constexpr, DROPOUT: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < HD
@@ -80,15 +103,19 @@ def _bwd_kernel(U, A, W, B, DY, DU, DA, DWp, DBp, Mean, Rstd, T, HD,
         g1 = tl.load(dy + HD, mask=mask, other=0.0).to(tl.float32)
         g2 = tl.load(dy + 2 * HD, mask=mask, other=0.0).to(tl.float32)
         if DROPOUT:
-            k0, k1, k2 = _keep(seed, rows, cols, HD, p)
+            bits = tl.load(KEEP + r64 * HD + cols[None, :], mask=mask, other=0)
+            k0, k1, k2 = (bits & 1) != 0, (bits & 2) != 0, (bits & 4) != 0
             g0 = tl.where(k0, g0 * scale, 0.0)
             g1 = tl.where(k1, g1 * scale, 0.0)
             g2 = tl.where(k2, g2 * scale, 0.0)
         mean = tl.load(Mean + rows, mask=rmask, other=0.0)
         rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
         ahat = tl.where(mask, (a - mean[:, None]) * rstd[:, None], 0.0)
-        du = g0 + g2 * (ahat * w[None, :] + b[None, :])
-        dln = g2 * u
+        sig = tl.sigmoid(u)
+        su = u * sig
+        # Through SiLU: SiLU'(u) = s (1 + u (1 - s)), s = sigmoid(u).
+        du = (g0 + g2 * (ahat * w[None, :] + b[None, :])) * (sig * (1.0 + u * (1.0 - sig)))
+        dln = g2 * su
         dhat = dln * w[None, :]
         c1 = tl.sum(dhat * ahat, axis=1) / HD
         c2 = tl.sum(dhat, axis=1) / HD
@@ -105,11 +132,11 @@ def _bwd_kernel(U, A, W, B, DY, DU, DA, DWp, DBp, Mean, Rstd, T, HD,
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _mask_kernel(M, T, HD, p, seed, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+def _output_block_mask(M, T, HD, threshold, seed, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_H)
     mask = (rows < T)[:, None] & (cols < HD)[None, :]
-    k0, k1, k2 = _keep(seed, rows, cols, HD, p)
+    k0, k1, k2 = _keep(seed, rows, HD, threshold, BLOCK_H)
     out = M + rows.to(tl.int64)[:, None] * (3 * HD) + cols[None, :]
     tl.store(out, k0.to(tl.uint8), mask=mask)
     tl.store(out + HD, k1.to(tl.uint8), mask=mask)
@@ -123,49 +150,65 @@ def _dropout_args(dropout_p: float, training: bool) -> tuple[bool, float]:
     return active, (1.0 / (1.0 - dropout_p) if active else 1.0)
 
 
+def _threshold(dropout_p: float) -> int:
+    """Drop iff a 16-bit uniform is below this."""
+    return round(dropout_p * 65536)
+
+
 # Launch shapes (elements per program, per thread[, programs per SM]): the fastest of
 # benchmarks/bench_ops.py --sweep on an H200 at [91k, 512] bf16 (results/ops.md).
 FWD_TILE, BWD_TILE = (2048, 8), (1024, 4, 8)
 
 
 def forward(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-            eps: float, dropout_p: float, seed: int, training: bool,
-            tile: tuple[int, int] = FWD_TILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y [T, 3·HD] in u's dtype, mean [T] fp32, rstd [T] fp32); u and attn need unit column stride."""
+            eps: float, dropout_p: float, seed: int, training: bool, tile: tuple[int, int] = FWD_TILE
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(y [T, 3·HD] in u's dtype, mean [T] fp32, rstd [T] fp32, keep) from u before its SiLU; u and
+    attn need unit column stride. ``keep``: uint8 [T, HD], the three segments' keep decisions in
+    bits 0-2, for the backward (None without dropout)."""
     t, hd = u.shape
     dropout, scale = _dropout_args(dropout_p, training)
     y = torch.empty((t, 3 * hd), device=u.device, dtype=u.dtype)
     mean = torch.empty(t, device=u.device, dtype=torch.float32)
     rstd = torch.empty(t, device=u.device, dtype=torch.float32)
+    keep = torch.empty((t, hd), device=u.device, dtype=torch.uint8) if dropout else None
     if t == 0:
-        return y, mean, rstd
+        return y, mean, rstd, keep
     block_m, block_h, warps = row_tile(hd, *tile)
-    _fwd_kernel[(triton.cdiv(t, block_m),)](
-        u, attn, weight, bias, y, mean, rstd, t, hd, u.stride(0), attn.stride(0), y.stride(0), eps,
-        dropout_p, scale, seed, HAS_W=weight is not None, HAS_B=bias is not None, DROPOUT=dropout,
+    _output_block_fwd[(triton.cdiv(t, block_m),)](
+        u, attn, weight, bias, y, mean, rstd, keep, t, hd, u.stride(0), attn.stride(0), y.stride(0), eps,
+        _threshold(dropout_p), scale, seed, HAS_W=weight is not None, HAS_B=bias is not None, DROPOUT=dropout,
         BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps)
-    return y, mean, rstd
+    return y, mean, rstd, keep
 
 
 def backward(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-             dy: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, dropout_p: float, seed: int,
-             training: bool, tile: tuple[int, int, int] = BWD_TILE
+             dy: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, keep: torch.Tensor | None, dropout_p: float,
+             tile: tuple[int, int, int] = BWD_TILE, *, du_out: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(du, dattn, dweight or None, dbias or None); the dropout mask is regenerated from the seed."""
+    """(du, dattn, dweight or None, dbias or None), du with respect to u before its SiLU; ``keep``
+    is the forward's mask (None: no dropout). ``du_out`` ([T, HD], unit column stride; e.g. the u
+    columns of a wider gradient) receives du instead of a new tensor, and is returned as du."""
     t, hd = u.shape
-    dropout, scale = _dropout_args(dropout_p, training)
-    du = torch.empty((t, hd), device=u.device, dtype=u.dtype)
+    _, scale = _dropout_args(dropout_p, keep is not None)
+    if du_out is None:
+        du = torch.empty((t, hd), device=u.device, dtype=u.dtype)
+    elif tuple(du_out.shape) != (t, hd) or (t > 0 and du_out.stride(1) != 1):
+        raise ValueError(f"output_block: du_out must be [{t}, {hd}] with unit column stride; got "
+                         f"{tuple(du_out.shape)}, strides {du_out.stride()}")
+    else:
+        du = du_out
     da = torch.empty((t, hd), device=u.device, dtype=attn.dtype)
     block_m, block_h, warps = row_tile(hd, tile[0], tile[1])
     n_blocks = triton.cdiv(t, block_m)
     progs = persistent_programs(u.device, n_blocks, tile[2])
     dw_part, db_part = weight_grad_partials(u.device, progs, hd, t, weight, bias)
     if t > 0:
-        _bwd_kernel[(progs,)](
-            u, attn, weight, bias, dy, du, da, dw_part, db_part, mean, rstd, t, hd,
-            u.stride(0), attn.stride(0), dy.stride(0), du.stride(0), da.stride(0), dropout_p, scale, seed,
+        _output_block_bwd[(progs,)](
+            u, attn, weight, bias, dy, du, da, dw_part, db_part, mean, rstd, keep, t, hd,
+            u.stride(0), attn.stride(0), dy.stride(0), du.stride(0), da.stride(0), scale,
             triton.cdiv(n_blocks, progs), progs, HAS_W=weight is not None, HAS_B=bias is not None,
-            DROPOUT=dropout, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps)
+            DROPOUT=keep is not None, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps)
     dw, db = sum_weight_grads(dw_part, db_part, weight, bias)
     return du, da, dw, db
 
@@ -175,6 +218,6 @@ def keep_mask(t: int, hd: int, dropout_p: float, seed: int, device: torch.device
     m = torch.empty((t, 3 * hd), device=device, dtype=torch.uint8)
     if t > 0:
         block_m, block_h, warps = row_tile(hd, *FWD_TILE)
-        _mask_kernel[(triton.cdiv(t, block_m),)](m, t, hd, dropout_p, seed, BLOCK_M=block_m, BLOCK_H=block_h,
-                                                 num_warps=warps)
+        _output_block_mask[(triton.cdiv(t, block_m),)](m, t, hd, _threshold(dropout_p), seed, BLOCK_M=block_m,
+                                                        BLOCK_H=block_h, num_warps=warps)
     return m.view(torch.bool)

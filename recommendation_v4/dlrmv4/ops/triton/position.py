@@ -41,8 +41,8 @@ def _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds
 
 
 @triton.jit
-def _fwd_kernel(X, SOFF, TS, QT, PT, TT, OUT, N, B, C, P, NT, n_search, bucket_seconds_bits, x_scale,
-                s_x, s_pt, s_tt, s_out, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _position_time_fwd(X, SOFF, TS, QT, PT, TT, OUT, N, B, C, P, NT, n_search, bucket_seconds_bits, x_scale,
+                       s_x, s_pt, s_tt, s_out, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
     pos, bucket = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds_bits)
@@ -57,8 +57,8 @@ def _fwd_kernel(X, SOFF, TS, QT, PT, TT, OUT, N, B, C, P, NT, n_search, bucket_s
 
 
 @triton.jit
-def _bwd_kernel(G, SOFF, TS, QT, DX, DPT, DTT, N, B, C, P, NT, n_search, bucket_seconds_bits, x_scale,
-                s_g, s_dx, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _position_time_bwd(G, SOFF, TS, QT, DX, DPT, DTT, N, B, C, P, NT, n_search, bucket_seconds_bits, x_scale,
+                       s_g, s_dx, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
     pos, bucket = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds_bits)
@@ -94,7 +94,7 @@ def forward(x: torch.Tensor, seq_offsets: torch.Tensor, timestamps: torch.Tensor
     out = torch.empty((n, d), device=x.device, dtype=x.dtype)
     b, n_search, bits, block_m, block_d = _common(seq_offsets, d, time_bucket_seconds)
     if n > 0:
-        _fwd_kernel[(triton.cdiv(n, block_m),)](
+        _position_time_fwd[(triton.cdiv(n, block_m),)](
             x, seq_offsets, timestamps, query_time, pos_table, time_table, out, n, b, num_contextual,
             pos_table.shape[0], time_table.shape[0], n_search, bits, x_scale,
             x.stride(0), pos_table.stride(0), time_table.stride(0), out.stride(0),
@@ -112,7 +112,7 @@ def backward(grad: torch.Tensor, seq_offsets: torch.Tensor, timestamps: torch.Te
     dtt = torch.zeros((num_buckets, d), device=grad.device, dtype=torch.float32)
     b, n_search, bits, block_m, block_d = _common(seq_offsets, d, time_bucket_seconds)
     if n > 0:
-        _bwd_kernel[(triton.cdiv(n, block_m),)](
+        _position_time_bwd[(triton.cdiv(n, block_m),)](
             grad, seq_offsets, timestamps, query_time, dx, dpt, dtt, n, b, num_contextual, num_positions,
             num_buckets, n_search, bits, x_scale, grad.stride(0), dx.stride(0),
             D=d, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)

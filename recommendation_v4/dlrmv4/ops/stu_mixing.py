@@ -1,0 +1,96 @@
+"""The middle of an STU layer as one op: from the projection output uvqk to y, the input of the
+output projection.
+
+    [u | v | q | k] = uvqk              column blocks: u, v H·Dv wide, q, k H·Dqk wide
+    attn = HSTU attention(q, k, v)      SiLU(alpha q k^T) / N, causal (ops/attention.py)
+    y = Dropout([SiLU(u) ‖ attn ‖ SiLU(u) ⊙ LayerNorm(attn)])       [T, 3·H·Dv] (ops/output_block.py)
+
+``stu_mixing(uvqk, seq_offsets, max_seq_len, *, num_heads, qk_dim, v_dim, alpha, norm_weight,
+norm_bias, eps, dropout_p, seed, training, kernels="auto", keep_mask=None)``. With ``pytorch`` it
+composes the reference ops under autograd. With ``triton`` it is one autograd function: the
+kernels read u, v, q, k as strided views of uvqk, SiLU(u) happens inside the output block, and the
+backward writes du, dv, dq, dk straight into their columns of one gradient buffer, so there is no
+activation pass and no concatenation of the four gradients. Dropout follows the output block's
+seed (``output_block_keep_mask`` gives the mask). Nothing reads device values on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dlrmv4.ops.attention import check_attention_inputs, check_triton_attention_inputs
+from dlrmv4.ops.dispatch import resolve
+from dlrmv4.ops.reference import stu_mixing as ref
+from dlrmv4.ops.reference.stu_mixing import split_uvqk
+
+
+def _unit_cols(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# Triton is optional (the reference runs without it): kernel modules are imported on first use.
+class _STUMixingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, uvqk, weight, bias, seq_offsets, dims, max_seq_len, alpha, eps, dropout):
+        from dlrmv4.ops.triton import output_block as tob
+        from dlrmv4.ops.triton.attention import attention_fwd
+
+        u, v, q, k = split_uvqk(uvqk, *dims)
+        attn = attention_fwd(q, k, v, seq_offsets, None, max_seq_len, alpha).flatten(1)
+        y, mean, rstd, keep = tob.forward(u, attn, weight, bias, eps, *dropout)
+        ctx.save_for_backward(uvqk, attn, weight, bias, mean, rstd, keep, seq_offsets)
+        ctx.dims, ctx.max_seq_len, ctx.alpha, ctx.dropout_p = dims, max_seq_len, alpha, dropout[0]
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from dlrmv4.ops.triton import output_block as tob
+        from dlrmv4.ops.triton.attention import attention_bwd
+
+        uvqk, attn, weight, bias, mean, rstd, keep, seq_offsets = ctx.saved_tensors
+        num_heads, _, v_dim = ctx.dims
+        # Every column is written below: du by the output block, dv, dq, dk by the attention.
+        grad = torch.empty(uvqk.shape, dtype=uvqk.dtype, device=uvqk.device)
+        u, v, q, k = split_uvqk(uvqk, *ctx.dims)
+        du, dv, dq, dk = split_uvqk(grad, *ctx.dims)
+        _, dattn, dw, db = tob.backward(u, attn, weight, bias, _unit_cols(dy), mean, rstd, keep, ctx.dropout_p,
+                                        du_out=du)
+        attention_bwd(dattn.unflatten(1, (num_heads, v_dim)), q, k, v, seq_offsets, None, ctx.max_seq_len,
+                      ctx.alpha, out=(dq, dk, dv))
+        return grad, dw, db, None, None, None, None, None, None
+
+
+def _check(uvqk, seq_offsets, max_seq_len, num_heads, qk_dim, v_dim, weight, bias) -> None:
+    for name, n in (("num_heads", num_heads), ("qk_dim", qk_dim), ("v_dim", v_dim)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"stu_mixing: {name} must be a positive int, got {n!r}")
+    width = num_heads * (2 * v_dim + 2 * qk_dim)
+    if uvqk.dim() != 2 or uvqk.shape[1] != width:
+        raise ValueError(f"stu_mixing: uvqk must be [T, H·(2·Dv + 2·Dqk)] = [T, {width}], got {tuple(uvqk.shape)}")
+    hd = num_heads * v_dim
+    for name, t in (("norm_weight", weight), ("norm_bias", bias)):
+        if t is not None and (tuple(t.shape) != (hd,) or t.device != uvqk.device):
+            raise ValueError(f"stu_mixing: {name} must be [{hd}] on {uvqk.device}, got {tuple(t.shape)} on {t.device}")
+    _, v, q, k = split_uvqk(uvqk, num_heads, qk_dim, v_dim)
+    check_attention_inputs(q, k, v, seq_offsets, max_seq_len, None)
+
+
+def stu_mixing(uvqk: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, *, num_heads: int, qk_dim: int,
+               v_dim: int, alpha: float, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
+               eps: float, dropout_p: float, seed: int, training: bool, kernels: str = "auto",
+               keep_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """uvqk [T, H·(2·Dv + 2·Dqk)] (columns u, v, q, k) -> y [T, 3·H·Dv] in uvqk's dtype (see the
+    module docstring). seq_offsets [B+1] cumulative lengths; max_seq_len a host int (the longest
+    sequence, also the attention's N); norm_weight, norm_bias [H·Dv] (or None) and eps of the
+    LayerNorm of attn; dropout with probability ``dropout_p`` when ``training``, its mask drawn from
+    ``seed`` by the Triton kernels. ``keep_mask`` (bool [T, 3·H·Dv]) is used by the reference only."""
+    _check(uvqk, seq_offsets, max_seq_len, num_heads, qk_dim, v_dim, norm_weight, norm_bias)
+    max_seq_len = int(max_seq_len)
+    if resolve(kernels, uvqk.device) == "pytorch":
+        return ref.stu_mixing(uvqk, seq_offsets, max_seq_len, num_heads, qk_dim, v_dim, alpha, norm_weight,
+                              norm_bias, eps, dropout_p, training, keep_mask)
+    uvqk = _unit_cols(uvqk)
+    _, v, q, _ = split_uvqk(uvqk, num_heads, qk_dim, v_dim)
+    check_triton_attention_inputs(q, v)
+    return _STUMixingFn.apply(uvqk, norm_weight, norm_bias, seq_offsets, (num_heads, qk_dim, v_dim), max_seq_len,
+                              float(alpha), eps, (dropout_p, seed, training))
