@@ -9,8 +9,9 @@ EXACT_ROWWISE_ADAGRAD (weight decay 0), whose update for one row that the batch 
     w     -= lr / (sqrt(state) + eps) * g
 
 (fbgemm_gpu/codegen/genscript/optimizers.py: rowwise_adagrad(), split_weight_update_cpu and
-split_precomputation). TorchRec fuses it into the backward; the plain backend applies it in
-``sparse_step``. Initial weights come from seeded generators, chunk by chunk, so both backends (and
+split_precomputation). TorchRec fuses it into the backward; the plain backend's backward leaves
+each lookup's gradient rows pending and ``sparse_step`` applies it from them in place
+(``ops/rowwise_adagrad.py``: one Triton pass on GPUs, the PyTorch reference elsewhere). Initial weights come from seeded generators, chunk by chunk, so both backends (and
 any row sharding) start from the same numbers. Checkpoints go through ``checkpoint_state`` (a
 ``torch.distributed.checkpoint`` entry: ``tables.<name>.weight`` / ``.momentum``, sharded tensors
 where TorchRec shards them), so a run resumes on either backend and on any number of ranks.
@@ -18,8 +19,8 @@ where TorchRec shards them), so a run resumes on either backend and on any numbe
 Several processes: TorchRec shards the tables by its planner's plan (``train/sharding.py``); the
 plain backend keeps a replica of every table on each rank (data parallel) and exchanges the
 gradients before the update (a dense all-reduce for tables smaller than the batch's gradient
-rows, an all-gather of (id, row) pairs for the others, then a fixed-order ``segment_reduce``), so
-every replica applies the same update to the same bits.
+rows, an all-gather of (id, row) pairs for the others, then an update that sums each row's
+gradients in a fixed order), so every replica applies the same update to the same bits.
 
 Ids are not range-checked in the hot path (that would need a device-to-host sync every step);
 ``check_ids`` does it with a clear message, for debug runs and tests.
