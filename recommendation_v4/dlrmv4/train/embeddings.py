@@ -11,8 +11,9 @@ EXACT_ROWWISE_ADAGRAD (weight decay 0), whose update for one row that the batch 
 (fbgemm_gpu/codegen/genscript/optimizers.py: rowwise_adagrad(), split_weight_update_cpu and
 split_precomputation). TorchRec fuses it into the backward; the plain backend's backward leaves
 each lookup's gradient rows pending and ``sparse_step`` applies it from them in place
-(``ops/rowwise_adagrad.py``: one Triton pass on GPUs, the PyTorch reference elsewhere). Initial weights come from seeded generators, chunk by chunk, so both backends (and
-any row sharding) start from the same numbers. Checkpoints go through ``checkpoint_state`` (a
+(``ops/rowwise_adagrad.py``: one Triton pass on GPUs, the PyTorch reference elsewhere). Initial
+weights come from seeded generators, chunk by chunk, so both backends (and any row sharding) start
+from the same numbers. Checkpoints go through ``checkpoint_state`` (a
 ``torch.distributed.checkpoint`` entry: ``tables.<name>.weight`` / ``.momentum``, sharded tensors
 where TorchRec shards them), so a run resumes on either backend and on any number of ranks.
 
