@@ -6,8 +6,9 @@ update, dense optimizer, other).
 The step is ``TrainStep`` (both optimizers, clipping, the divergence monitor) with the plain
 embedding backend on batches already in device memory, drawn with the "jagged" length mix of
 ``length_mix.py`` (mean about 2,850 tokens, like the real data at the reference shape) and
-uniform random ids, or Zipf-skewed ones (``--id-skew``: a few rows own much of each batch). The dense model is the reference's (3 STU layers, D 512, 4x128 heads, max
-sequence 4,096, dropout on, bf16); the tables are sized to fit one GPU (``--table-rows``, every
+uniform random ids, or Zipf-skewed ones (``--id-skew``: a few rows own much of each batch). The
+dense model is the reference's (3 STU layers, D 512, 4x128 heads, max sequence 4,096, dropout on,
+bf16); the tables are sized to fit one GPU (``--table-rows``, every
 table the same), which the results name. Data loading is not in this step (see bench_loop.py).
 
     python benchmarks/bench_end_to_end.py                      # on a GPU: the table in one call
