@@ -1,10 +1,11 @@
 """The whole training step on one GPU at the reference model: samples/s, MFU (SPEC §5 yardstick)
-against the datasheet and the matmul peak measured in the same run, peak memory, cold start, and
-a profiler breakdown of the device time (attention, GEMMs, norms/elementwise, embedding lookup +
-update, dense optimizer, other).
+against the datasheet and the matmul peak measured in the same run, peak memory, the step's memory
+per token, cold start, and a profiler breakdown of the device time (attention, GEMMs,
+norms/elementwise, embedding lookup + update, dense optimizer, other).
 
-The step is ``TrainStep`` (both optimizers, clipping, the divergence monitor) with the plain
-embedding backend on batches already in device memory, drawn with the "jagged" length mix of
+The step is ``TrainStep`` (both optimizers, clipping, the divergence monitor) with either embedding
+backend (``--backends plain torchrec``), in ``--chunks`` chunks per step and each ``--recompute``
+mode, on batches already in device memory, drawn with the "jagged" length mix of
 ``length_mix.py`` (mean about 2,850 tokens, like the real data at the reference shape) and
 uniform random ids, or Zipf-skewed ones (``--id-skew``: a few rows own much of each batch). The
 dense model is the reference's (3 STU layers, D 512, 4x128 heads, max sequence 4,096, dropout on,
@@ -12,6 +13,8 @@ bf16); the tables are sized to fit one GPU (``--table-rows``, every
 table the same), which the results name. Data loading is not in this step (see bench_loop.py).
 
     python benchmarks/bench_end_to_end.py                      # on a GPU: the table in one call
+    python benchmarks/bench_end_to_end.py --backends plain torchrec --batches 128 256
+    python benchmarks/bench_end_to_end.py --batches 256 --recompute none cheap layer --label recompute
     python benchmarks/bench_end_to_end.py --smoke              # tiny shapes on the CPU (the script runs)
 """
 
@@ -19,9 +22,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
+import itertools
 import json
+import os
 import platform
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,10 +39,11 @@ import torch
 from bench_stu import DATASHEET_BF16_TFLOPS, matmul_peak_tflops
 from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.batch import JaggedBatch
-from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
+from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.model.flops import batch_flops
 from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.train.embeddings import make_embeddings, table_specs
+from dlrmv4.train.activation_memory import ActivationShape, kept_bytes_per_token
+from dlrmv4.train.embeddings import TABLE_NAMES, make_embeddings, table_specs
 from dlrmv4.train.optim import FiniteMonitor
 from dlrmv4.train.step import TrainStep
 from length_mix import jagged_lengths
@@ -53,41 +61,70 @@ CATEGORIES = [
 ]
 
 
-def random_batch(cfg: BenchmarkConfig, lengths: np.ndarray, rows: int, rng: np.random.Generator, skew: float = 0.0):
-    """A jagged batch with the given sequence lengths (history = length - 9) and ids below ``rows``:
-    uniform, or Zipf-distributed with exponent ``skew`` (> 1: a few very popular rows, as in real
-    listening data)."""
+def random_batch(cfg: BenchmarkConfig, lengths: np.ndarray, rows: int | dict[str, int], rng: np.random.Generator,
+                 skew: float = 0.0):
+    """A jagged batch with the given sequence lengths (history = length - 9) and each table's ids below
+    its row count (``rows``: one count for every table, or one per table name): uniform, or
+    Zipf-distributed with exponent ``skew`` (> 1: a few very popular rows, as in real listening data)."""
+    rows = rows if isinstance(rows, dict) else {name: rows for name in TABLE_NAMES}
     hist = np.maximum(lengths - 9, 1).astype(np.int32)
     b, t = len(hist), int(hist.sum())
     offsets = np.zeros(b + 1, np.int64)
     np.cumsum(hist, out=offsets[1:])
     ts = np.concatenate([np.sort(rng.integers(0, 10**7, n)) for n in hist]).astype(np.int64)
     query = ts[offsets[1:] - 1]
-    def ids(n: int) -> np.ndarray:
-        return ((rng.zipf(skew, n) - 1) % rows if skew else rng.integers(0, rows, n)).astype(np.int64)
+    def ids(table: str, n: int) -> np.ndarray:
+        r = rows[table]
+        return ((rng.zipf(skew, n) - 1) % r if skew else rng.integers(0, r, n)).astype(np.int64)
     batch = JaggedBatch(
-        history_lengths=hist, history_offsets=offsets, history_item_id=ids(t), history_artist_id=ids(t),
-        history_album_id=ids(t), history_action=rng.choice([1, 2, 4], t).astype(np.int64), history_timestamp=ts,
-        contextual_ids=rng.integers(0, rows, (b, NUM_CONTEXTUAL)).astype(np.int64), candidate_item_id=ids(b),
-        candidate_artist_id=ids(b), candidate_album_id=ids(b), candidate_timestamp=query + rng.integers(0, 600, b),
-        query_time=query, label=rng.integers(0, 2, b).astype(np.float32), anchor_index=np.arange(b, dtype=np.int64))
+        history_lengths=hist, history_offsets=offsets, history_item_id=ids("item", t),
+        history_artist_id=ids("artist", t), history_album_id=ids("album", t),
+        history_action=rng.choice([1, 2, 4], t).astype(np.int64), history_timestamp=ts,
+        contextual_ids=np.stack([ids(name, b) for name in CONTEXTUAL_FEATURES], 1),
+        candidate_item_id=ids("item", b), candidate_artist_id=ids("artist", b), candidate_album_id=ids("album", b),
+        candidate_timestamp=query + rng.integers(0, 600, b), query_time=query,
+        label=rng.integers(0, 2, b).astype(np.float32), anchor_index=np.arange(b, dtype=np.int64))
     batch.validate()
     return batch.to_torch()
 
 
-def reference_config(table_rows: int, smoke: bool) -> BenchmarkConfig:
+def reference_config(table_rows: int, smoke: bool, backend: str = "plain", chunks: int = 1,
+                     recompute: str = "none") -> BenchmarkConfig:
     cfg = load_config("yambda-5b")
-    emb = dataclasses.replace(cfg.embeddings, embedding_backend="plain", item_rows=table_rows, artist_rows=table_rows,
+    emb = dataclasses.replace(cfg.embeddings, embedding_backend=backend, item_rows=table_rows, artist_rows=table_rows,
                               album_rows=table_rows)
     sampler = dataclasses.replace(cfg.sampler, **{f"{name}_rows": table_rows for name in CONTEXTUAL_FEATURES})
     cfg = dataclasses.replace(cfg, embeddings=emb, sampler=sampler,
-                              train=dataclasses.replace(cfg.train, warmup_steps=100, learning_rate=1e-4))
+                              model=dataclasses.replace(cfg.model, recompute=recompute),
+                              train=dataclasses.replace(cfg.train, warmup_steps=100, learning_rate=1e-4, chunks=chunks))
     if smoke:
         model = dataclasses.replace(cfg.model, embedding_dim=16, d_model=16, num_layers=1, num_heads=1, qk_dim=16,
                                     v_dim=16, preprocessor_hidden=16, item_tower_hidden=16, head_hidden=16,
                                     sequence_dtype="float32", num_position_buckets=256)
         cfg = dataclasses.replace(cfg, model=model, sampler=dataclasses.replace(sampler, max_seq_len=128))
     return cfg
+
+
+def start_single_process_group(device: torch.device) -> None:
+    """World size 1 (TorchRec's DistributedModelParallel needs a process group)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    store = Path(tempfile.mkdtemp()) / "store"
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=0,
+                            world_size=1)
+
+
+def git_commit() -> str:
+    """The commit measured: DLRMV4_COMMIT where the checkout has no .git (a copied tree), else git's."""
+    if os.environ.get("DLRMV4_COMMIT"):
+        return os.environ["DLRMV4_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def sync(device: torch.device) -> None:
@@ -113,6 +150,9 @@ def measure(cfg: BenchmarkConfig, batch_size: int, steps: int, device: torch.dev
     for i in range(1, WARM_STEPS):  # autotuning meets the other sequence-length buckets here
         step(batches[i], i, 0)
     sync(device)
+    resting = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     for i in range(WARM_STEPS, steps + WARM_STEPS):
         step(batches[i], i, 0)
@@ -123,10 +163,39 @@ def measure(cfg: BenchmarkConfig, batch_size: int, steps: int, device: torch.dev
     row = {"batch": batch_size, "steps": steps, "seconds": seconds, "samples_per_s": steps * batch_size / seconds,
            "step_ms": 1e3 * seconds / steps, "stu_tflops": flops / seconds / 1e12, "cold_start_s": cold,
            "mean_tokens": float(np.mean(np.concatenate(lengths[WARM_STEPS:]))),
-           "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+           "backend": embeddings.backend, "chunks": step.chunks, "recompute": cfg.model.recompute,
+           "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+           # What a step adds over the resting tables, weights and optimizer state, per token of its
+           # largest batch: the lookup's rows and gradients plus one chunk's activations.
+           "step_kib_per_token": ((torch.cuda.max_memory_allocated(device) - resting) / 1024
+                                  / max(int(n.sum()) for n in lengths[WARM_STEPS:])) if device.type == "cuda" else None}
+    row["kept_kib_per_token"] = kept_kib_per_token(model, embeddings, batches[-1])
+    shape = ActivationShape.from_config(cfg.model)
+    row["plan_kept_kib_per_token"] = kept_bytes_per_token(shape, cfg.model.recompute, cfg.sampler.max_seq_len,
+                                                          model.num_contextual) / 1024
     if profile:
         row["breakdown"], row["top_kernels"] = breakdown(step, batches[WARM_STEPS:WARM_STEPS + 5], device, top)
     return row
+
+
+def kept_kib_per_token(model: DlrmHSTU, embeddings, batch) -> float:
+    """KiB per sequence token that one training-mode forward keeps for its backward: every saved
+    tensor's storage once, leaving out the parameters and the looked-up rows (the memory plan counts
+    those apart)."""
+    emb = embeddings(batch)
+    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *emb.tensors())}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(batch, emb)
+    del out, emb
+    embeddings.sparse_step()  # nothing pending is left behind (the plain backend's lookup has no backward here)
+    return sum(kept.values()) / 1024 / (batch.total_tokens + batch.num_samples * (model.num_contextual + 1))
 
 
 def breakdown(step: TrainStep, batches, device: torch.device, top: int) -> tuple[dict[str, float], list[dict]]:
@@ -162,40 +231,53 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="kernels listed per batch size, by device time")
     parser.add_argument("--id-skew", type=float, default=0.0,
                         help="Zipf exponent of the ids (e.g. 1.2: one row takes about a fifth of a batch); 0: uniform")
+    parser.add_argument("--backends", nargs="+", default=["plain"], choices=("plain", "torchrec"),
+                        help="embedding backends to measure (torchrec needs fbgemm-gpu)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1], help="chunks per step to measure")
+    parser.add_argument("--recompute", nargs="+", default=["none"], choices=("none", "cheap", "layer"),
+                        help="recompute modes to measure")
+    parser.add_argument("--label", default="", help="suffix of the results file names")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU; nothing saved")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    cfg = reference_config(args.table_rows, args.smoke)
+    if "torchrec" in args.backends:
+        start_single_process_group(device)
     peak = matmul_peak_tflops(device, n=8192 if device.type == "cuda" else 256, reps=10)
     rows = []
-    for batch in args.batches:
-        try:
-            row = measure(cfg, batch, args.steps, device, args.table_rows, profile=True, top=args.top,
-                          skew=args.id_skew)
-        except torch.OutOfMemoryError:
-            print(f"batch {batch}: out of memory", flush=True)
-            torch.cuda.empty_cache()
-            break
-        row["mfu_datasheet"] = row["stu_tflops"] / DATASHEET_BF16_TFLOPS
-        row["mfu_measured"] = row["stu_tflops"] / peak
-        rows.append(row)
-        print(f"batch {batch}: {row['samples_per_s']:,.0f} samples/s, {row['step_ms']:.1f} ms/step, "
-              f"{row['stu_tflops']:.0f} TFLOP/s", flush=True)
-        for k in row["top_kernels"]:
-            print(f"  {k['ms_per_step']:8.2f} ms x{k['calls_per_step']:<4.0f} {k['category']:<26} {k['name']}",
-                  flush=True)
-        del row
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    for backend, recompute, chunks in itertools.product(args.backends, args.recompute, args.chunks):
+        cfg = reference_config(args.table_rows, args.smoke, backend, chunks, recompute)
+        for batch in args.batches:
+            try:
+                row = measure(cfg, batch, args.steps, device, args.table_rows, profile=True, top=args.top,
+                              skew=args.id_skew)
+            except torch.OutOfMemoryError:
+                print(f"{backend}, {recompute}, {chunks} chunk(s), batch {batch}: out of memory", flush=True)
+                rows.append({"batch": batch, "backend": backend, "chunks": chunks, "recompute": recompute,
+                             "oom": True})
+                gc.collect()
+                torch.cuda.empty_cache()
+                break
+            row["mfu_datasheet"] = row["stu_tflops"] / DATASHEET_BF16_TFLOPS
+            row["mfu_measured"] = row["stu_tflops"] / peak
+            rows.append(row)
+            print(f"{backend}, {recompute}, {chunks} chunk(s), batch {batch}: {row['samples_per_s']:,.0f} samples/s, "
+                  f"{row['step_ms']:.1f} ms/step, {row['stu_tflops']:.0f} TFLOP/s", flush=True)
+            for k in row["top_kernels"]:
+                print(f"  {k['ms_per_step']:8.2f} ms x{k['calls_per_step']:<4.0f} {k['category']:<26} {k['name']}",
+                      flush=True)
+            del row
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.machine(),
-              "torch": torch.__version__, "matmul_peak_tflops": peak, "datasheet_tflops": DATASHEET_BF16_TFLOPS,
-              "table_rows": args.table_rows, "id_skew": args.id_skew, "model": dataclasses.asdict(cfg.model),
-              "rows": rows,
+              "torch": torch.__version__, "commit": git_commit(), "matmul_peak_tflops": peak,
+              "datasheet_tflops": DATASHEET_BF16_TFLOPS, "table_rows": args.table_rows, "id_skew": args.id_skew,
+              "model": dataclasses.asdict(reference_config(args.table_rows, args.smoke).model), "rows": rows,
               "command": "python benchmarks/bench_end_to_end.py " + " ".join(sys.argv[1:])}
     table = _table(result)
     print(table)
     if not args.smoke:
-        name = "end_to_end" + (f"_zipf{args.id_skew:g}" if args.id_skew else "")
+        name = "end_to_end" + (f"_zipf{args.id_skew:g}" if args.id_skew else "") + (f"_{args.label}" if args.label else "")
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
         (RESULTS / f"{name}.md").write_text(table + f"\n\nCommand: `{result['command']}`\n")
@@ -204,22 +286,33 @@ def main() -> None:
 def _table(result: dict) -> str:
     cats = [c for c, _ in CATEGORIES] + ["other"]
     ids = f"Zipf({result['id_skew']:g}) ids" if result.get("id_skew") else "uniform ids"
-    lines = [f"End-to-end training step on one {result['device']} (plain embeddings, {result['table_rows']:,} rows "
-             f"per table, {ids}, batches in device memory, jagged length mix); matmul peak measured in the same run: "
-             f"{result['matmul_peak_tflops']:.0f} TFLOP/s (datasheet {result['datasheet_tflops']:.0f}).", "",
-             "| batch | mean tokens | samples/s | ms/step | STU TFLOP/s | MFU datasheet | MFU measured | peak GiB | "
-             "cold start s | " + " | ".join(cats) + " |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(cats)]
+    lines = [f"End-to-end training step on one {result['device']} (commit {result['commit']}; {result['table_rows']:,} "
+             f"rows per table, {ids}, batches in device memory, jagged length mix); matmul peak measured in the same "
+             f"run: {result['matmul_peak_tflops']:.0f} TFLOP/s (datasheet {result['datasheet_tflops']:.0f}). Step KiB "
+             "per token: the step's peak over the resting tables, weights and optimizer state, per token of its "
+             "largest batch. Kept KiB per token: what one forward keeps for the backward (saved-tensor hooks; the "
+             "tables' rows and the weights left out), against the memory plan's analytic inventory.", "",
+             "| backend | recompute | chunks | batch | mean tokens | samples/s | ms/step | STU TFLOP/s | MFU datasheet | "
+             "MFU measured | peak GiB | step KiB/token | kept KiB/token | plan's kept KiB/token | cold start s | "
+             + " | ".join(cats) + " |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(cats)]
     for r in result["rows"]:
+        head = f"| {r['backend']} | {r['recompute']} | {r['chunks']} | {r['batch']} |"
+        if r.get("oom"):
+            lines.append(head + " out of memory |")
+            continue
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        per_token = f"{r['step_kib_per_token']:.1f}" if r["step_kib_per_token"] is not None else "-"
         shares = " | ".join(f"{r['breakdown'][c]:.0%}" for c in cats)
-        lines.append(f"| {r['batch']} | {r['mean_tokens']:,.0f} | {r['samples_per_s']:,.0f} | {r['step_ms']:.1f} | "
+        lines.append(f"{head} {r['mean_tokens']:,.0f} | {r['samples_per_s']:,.0f} | {r['step_ms']:.1f} | "
                      f"{r['stu_tflops']:.0f} | {r['mfu_datasheet']:.1%} | {r['mfu_measured']:.1%} | {peak} | "
+                     f"{per_token} | {r['kept_kib_per_token']:.2f} | {r['plan_kept_kib_per_token']:.2f} | "
                      f"{r['cold_start_s']:.1f} | {shares} |")
-    if result["rows"]:
-        last = result["rows"][-1]
-        lines += ["", f"Kernels by device time at batch {last['batch']} (per step):", "",
-                  "| kernel | category | ms | launches |", "|---|---|---:|---:|"]
+    measured = [r for r in result["rows"] if not r.get("oom")]
+    if measured:
+        last = measured[-1]
+        lines += ["", f"Kernels by device time, {last['backend']}, {last['recompute']}, {last['chunks']} chunk(s), "
+                  f"batch {last['batch']} (per step):", "", "| kernel | category | ms | launches |", "|---|---|---:|---:|"]
         lines += [f"| `{k['name']}` | {k['category']} | {k['ms_per_step']:.2f} | {k['calls_per_step']:.0f} |"
                   for k in last["top_kernels"]]
     return "\n".join(lines)

@@ -147,6 +147,15 @@ def cmd_train(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
          f"best AUC {best:.4f} (target {cfg.train.target_auc}); report {report}")
 
 
+def cmd_plan(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    from dlrmv4.train.memory_plan import plan_for_config
+
+    plan = plan_for_config(cfg)
+    print(plan.describe(), flush=True)
+    if not plan.fits:
+        raise UserError(plan.refusal())
+
+
 def cmd_check_log(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     import getpass
 
@@ -197,6 +206,8 @@ COMMANDS: dict[str, tuple[Callable[[BenchmarkConfig, argparse.Namespace], None],
     "sample": (cmd_sample, "assemble a few jagged batches from the first window and print them"),
     "pipeline": (cmd_pipeline, "prepare + sample: the data path end to end"),
     "train": (cmd_train, "the benchmark: prepare the data if needed, then train to the target AUC"),
+    "plan": (cmd_plan, "print the memory plan of a run (--plan-world-size, --plan-device-memory-gib, ...); exit 1 "
+                       "when it does not fit"),
     "merge-traces": (cmd_merge_traces, "merge the per-rank profiler traces of train.profile_steps into one file per window"),
     "check-log": (cmd_check_log, "run the official MLPerf compliance checker on a run's log; print RESULT"),
     "show-config": (cmd_show_config, "print the resolved configuration as TOML"),

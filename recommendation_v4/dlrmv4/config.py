@@ -119,6 +119,10 @@ class ModelConfig:
                           "(Triton on GPUs)", choices=("auto", "triton", "pytorch"))
     sequence_dtype: str = _field("bfloat16", "autocast dtype of the sequence model (head and loss stay fp32)",
                                  choices=("bfloat16", "float16", "float32"))
+    recompute: str = _field("auto", "activations the STU layers recompute in the backward instead of keeping: none, "
+                            "cheap (the normed input, uvqk and the output block's y), layer (everything but the "
+                            "layer's input), or auto (the memory plan picks)",
+                            choices=("auto", "none", "cheap", "layer"))
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,9 @@ class TrainConfig:
                             choices=("holdout", "next_window"))
     eval_every_data_pct: float = _field(0.001, "eval interval as a fraction of the train samples", min=1e-9, max=1.0)
     target_auc: float = _field(0.75, "stop at the first eval with AUC at or above this", min=0.0, max=1.0)
+    chunks: int = _field(0, "dense forward/backward passes per optimizer step over this rank's slice of the global "
+                         "batch (one lookup, one sparse update, one Adam step; the same step for any count); 0: the "
+                         "memory plan picks", min=0, max=65_536)
     max_steps: int = _field(0, "stop after this many optimizer steps (0: run to the target or the end of the data)",
                             min=0)
     run_dir: str = _field("runs/default", "where checkpoints, the run log and the report go")
@@ -173,6 +180,19 @@ class DistributedConfig:
                           "the CPU)", choices=("auto", "nccl", "gloo"))
     timeout_seconds: float = _field(600.0, "a collective that waits longer than this fails the run (a rank died "
                                     "or hangs)", min=1.0)
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    plan_world_size: int = _field(0, "processes (GPUs) the memory plan is made for (0: this run's world size)",
+                                  min=0, max=1_000_000)
+    plan_gpus_per_node: int = _field(0, "processes per node the plan assumes, for host memory (0: this run's, at "
+                                     "most 8)", min=0, max=1_024)
+    plan_device_memory_gib: float = _field(0.0, "memory of one device in GiB (0: this device's; on the CPU, this "
+                                           "machine's RAM)", min=0.0)
+    plan_host_memory_gib: float = _field(0.0, "host RAM of one node in GiB (0: this machine's)", min=0.0)
+    plan_headroom_fraction: float = _field(0.06, "share of device memory kept free for the allocator's slack, "
+                                           "the runtime and the communication library", min=0.0, max=0.9)
 
 
 @dataclass(frozen=True)
@@ -197,6 +217,7 @@ class BenchmarkConfig:
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     mlperf: MlperfConfig = field(default_factory=MlperfConfig)
 
 
@@ -209,6 +230,7 @@ SECTIONS: dict[str, type] = {
     "embeddings": EmbeddingConfig,
     "train": TrainConfig,
     "distributed": DistributedConfig,
+    "plan": PlanConfig,
     "mlperf": MlperfConfig,
 }
 

@@ -88,7 +88,7 @@ def test_bf16_autocast_keeps_head_and_loss_in_fp32():
     model = _model(dataclasses.replace(SMALL, kernels="pytorch", sequence_dtype="bfloat16"))
     batch = random_batch([5, 9], seed=11)
     emb = random_embeddings(batch, SMALL.embedding_dim, seed=12)
-    assert model.user_representation(batch, emb).dtype == torch.bfloat16
+    assert model.user_representation(batch, emb, model.slice_context(batch)).dtype == torch.bfloat16
     out = model(batch, emb)
     assert out.logits.dtype == torch.float32 and out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
 

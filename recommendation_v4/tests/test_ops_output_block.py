@@ -1,15 +1,19 @@
 """The fused STU output block, Dropout([SiLU(u) ‖ attn ‖ SiLU(u) ⊙ LayerNorm(attn)]) from u before
 its SiLU: Triton kernel (interpreted) against the reference in float64, and both against the
-formula spelled out, with dropout compared through the kernel's own mask (``output_block_keep_mask``)."""
+formula spelled out. Dropout: the reference's mask (``output_block_keep_mask``, torch only) is the
+kernel's bit for bit, a chunk of rows run with its ``row_offset`` is that chunk of the whole run,
+and the decisions keep 1 − p of the elements, independently."""
 
 from __future__ import annotations
 
+import functools
 import secrets
 
 import pytest
 import torch
 
 from dlrmv4.ops.output_block import output_block, output_block_keep_mask
+from dlrmv4.ops.triton import output_block as tri
 from test_ops_layer_norm import assert_close, gen, leaf64, poison, randn  # noqa: F401  (fixtures)
 
 EPS = 1e-6
@@ -84,8 +88,6 @@ def test_silu_of_u_inside_the_block(p, gen, poison):
 
 def test_backward_writes_du_into_a_given_buffer(gen, poison):
     """``du_out`` (the u columns of a wider gradient) receives du; the other columns stay as they were."""
-    from dlrmv4.ops.triton import output_block as tri
-
     t, hd, p, seed = 21, 32, 0.2, secrets.randbits(31)
     _, u, attn, w, b = make_inputs(t, hd, torch.float32, gen)
     y, mean, rstd, keep = tri.forward(u, attn, w, b, EPS, p, seed, True)
@@ -142,12 +144,83 @@ def test_dropout_mask_is_a_function_of_the_seed(gen, poison):
 
 
 def test_reference_dropout_without_mask_scales_kept_values(gen):
+    """Without ``keep_mask`` the reference draws the kernel's mask from (seed, row_offset)."""
+    seed, row_offset = secrets.randbits(40), secrets.randbits(20)
     u, a = randn((50, 16), gen), randn((50, 16), gen)
-    y = output_block(u, a, None, None, EPS, 0.5, 0, True, kernels="pytorch")
-    full = output_block(u, a, None, None, EPS, 0.5, 0, False, kernels="pytorch")
-    kept = y != 0
+    y = output_block(u, a, None, None, EPS, 0.5, seed, True, kernels="pytorch", row_offset=row_offset)
+    full = output_block(u, a, None, None, EPS, 0.5, seed, False, kernels="pytorch")
+    kept = output_block_keep_mask(50, 16, 0.5, seed, "cpu", row_offset)
     assert 0.3 < kept.float().mean().item() < 0.7
+    assert torch.equal(y != 0, kept)
     torch.testing.assert_close(y[kept], 2 * full[kept])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t,hd", [(1, 16), (29, 40), (40, 33), (70, 64)])
+def test_reference_mask_is_the_kernels(dtype, t, hd, gen, poison):
+    """The torch mask equals the kernel's: its mask kernel, the forward's stored bits (each for seeds
+    and row offsets past 2^32), and the zeros of y when the reference and the kernel each draw
+    their own mask."""
+    p = 0.3
+    for seed, row_offset in ((secrets.randbits(31), 0), (2**32 + secrets.randbits(31), secrets.randbits(33)),
+                             (secrets.randbits(63), secrets.randbits(40))):
+        want = output_block_keep_mask(t, hd, p, seed, "cpu", row_offset)
+        assert torch.equal(tri.keep_mask(t, hd, p, seed, torch.device("cpu"), row_offset), want)
+        _, u, attn, w, b = make_inputs(t, hd, dtype, gen)
+        keep = tri.forward(u, attn, w, b, EPS, p, seed, True, row_offset)[3]
+        bits = torch.stack([(keep >> s) & 1 for s in range(3)], 1).flatten(1).bool()
+        assert torch.equal(bits, want)
+    y = output_block(u, attn, w, b, EPS, p, seed, True, kernels="triton", row_offset=row_offset)
+    ref = output_block(leaf64(u), leaf64(attn), leaf64(w), leaf64(b), EPS, p, seed, True, kernels="pytorch",
+                       row_offset=row_offset)
+    assert torch.equal(y != 0, want) and torch.equal(ref != 0, want)
+    assert_close(y, ref, dtype, "y")
+
+
+def chunks_of(t: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    """[0, t) cut into three consecutive chunks at random points (one may be empty)."""
+    cuts = sorted(torch.randint(0, t + 1, (2,), generator=gen).tolist())
+    return [(0, cuts[0]), (cuts[0], cuts[1]), (cuts[1], t)]
+
+
+@pytest.mark.parametrize("kernels", ["triton", "pytorch"])
+def test_a_chunk_with_its_row_offset_is_that_chunk_of_the_whole(kernels, gen, poison):
+    """Rows [a, b) run with row_offset = a (inside an offset batch, too) give rows [a, b) of the
+    run over all rows: the same zeros, and the same values and gradients (bit for bit from the
+    kernel; to rounding from the reference, whose CPU ops vectorise by the row count); the
+    LayerNorm weights' gradients add up."""
+    t, hd, p, seed, base = 61, 40, 0.25, secrets.randbits(31), secrets.randbits(24)
+    dtype = torch.float32 if kernels == "triton" else torch.float64
+    _, u, attn, w, b = make_inputs(t, hd, dtype, gen)
+    w, b = w.to(dtype), b.to(dtype)
+    dy = randn((t, 3 * hd), gen, dtype)
+    leaves = [x.detach().clone().requires_grad_() for x in (u, attn, w, b)]
+    y = output_block(*leaves, EPS, p, seed, True, kernels=kernels, row_offset=base)
+    whole = (y, *torch.autograd.grad(y, leaves, dy))
+    same = torch.equal if kernels == "triton" else functools.partial(torch.allclose, rtol=1e-13, atol=1e-13)
+    dw, db = torch.zeros(hd, dtype=dtype), torch.zeros(hd, dtype=dtype)
+    for a, e in chunks_of(t, gen):
+        part = [u[a:e].detach().clone().requires_grad_(), attn[a:e].detach().clone().requires_grad_(),
+                w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()]
+        y = output_block(*part, EPS, p, seed, True, kernels=kernels, row_offset=base + a)
+        got = (y, *torch.autograd.grad(y, part, dy[a:e]))
+        assert torch.equal(got[0] != 0, whole[0][a:e] != 0), f"the zeros of rows [{a}, {e})"
+        for name, g, full in zip(("y", "du", "dattn"), got, whole):
+            assert same(g, full[a:e]), f"{name} of rows [{a}, {e})"
+        dw, db = dw + got[3], db + got[4]
+    torch.testing.assert_close(dw, whole[3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db, whole[4], rtol=1e-5, atol=1e-5)
+
+
+def test_mask_of_a_row_range_is_that_range_of_the_whole(gen):
+    t, hd, p, seed = 300, 24, 0.4, secrets.randbits(63)
+    whole = output_block_keep_mask(t, hd, p, seed, "cpu")
+    for a, e in chunks_of(t, gen):
+        assert torch.equal(output_block_keep_mask(e - a, hd, p, seed, "cpu", row_offset=a), whole[a:e])
+    # Another seed or another row range: different, uncorrelated decisions.
+    for other in (output_block_keep_mask(t, hd, p, seed ^ 1, "cpu"), output_block_keep_mask(t, hd, p, seed, "cpu", t)):
+        agree, want = (other == whole).float().mean().item(), p * p + (1 - p) ** 2
+        assert abs(agree - want) < 5 * (want * (1 - want) / whole.numel()) ** 0.5
 
 
 def test_bad_shapes_are_reported():
@@ -155,3 +228,15 @@ def test_bad_shapes_are_reported():
         output_block(torch.zeros(4, 8), torch.zeros(4, 9), None, None, EPS, 0.0, 0, False)
     with pytest.raises(ValueError, match="weight"):
         output_block(torch.zeros(4, 8), torch.zeros(4, 8), torch.ones(9), None, EPS, 0.0, 0, False)
+
+
+@pytest.mark.parametrize("kernels", ["triton", "pytorch"])
+@pytest.mark.parametrize("p,seed,row_offset,match", [
+    (1.0, 0, 0, "dropout_p"), (-0.1, 0, 0, "dropout_p"), (0.1, -1, 0, "seed"), (0.1, 2**63, 0, "seed"),
+    (0.1, 1.5, 0, "seed"), (0.1, 0, -1, "row_offset"), (0.1, 0, 2.0, "row_offset")])
+def test_bad_dropout_arguments_are_reported(kernels, p, seed, row_offset, match):
+    x = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match=f"output_block: {match}"):
+        output_block(x, x, None, None, EPS, p, seed, True, kernels=kernels, row_offset=row_offset)
+    with pytest.raises(ValueError, match=f"output_block_keep_mask: {match}"):
+        output_block_keep_mask(4, 8, p, seed, "cpu", row_offset)

@@ -1,15 +1,21 @@
 """Position/time encoding: the reference's indices against a per-token loop from SPEC §5.4, and
 the Triton kernel (interpreted) against the reference in float64, elementwise (a wrong table row
-for a single token must fail)."""
+for a single token must fail). The fused input dropout: the reference's mask
+(``input_dropout_keep_mask``) is the kernel's in the forward and the backward, a chunk of sequences
+run with its first row as ``row_offset`` is that chunk of the whole run, and the decisions keep
+1 − p of the elements, independently."""
 
 from __future__ import annotations
 
+import functools
 import math
+import secrets
 
 import pytest
 import torch
 
-from dlrmv4.ops.position import position_time_encode
+from dlrmv4.ops.position import input_dropout_keep_mask, position_time_encode
+from dlrmv4.ops.reference import position as ref_position
 from dlrmv4.ops.reference.position import positions_and_buckets
 from test_ops_layer_norm import gen, leaf64, poison, randn  # noqa: F401  (fixtures)
 
@@ -71,8 +77,10 @@ def test_reference_indices_match_the_loop(b, c, max_history, num_pos, gen):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("b,c,max_history,num_pos,d,seconds",
                          [(1, 8, 12, 64, 16, 60.0), (3, 2, 9, 6, 24, 60.0), (7, 0, 5, 3, 8, 0.7),
-                          (13, 8, 3, 32, 40, 3600.0), (2, 8, 6, 32, 1024, 60.0)])
-def test_kernel_matches_reference(dtype, b, c, max_history, num_pos, d, seconds, gen, poison):
+                          (13, 8, 3, 32, 40, 3600.0), (2, 8, 6, 32, 1024, 60.0), (3, 1, 4, 8, 1100, 60.0)])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_kernel_matches_reference(dtype, b, c, max_history, num_pos, d, seconds, p, gen, poison):
+    """Each draws its own dropout mask (p > 0): the same mask, so the same values and gradients."""
     num_buckets = 2048  # the model's count: near its top, float32 rounding would move bucket edges
     _, seq_offsets, ts, query = make_batch(b, c, max_history, seconds, num_buckets, gen)
     n = int(seq_offsets[-1])
@@ -81,13 +89,15 @@ def test_kernel_matches_reference(dtype, b, c, max_history, num_pos, d, seconds,
     pos_table = randn((num_pos, d), gen, scale=10.0).requires_grad_()
     time_table = randn((num_buckets, d), gen, scale=10.0).requires_grad_()
     scale = math.sqrt(d)
+    drop = dict(dropout_p=p, seed=secrets.randbits(63), training=True, row_offset=secrets.randbits(34))
     out = position_time_encode(x, seq_offsets, ts, query, c, pos_table, time_table, scale, seconds,
-                               kernels="triton")
+                               kernels="triton", **drop)
     assert out.dtype == dtype and out.shape == (n, d)
     g = randn(out.shape, gen, dtype)
     out.backward(g)
     x64, p64, t64 = leaf64(x), leaf64(pos_table), leaf64(time_table)
-    ref = position_time_encode(x64, seq_offsets, ts, query, c, p64, t64, scale, seconds, kernels="pytorch")
+    ref = position_time_encode(x64, seq_offsets, ts, query, c, p64, t64, scale, seconds, kernels="pytorch", **drop)
+    assert torch.equal(out != 0, ref != 0)
     ref.backward(g.double())
     tol = dict(atol=ATOL[dtype], rtol=ATOL[dtype])
     torch.testing.assert_close(out.double(), ref.detach(), **tol)
@@ -107,3 +117,110 @@ def test_bad_inputs_are_reported(gen):
         position_time_encode(x, seq_offsets, ts[1:], query, 1, table, table, 1.0)
     with pytest.raises(ValueError, match="positive"):
         position_time_encode(x, seq_offsets, ts, query, 1, table, table, 1.0, 0.0)
+    for bad, match in (({"dropout_p": 1.0}, "dropout_p"), ({"dropout_p": -0.5}, "dropout_p"),
+                       ({"row_offset": -1}, "row_offset"), ({"seed": -3}, "seed"), ({"seed": 0.5}, "seed")):
+        with pytest.raises(ValueError, match=f"position_time_encode: {match}"):
+            position_time_encode(x, seq_offsets, ts, query, 1, table, table, 1.0, training=True, **bad)
+        with pytest.raises(ValueError, match=f"input_dropout_keep_mask: {match}"):
+            input_dropout_keep_mask(4, 8, **{"dropout_p": 0.1, "seed": 0, "row_offset": 0, **bad}, device="cpu")
+
+
+def unit_batch(n: int, d: int):
+    """Inputs whose encoding is 1 everywhere (x = 1, zero tables): the output is the scaled mask."""
+    seq_offsets = torch.tensor([0, n // 3, n])
+    return (torch.ones(n, d).requires_grad_(), seq_offsets, torch.zeros(n, dtype=torch.int64),
+            torch.zeros(2, dtype=torch.int64), torch.zeros(n, d).requires_grad_(), torch.zeros(4, d).requires_grad_())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,d", [(1, 8), (37, 20), (29, 40), (11, 64), (5, 1030)])
+def test_reference_mask_is_the_kernels(dtype, n, d, poison):
+    """On inputs that encode to 1 the kernel's output and x gradient (of a gradient of ones) are the
+    scaled mask, for seeds and row offsets past 2^32: both equal the reference's mask."""
+    p = 0.3
+    for seed, row_offset in ((secrets.randbits(31), 0), (2**32 + secrets.randbits(31), secrets.randbits(34)),
+                             (secrets.randbits(63), secrets.randbits(40))):
+        x, offs, ts, query, pt, tt = unit_batch(n, d)
+        x = x.detach().to(dtype).requires_grad_()
+        out = position_time_encode(x, offs, ts, query, 1, pt, tt, 1.0, kernels="triton", dropout_p=p, seed=seed,
+                                   training=True, row_offset=row_offset)
+        dx, dpt = torch.autograd.grad(out, (x, pt), torch.ones_like(out))
+        keep = input_dropout_keep_mask(n, d, p, seed, "cpu", row_offset)
+        assert keep.shape == (n, d) and keep.dtype == torch.bool
+        want = (keep / (1 - p)).to(dtype)
+        assert torch.equal(out, want) and torch.equal(dx, want), f"seed {seed}, row offset {row_offset}"
+        # The table gradients are the masked, scaled gradient too: summed over the table's rows,
+        # each column gets the sum of its column of the scaled mask.
+        torch.testing.assert_close(dpt.sum(0), keep.sum(0) / (1 - p))
+
+
+def chunked(kernels, x, seq_offsets, ts, query, c, tables, g, drop, cuts):
+    """(out, dx, dpos_table, dtime_table) of the sequences cut at ``cuts``, each chunk alone with
+    row_offset = its first row, put together."""
+    outs, dxs, dpt, dtt = [], [], 0, 0
+    for i, j in zip(cuts[:-1], cuts[1:]):
+        a, e = int(seq_offsets[i]), int(seq_offsets[j])
+        leaves = [x[a:e].detach().clone().requires_grad_(), *(t.detach().clone().requires_grad_() for t in tables)]
+        out = position_time_encode(leaves[0], seq_offsets[i:j + 1] - a, ts[a:e], query[i:j], c, *leaves[1:], 2.0,
+                                   kernels=kernels, **{**drop, "row_offset": drop["row_offset"] + a})
+        grads = torch.autograd.grad(out, leaves, g[a:e])
+        outs.append(out)
+        dxs.append(grads[0])
+        dpt, dtt = dpt + grads[1], dtt + grads[2]
+    return torch.cat(outs), torch.cat(dxs), dpt, dtt
+
+
+@pytest.mark.parametrize("kernels", ["triton", "pytorch"])
+def test_a_chunk_of_sequences_with_its_row_offset_is_that_chunk_of_the_whole(kernels, gen, poison):
+    """Sequences [i, j) run alone with row_offset = their first row give those rows of the whole
+    run with dropout: the same zeros, the same values and x gradients (bit for bit from the kernel,
+    to rounding from the float64 reference), and table gradients that add up."""
+    dtype = torch.float32 if kernels == "triton" else torch.float64
+    _, seq_offsets, ts, query = make_batch(7, 2, 9, 60.0, 16, gen)
+    n, d = int(seq_offsets[-1]), 24
+    x = randn((n, d), gen, dtype).requires_grad_()
+    tables = [randn((12, d), gen, dtype).requires_grad_(), randn((16, d), gen, dtype).requires_grad_()]
+    g = randn((n, d), gen, dtype)
+    drop = dict(dropout_p=0.25, seed=secrets.randbits(31), training=True, row_offset=secrets.randbits(20))
+    out = position_time_encode(x, seq_offsets, ts, query, 2, *tables, 2.0, kernels=kernels, **drop)
+    whole = (out, *torch.autograd.grad(out, (x, *tables), g))
+    cuts = [0, *sorted(torch.randint(0, 8, (2,), generator=gen).tolist()), 7]
+    got = chunked(kernels, x, seq_offsets, ts, query, 2, tables, g, drop, cuts)
+    same = torch.equal if kernels == "triton" else functools.partial(torch.allclose, rtol=1e-13, atol=1e-13)
+    assert torch.equal(got[0] != 0, whole[0] != 0)
+    assert (got[0] == 0).float().mean().item() > 0.1
+    for name, a, e in zip(("out", "dx"), got, whole):
+        assert same(a, e), name
+    for name, a, e in zip(("dpos_table", "dtime_table"), got[2:], whole[2:]):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_input_dropout_mask_statistics():
+    """Keep rate 1 − p overall and at each of the 8 columns of a Philox group; independent decisions
+    in neighbouring columns (two halves of one number, and two numbers), groups and rows; a range of
+    rows is that range of the whole; another seed or row range gives unrelated decisions."""
+    n, d, p, seed = 2000, 64, 0.3, secrets.randbits(63)
+    m = input_dropout_keep_mask(n, d, p, seed, "cpu")
+    f = m.float()
+    assert abs(f.mean().item() - (1 - p)) < 5 * (p * (1 - p) / m.numel()) ** 0.5
+    per_col = f.view(n, d // 8, 8).mean((0, 1))
+    assert (per_col - (1 - p)).abs().max().item() < 5 * (p * (1 - p) / (m.numel() / 8)) ** 0.5
+    both = (1 - p) ** 2
+    for a, b in ((f[:, 0::2], f[:, 1::2]), (f[:, 0::8], f[:, 2::8]), (f[:, 1::8], f[:, 7::8]),
+                 (f[:, :-8], f[:, 8:]), (f[:-1], f[1:])):
+        assert abs((a * b).mean().item() - both) < 5 * (both * (1 - both) / a.numel()) ** 0.5
+    assert torch.equal(input_dropout_keep_mask(200, d, p, seed, "cpu", row_offset=150), m[150:350])
+    agree = p * p + (1 - p) ** 2
+    for other in (input_dropout_keep_mask(n, d, p, seed + 1, "cpu"), input_dropout_keep_mask(n, d, p, seed, "cpu", n)):
+        assert abs((other == m).float().mean().item() - agree) < 5 * (agree * (1 - agree) / m.numel()) ** 0.5
+
+
+@pytest.mark.parametrize("kernels", ["triton", "pytorch"])
+@pytest.mark.parametrize("p,training", [(0.0, True), (0.5, False)])
+def test_no_dropout_draws_nothing(kernels, p, training, monkeypatch, gen):
+    """Without training or at p = 0 the op is the plain encoding and draws no random numbers."""
+    monkeypatch.setattr(ref_position, "philox_randint4x", lambda *a: pytest.fail("drew a mask"))
+    x, offs, ts, query, pt, tt = unit_batch(9, 16)
+    out = position_time_encode(x, offs, ts, query, 1, pt, tt, 1.0, kernels=kernels, dropout_p=p, seed=5,
+                               training=training, row_offset=3)
+    assert torch.equal(out, torch.ones(9, 16))

@@ -3,11 +3,14 @@ autograd function writing one gradient buffer) against the reference composition
 dropout compared through the kernel's own mask; the reference against the definition spelled out.
 
 Inputs are fresh each run (the seed is printed); every torch.empty comes back NaN-filled, so a
-column of the gradient buffer that no kernel writes fails the finiteness checks.
+column of the gradient buffer that no kernel writes fails the finiteness checks. Dropout: both
+paths draw the same mask from (seed, row_offset), and a chunk of whole sequences run with its
+first row as ``row_offset`` is that chunk of the whole run.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 
@@ -169,6 +172,57 @@ def test_reference_is_the_definition(gen):
     torch.testing.assert_close(y.detach(), want, rtol=1e-10, atol=1e-12)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reference_draws_the_kernels_mask(dtype, gen, poison):
+    """Without ``keep_mask`` the reference draws the Triton path's mask from (seed, row_offset)."""
+    dims, p = (HEADS, 16, 16), 0.3
+    lengths = random_lengths(gen, 4, 23)
+    uvqk, offsets, w, b = make_inputs(lengths, dims, dtype, gen)
+    kw = {**op_args(dims, p, secrets.randbits(63), True), "row_offset": secrets.randbits(33)}
+    y = stu_mixing(uvqk, offsets, max(lengths), norm_weight=w, norm_bias=b, kernels="triton", **kw)
+    ref = stu_mixing(leaf64(uvqk), offsets, max(lengths), norm_weight=leaf64(w), norm_bias=leaf64(b),
+                     kernels="pytorch", **kw)
+    want = output_block_keep_mask(uvqk.shape[0], HEADS * 16, p, kw["seed"], "cpu", kw["row_offset"])
+    assert torch.equal(y != 0, want) and torch.equal(ref != 0, want)
+    assert rel_err(y, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("kernels", ["triton", "pytorch"])
+def test_a_chunk_of_sequences_with_its_row_offset_is_that_chunk_of_the_whole(kernels, gen, poison):
+    """Consecutive sequences [i, j) run alone with row_offset = their first row (and the whole
+    run's N) give those rows of the whole run, with dropout: the same zeros, the same values and
+    d_uvqk (bit for bit from the kernels; to rounding from the float64 reference); the norm
+    parameters' gradients add up over the chunks."""
+    if kernels == "triton" and not INTERPRET:
+        pytest.skip("Triton interpreter test")
+    dims, p, seed = (HEADS, 16, 16), 0.25, secrets.randbits(31)
+    dtype = torch.float32 if kernels == "triton" else torch.float64
+    lengths = random_lengths(gen, 6, 21)
+    uvqk, offsets, w, b = make_inputs(lengths, dims, dtype, gen)
+    n, base = max(lengths), secrets.randbits(20)
+    kw = {**op_args(dims, p, seed, True), "kernels": kernels}
+    y = stu_mixing(uvqk, offsets, n, norm_weight=w, norm_bias=b, row_offset=base, **kw)
+    dy = randn(y.shape, gen, dtype)
+    whole = (y, *torch.autograd.grad(y, (uvqk, w, b), dy))
+    same = torch.equal if kernels == "triton" else functools.partial(torch.allclose, rtol=1e-12, atol=1e-12)
+    cuts = sorted(torch.randint(0, len(lengths) + 1, (2,), generator=gen).tolist())
+    dw, db = torch.zeros_like(w), torch.zeros_like(b)
+    for i, j in ((0, cuts[0]), (cuts[0], cuts[1]), (cuts[1], len(lengths))):
+        a, e = int(offsets[i]), int(offsets[j])
+        part = uvqk[a:e].detach().clone().requires_grad_()
+        leaves = (part, w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_())
+        y = stu_mixing(part, offsets[i:j + 1] - a, n, norm_weight=leaves[1], norm_bias=leaves[2],
+                       row_offset=base + a, **kw)
+        got = (y, *torch.autograd.grad(y, leaves, dy[a:e]))
+        assert torch.equal(got[0] != 0, whole[0][a:e] != 0), f"the zeros of sequences [{i}, {j})"
+        for name, g, full in zip(("y", "d_uvqk"), got, whole):
+            assert same(g, full[a:e]), f"{name} of sequences [{i}, {j})"
+        dw, db = dw + got[2], db + got[3]
+    torch.testing.assert_close(dw, whole[2], rtol=1e-5, atol=1e-5)  # fp32 parameters: fp32 sums
+    torch.testing.assert_close(db, whole[3], rtol=1e-5, atol=1e-5)
+
+
 def test_bad_input_is_reported():
     uvqk, offsets = torch.zeros(7, 128), torch.tensor([0, 3, 7])
     w = torch.ones(32)
@@ -190,6 +244,12 @@ def test_bad_input_is_reported():
         call(offs=torch.tensor([0.0, 7.0]))
     with pytest.raises(ValueError, match="kernels"):
         call(kernels="cuda")
+    with pytest.raises(ValueError, match="stu_mixing: row_offset must be"):
+        call(row_offset=-1)
+    with pytest.raises(ValueError, match=r"stu_mixing: dropout_p=1.0 must be in \[0, 1\)"):
+        call(dropout_p=1.0)
+    with pytest.raises(ValueError, match="stu_mixing: seed must be"):
+        call(seed=2**63)
     if INTERPRET:
         with pytest.raises(ValueError, match="power of two"):
             stu_mixing(torch.zeros(7, 96), offsets, 4, norm_weight=None, norm_bias=None,
@@ -198,11 +258,12 @@ def test_bad_input_is_reported():
 
 @needs_interpreter
 def test_stu_layer_runs_the_fused_op(monkeypatch, gen):
-    """STULayer hands its projection to stu_mixing with the layer's dims, alpha, norm parameters
-    and dropout, and adds the output projection of y to its input."""
+    """STULayer (through ops/stu_layer.py) hands its projection to stu_mixing with the layer's dims,
+    alpha, norm parameters, dropout and row offset, and adds the output projection of y to its input."""
     import dataclasses
 
     from dlrmv4.model import stu
+    from dlrmv4.ops import stu_layer
     from test_model import SMALL
 
     cfg = dataclasses.replace(SMALL, kernels="triton", linear_dropout=0.2)
@@ -213,14 +274,14 @@ def test_stu_layer_runs_the_fused_op(monkeypatch, gen):
         seen.update(kw, width=uvqk.shape[1], max_seq_len=max_seq_len)
         return stu_mixing(uvqk, seq_offsets, max_seq_len, **kw)
 
-    monkeypatch.setattr(stu, "stu_mixing", spy)
+    monkeypatch.setattr(stu_layer, "stu_mixing", spy)
     x = randn((12, cfg.d_model), gen)
-    out = layer(x, torch.tensor([0, 5, 12]), 7, dropout_seed=11)
+    out = layer(x, torch.tensor([0, 5, 12]), 7, dropout_seed=11, row_offset=30)
     assert out.shape == x.shape
     assert seen["width"] == cfg.num_heads * (2 * cfg.v_dim + 2 * cfg.qk_dim) and seen["max_seq_len"] == 7
     assert seen["norm_weight"] is layer.attn_norm_weight and seen["norm_bias"] is layer.attn_norm_bias
     assert seen["alpha"] == pytest.approx(1 / math.sqrt(cfg.qk_dim))
-    assert (seen["dropout_p"], seen["seed"], seen["training"]) == (0.2, 11, True)
+    assert (seen["dropout_p"], seen["seed"], seen["training"], seen["row_offset"]) == (0.2, 11, True, 30)
     kw = {k: v for k, v in seen.items() if k not in ("width", "max_seq_len")}
     y = stu_mixing(layer.uvqk(layer.input_norm(x)), torch.tensor([0, 5, 12]), 7, **kw)
     torch.testing.assert_close(out, x + layer.out(y))

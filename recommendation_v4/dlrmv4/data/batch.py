@@ -2,8 +2,9 @@
 
 Nothing is padded: sample b's history is ``history_*[history_offsets[b]:history_offsets[b + 1]]``
 in time order. ``JaggedBatch`` holds numpy arrays on the host; ``TorchJaggedBatch`` is its torch
-twin (same fields) and also carries the host-side sizes as plain ints, so the training step never
-has to read them back from the device.
+twin (same fields) and also carries the host-side sizes (plain ints and a host copy of the history
+lengths), so the training step never has to read them back from the device, even to cut the batch
+into chunks of samples (``samples``).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ class JaggedBatch:
         tensors = {name: buffer[offsets[name]:offsets[name] + arr.nbytes].view(TORCH_DTYPES[name]).view(arr.shape)
                    for name, arr in arrays.items()}
         out = TorchJaggedBatch(**tensors, num_samples=self.num_samples,
-                               max_history_length=self.max_history_length, total_tokens=self.total_tokens)
+                               max_history_length=self.max_history_length, total_tokens=self.total_tokens,
+                               host_history_lengths=arrays["history_lengths"].copy())
         if pin_memory:
             out = out.pin_memory()
         return out.to(device) if device is not None else out
@@ -126,10 +128,28 @@ class TorchJaggedBatch:
     query_time: torch.Tensor
     label: torch.Tensor
     anchor_index: torch.Tensor
-    # Host-side sizes (plain ints): the model needs them without a device sync.
+    # Host-side sizes: the model and the step need them without a device sync.
     num_samples: int
     max_history_length: int
     total_tokens: int
+    host_history_lengths: np.ndarray  # [B] int32, on the host
+
+    def history_row(self, sample: int) -> int:
+        """Index of sample ``sample``'s first history row (``sample == num_samples``: the total)."""
+        return int(self.host_history_lengths[:sample].sum())
+
+    def samples(self, start: int, stop: int) -> TorchJaggedBatch:
+        """Samples [start, stop) as a batch of their own: views of this batch's tensors, offsets
+        rebased to 0 on the device (no host read)."""
+        if not 0 <= start < stop <= self.num_samples:
+            raise ValueError(f"samples [{start}, {stop}) are outside the batch's {self.num_samples}")
+        h0, h1 = self.history_row(start), self.history_row(stop)
+        lengths = self.host_history_lengths[start:stop]
+        fields = {name: getattr(self, name)[h0:h1] for name in PER_TOKEN}
+        fields |= {name: getattr(self, name)[start:stop] for name in PER_SAMPLE + ("contextual_ids",)}
+        fields["history_offsets"] = self.history_offsets[start:stop + 1] - h0
+        return TorchJaggedBatch(**fields, num_samples=stop - start, max_history_length=int(lengths.max()),
+                                total_tokens=h1 - h0, host_history_lengths=lengths)
 
     def _map(self, fn) -> TorchJaggedBatch:
         return dataclasses.replace(self, **{name: fn(getattr(self, name)) for name in BATCH_DTYPES})

@@ -24,6 +24,7 @@ from dlrmv4.errors import UserError
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 PRECISION = {"bfloat16": "bfloat16", "float16": "fp16", "float32": "fp32"}
+COMM_PRECISION = {"none": "fp32", "fp16": "fp16", "bf16": "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class RunFacts:
     eval_samples: int
     config_filename: str
     world_size: int = 1
+    chunks: int = 1  # dense forward/backward passes per optimizer step (train/chunks.py)
 
 
 class RunLog:
@@ -124,7 +126,8 @@ class RunLog:
         self.event(C.SUBMISSION_PLATFORM, mlp.submission_platform)
         self.event(C.SUBMISSION_STATUS, mlp.submission_status)
         self.event(C.GLOBAL_BATCH_SIZE, cfg.loader.batch_size)  # the batch of one step, over all ranks
-        self.event(C.GRADIENT_ACCUMULATION_STEPS, 1)
+        # Chunks of one step: the dense gradients accumulate over them before the one optimizer step.
+        self.event(C.GRADIENT_ACCUMULATION_STEPS, facts.chunks)
         self.event(C.SEED, int(cfg.seed))
         self.event(C.OPT_NAME, "Adam")
         self.event(C.OPT_BASE_LR, tr.learning_rate)
@@ -142,10 +145,11 @@ class RunLog:
         precision = PRECISION[cfg.model.sequence_dtype]
         self.event(C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, precision)
         self.event(C.LOWEST_NUMERICAL_PRECISION_IN_ATTN, precision)
-        self.event(C.LOWEST_NUMERICAL_PRECISION_IN_COMM, "fp32")
+        self.event(C.LOWEST_NUMERICAL_PRECISION_IN_COMM, COMM_PRECISION[cfg.embeddings.qcomm])
         for key in (C.TENSOR_PARALLELISM, C.PIPELINE_PARALLELISM, C.CONTEXT_PARALLELISM, C.EXPERT_PARALLELISM):
             self.event(key, 1)
-        self.event(C.MICRO_BATCH_SIZE, cfg.loader.batch_size // facts.world_size)
+        slice_size = cfg.loader.batch_size // facts.world_size
+        self.event(C.MICRO_BATCH_SIZE, -(-slice_size // facts.chunks))  # the largest chunk's samples
         self.event(C.CONFIG_FILENAME, facts.config_filename)
         self.barrier()
         self.end(C.INIT_STOP)

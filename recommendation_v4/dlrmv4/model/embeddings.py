@@ -27,3 +27,21 @@ class SequenceEmbeddings:
     @property
     def num_candidates(self) -> int:
         return self.contextual.shape[0]
+
+    @property
+    def num_history_rows(self) -> int:
+        return self.item.shape[0] - self.num_candidates
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.item, self.artist, self.album, self.contextual, self.candidate
+
+    def samples(self, start: int, stop: int, first_row: int, last_row: int) -> SequenceEmbeddings:
+        """Samples [start, stop), whose history rows are [first_row, last_row), in the same layout (the
+        shared tables' history and candidate rows are copied into one tensor each)."""
+        t = self.num_history_rows
+
+        def shared(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x[first_row:last_row], x[t + start:t + stop]])
+
+        return SequenceEmbeddings(item=shared(self.item), artist=shared(self.artist), album=shared(self.album),
+                                  contextual=self.contextual[start:stop], candidate=self.candidate[start:stop])

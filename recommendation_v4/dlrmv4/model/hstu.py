@@ -2,13 +2,20 @@
 
 Mixed precision: the preprocessor and the STU stack run under autocast in
 ``ModelConfig.sequence_dtype`` (bf16 by default); the postprocessor, item tower, head and loss run
-in fp32 outside it. Dropout seeds of the fused output blocks come from the model's own CPU
-generator (``dropout_generator``, seeded from the run seed; checkpoints save its state), so the
-step needs no device sync to draw them.
+in fp32 outside it.
+
+A training step may run the model over its slice of the global batch in several chunks of
+consecutive samples (``train/step.py``). What a chunk must share with the whole slice travels in a
+``SliceContext``: the dropout seeds (drawn once per step from the model's own CPU generator,
+``dropout_generator``, seeded from the run seed and checkpointed, so no device sync), the slice's
+longest sequence (the attention's normaliser N), the slice's sample count (the loss is the mean
+over the slice) and the chunk's first sequence row (dropout masks are drawn per global row), so a
+chunk computes exactly the slice's rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +37,20 @@ SEED_LIMIT = 2**31 - 1
 @dataclass(frozen=True, eq=False)
 class ModelOutput:
     logits: torch.Tensor  # [B] fp32
-    loss: torch.Tensor    # scalar fp32: mean BCE-with-logits x loss_scale
+    loss: torch.Tensor    # scalar fp32: this batch's share of the slice's mean BCE-with-logits x loss_scale
+
+
+@dataclass(frozen=True)
+class SliceContext:
+    """What every chunk of one step's slice shares (see the module docstring)."""
+
+    dropout_seeds: tuple[int, ...]  # input dropout, then one per STU layer
+    max_seq_len: int                # the slice's longest sequence: the attention's N
+    num_samples: int                # the slice's samples: the loss divides by this
+    row_offset: int = 0             # the chunk's first sequence row in the slice's layout
+
+    def at_row(self, row_offset: int) -> SliceContext:
+        return dataclasses.replace(self, row_offset=row_offset)
 
 
 class DlrmHSTU(nn.Module):
@@ -44,26 +64,44 @@ class DlrmHSTU(nn.Module):
         self.head = LogitHead(cfg)
         self.dropout_generator = torch.Generator().manual_seed(seed)
 
-    def _dropout_seeds(self) -> list[int]:
-        # A CPU generator: drawing from it never waits on the device.
-        draws = torch.randint(0, SEED_LIMIT, (self.cfg.num_layers,), generator=self.dropout_generator)
-        return draws.tolist()
+    @property
+    def num_contextual(self) -> int:
+        return self.preprocessor.num_contextual
 
-    def user_representation(self, batch: TorchJaggedBatch, emb: SequenceEmbeddings) -> torch.Tensor:
+    def slice_context(self, batch: TorchJaggedBatch) -> SliceContext:
+        """The context of a step over ``batch`` (a rank's whole slice): draws this step's dropout seeds
+        in training mode (a CPU generator: drawing never waits on the device)."""
+        seeds = (torch.randint(0, SEED_LIMIT, (self.cfg.num_layers + 1,), generator=self.dropout_generator).tolist()
+                 if self.training else [0] * (self.cfg.num_layers + 1))
+        return SliceContext(tuple(seeds), batch.max_history_length + self.num_contextual + 1, batch.num_samples)
+
+    def sequence_row(self, batch: TorchJaggedBatch, sample: int) -> int:
+        """The first sequence row of sample ``sample`` in ``batch``'s layout [C contextual | history | candidate]."""
+        return batch.history_row(sample) + sample * (self.num_contextual + 1)
+
+    def user_representation(self, batch: TorchJaggedBatch, emb: SequenceEmbeddings,
+                            context: SliceContext) -> torch.Tensor:
         """The candidate position's output of the sequence model, [B, D] (in the autocast dtype)."""
         device = emb.item.device
         dtype = DTYPES[self.cfg.sequence_dtype]
-        seeds = self._dropout_seeds()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            x, seq_offsets, max_seq_len = self.preprocessor(
+            x, seq_offsets = self.preprocessor(
                 emb, batch.history_offsets, batch.history_action, batch.history_timestamp, batch.query_time,
-                batch.max_history_length)
-            x = self.stu(x, seq_offsets, max_seq_len, seeds)
+                batch.max_history_length, context.dropout_seeds[0], context.row_offset)
+            x = self.stu(x, seq_offsets, context.max_seq_len, context.dropout_seeds[1:], context.row_offset)
             return take_last(x, seq_offsets, kernels=self.cfg.kernels)
 
-    def forward(self, batch: TorchJaggedBatch, emb: SequenceEmbeddings) -> ModelOutput:
-        user = self.postprocessor(self.user_representation(batch, emb), batch.candidate_timestamp)
+    def forward(self, batch: TorchJaggedBatch, emb: SequenceEmbeddings,
+                context: SliceContext | None = None) -> ModelOutput:
+        """Logits and loss of ``batch``; ``context`` None: ``batch`` is the whole slice."""
+        context = context if context is not None else self.slice_context(batch)
+        if context.max_seq_len < batch.max_history_length + self.num_contextual + 1:
+            raise ValueError(f"SliceContext.max_seq_len {context.max_seq_len} is shorter than this batch's longest "
+                             f"sequence {batch.max_history_length + self.num_contextual + 1}")
+        user = self.postprocessor(self.user_representation(batch, emb, context), batch.candidate_timestamp)
         item = self.item_tower(emb.candidate.float())
         logits = self.head(user * item).squeeze(-1)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.label) * self.cfg.loss_scale
+        # The sum over this batch / the slice's size: the chunks' losses add up to the slice's mean.
+        bce = nn.functional.binary_cross_entropy_with_logits(logits, batch.label, reduction="sum")
+        loss = bce * (self.cfg.loss_scale / context.num_samples)
         return ModelOutput(logits=logits, loss=loss)

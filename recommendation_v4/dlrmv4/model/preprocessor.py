@@ -40,9 +40,10 @@ class Preprocessor(nn.Module):
         return (on.unsqueeze(-1).to(self.action_vectors.dtype) * self.action_vectors).flatten(1)
 
     def forward(self, emb: SequenceEmbeddings, history_offsets: torch.Tensor, history_action: torch.Tensor,
-                history_timestamp: torch.Tensor, query_time: torch.Tensor,
-                max_history_length: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Returns (encoded sequence values [T + B*(C+1), D], seq_offsets [B+1], max sequence length)."""
+                history_timestamp: torch.Tensor, query_time: torch.Tensor, max_history_length: int,
+                dropout_seed: int = 0, row_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (encoded sequence values [T + B*(C+1), D], seq_offsets [B+1]). The input dropout's
+        mask is drawn from ``dropout_seed`` per sequence row, counting from ``row_offset``."""
         b = emb.num_candidates
         # History and candidate tokens share the branch MLPs: one matmul per layer for both (the
         # embeddings come as [history rows; candidate rows] per table).
@@ -57,6 +58,7 @@ class Preprocessor(nn.Module):
         timestamps = concat_sequence_timestamps(history_timestamp, history_offsets, query_time, self.num_contextual)
         x = position_time_encode(values, seq_offsets, timestamps, query_time, self.num_contextual,
                                  self.position_table, self.time_table, math.sqrt(self.cfg.d_model),
-                                 self.cfg.time_bucket_seconds, kernels=self.cfg.kernels)
-        x = nn.functional.dropout(x, self.cfg.input_dropout, self.training)
-        return x, seq_offsets, max_history_length + self.num_contextual + 1
+                                 self.cfg.time_bucket_seconds, kernels=self.cfg.kernels,
+                                 dropout_p=self.cfg.input_dropout, seed=dropout_seed, training=self.training,
+                                 row_offset=row_offset)
+        return x, seq_offsets

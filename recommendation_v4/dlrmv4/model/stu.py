@@ -4,20 +4,24 @@
     attn = HSTU attention(q, k, v)     SiLU(alpha q k^T) / N, causal and target-aware, no softmax
     y = Dropout([u | attn | u * LayerNorm(attn)]);  x = x + y W_out
 
-Everything between the two projections (SiLU, attention, output block) is one op, ``stu_mixing``:
-it reads u, v, q, k as views of the projection and writes their gradients into one buffer.
+The layer is one op, ``stu_layer`` (``ops/stu_layer.py``), which also decides what the backward
+recomputes (``ModelConfig.recompute``: none, cheap, layer; ``auto`` is resolved by the memory plan
+before a run, and a model built without one keeps everything). Everything between the two
+projections (SiLU, attention, output block) is ``stu_mixing``: it reads u, v, q, k as views of the
+projection and writes their gradients into one buffer.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from dlrmv4.config import ModelConfig
 from dlrmv4.model.layers import LayerNorm
-from dlrmv4.ops.stu_mixing import stu_mixing
+from dlrmv4.ops.stu_layer import stu_layer
 
 
 class STULayer(nn.Module):
@@ -34,17 +38,18 @@ class STULayer(nn.Module):
         nn.init.zeros_(self.uvqk.bias)
         nn.init.xavier_uniform_(self.out.weight)
 
-    def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, dropout_seed: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, dropout_seed: int,
+                row_offset: int = 0) -> torch.Tensor:
         cfg = self.cfg
-        h, dqk, dv = cfg.num_heads, cfg.qk_dim, cfg.v_dim
-        uvqk = self.uvqk(self.input_norm(x))
         # One candidate per sequence: the target-aware mask equals the causal one stu_mixing applies.
-        y = stu_mixing(uvqk, seq_offsets, max_seq_len, num_heads=h, qk_dim=dqk, v_dim=dv,
-                       alpha=1.0 / math.sqrt(dqk), norm_weight=self.attn_norm_weight,
-                       norm_bias=self.attn_norm_bias, eps=cfg.layer_norm_eps, dropout_p=cfg.linear_dropout,
-                       seed=dropout_seed, training=self.training, kernels=cfg.kernels)
-        # x + y W_out^T in one GEMM: the residual is the GEMM's C operand, not a separate pass.
-        return torch.addmm(x, y, self.out.weight.t())
+        return stu_layer(x, seq_offsets, max_seq_len, norm_weight=self.input_norm.weight,
+                         norm_bias=self.input_norm.bias, norm_eps=cfg.layer_norm_eps, uvqk_weight=self.uvqk.weight,
+                         uvqk_bias=self.uvqk.bias, attn_norm_weight=self.attn_norm_weight,
+                         attn_norm_bias=self.attn_norm_bias, out_weight=self.out.weight, num_heads=cfg.num_heads,
+                         qk_dim=cfg.qk_dim, v_dim=cfg.v_dim, alpha=1.0 / math.sqrt(cfg.qk_dim),
+                         attn_eps=cfg.layer_norm_eps, dropout_p=cfg.linear_dropout, seed=dropout_seed,
+                         training=self.training, row_offset=row_offset,
+                         recompute="none" if cfg.recompute == "auto" else cfg.recompute, kernels=cfg.kernels)
 
 
 class STUStack(nn.Module):
@@ -53,7 +58,9 @@ class STUStack(nn.Module):
         self.layers = nn.ModuleList(STULayer(cfg) for _ in range(cfg.num_layers))
 
     def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
-                dropout_seeds: list[int]) -> torch.Tensor:
-        for layer, seed in zip(self.layers, dropout_seeds):
-            x = layer(x, seq_offsets, max_seq_len, seed)
+                dropout_seeds: Sequence[int], row_offset: int = 0) -> torch.Tensor:
+        """``max_seq_len``: the attention's N (the longest sequence of the step's slice); dropout masks
+        are drawn per sequence row, counting from ``row_offset``."""
+        for layer, seed in zip(self.layers, dropout_seeds, strict=True):
+            x = layer(x, seq_offsets, max_seq_len, seed, row_offset)
         return x

@@ -1,10 +1,16 @@
-"""Position and time encoding of the concatenated sequences: x·x_scale + P[pos] + T[bucket].
+"""Position and time encoding of the concatenated sequences, with the model's input dropout fused:
+Dropout_p(x·x_scale + P[pos] + T[bucket]).
 
 Per sequence of length n = C + L + 1 ([C contextual, L history, 1 candidate]) and token p:
 pos = p for contextual tokens, C for the candidate, C + (n − 1 − p) for history tokens (counting
 backwards from the end of the history), clamped to the table; bucket = clamp(int(sqrt(max(
 query_time − t, 1e-6) / time_bucket_seconds)), 0, rows − 1). Tables are fp32 (their gradients
 too); the output is in x's dtype.
+
+Dropout (when ``training`` and p > 0) is a pure function of (seed, row_offset + local row, column),
+the same in the Triton kernel and the reference (layout: triton/position.py; torch's copy of
+Philox: reference/philox.py): a chunk of rows passed with ``row_offset`` = its first row's index
+draws exactly the unchunked call's mask for those rows. ``input_dropout_keep_mask`` returns it.
 """
 
 from __future__ import annotations
@@ -15,19 +21,22 @@ import torch
 
 from dlrmv4.ops.dispatch import resolve
 from dlrmv4.ops.reference import position as ref
+from dlrmv4.ops.reference.philox import check_dropout
+from dlrmv4.ops.reference.position import input_dropout_keep_mask  # noqa: F401  (re-exported for tests)
 
 
 # Triton is optional (the reference runs without it): kernel modules are imported on first use.
 class _PositionTimeFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, seq_offsets, timestamps, query_time, num_contextual, pos_table, time_table, x_scale,
-                time_bucket_seconds):
+                time_bucket_seconds, dropout):
         from dlrmv4.ops.triton import position as tri
 
         out = tri.forward(_unit_cols(x), seq_offsets, timestamps, query_time, num_contextual,
-                          _unit_cols(pos_table), _unit_cols(time_table), x_scale, time_bucket_seconds)
+                          _unit_cols(pos_table), _unit_cols(time_table), x_scale, time_bucket_seconds, dropout)
         ctx.save_for_backward(seq_offsets, timestamps, query_time)
-        ctx.args = (num_contextual, pos_table.shape[0], time_table.shape[0], x_scale, time_bucket_seconds, x.dtype)
+        ctx.args = (num_contextual, pos_table.shape[0], time_table.shape[0], x_scale, time_bucket_seconds, x.dtype,
+                    dropout)
         ctx.table_dtypes = (pos_table.dtype, time_table.dtype)
         return out
 
@@ -38,7 +47,7 @@ class _PositionTimeFn(torch.autograd.Function):
         seq_offsets, timestamps, query_time = ctx.saved_tensors
         dx, dpt, dtt = tri.backward(_unit_cols(grad), seq_offsets, timestamps, query_time, *ctx.args)
         pt_dtype, tt_dtype = ctx.table_dtypes
-        return dx, None, None, None, None, dpt.to(pt_dtype), dtt.to(tt_dtype), None, None
+        return dx, None, None, None, None, dpt.to(pt_dtype), dtt.to(tt_dtype), None, None, None
 
 
 def _unit_cols(x: torch.Tensor) -> torch.Tensor:
@@ -48,9 +57,12 @@ def _unit_cols(x: torch.Tensor) -> torch.Tensor:
 def position_time_encode(x: torch.Tensor, seq_offsets: torch.Tensor, timestamps: torch.Tensor,
                          query_time: torch.Tensor, num_contextual: int, pos_table: torch.Tensor,
                          time_table: torch.Tensor, x_scale: float, time_bucket_seconds: float = 60.0,
-                         kernels: str = "auto") -> torch.Tensor:
+                         kernels: str = "auto", dropout_p: float = 0.0, seed: int = 0, training: bool = False,
+                         row_offset: int = 0) -> torch.Tensor:
     """x [T', D] (sequences laid out by seq_offsets int64 [B+1]), timestamps int64 [T'],
-    query_time int64 [B], pos_table [P, D], time_table [NT, D] -> [T', D] in x's dtype."""
+    query_time int64 [B], pos_table [P, D], time_table [NT, D] -> [T', D] in x's dtype. Dropout
+    with probability ``dropout_p`` when ``training``, its mask drawn from ``seed`` for the global
+    rows from ``row_offset`` on (no draws at all without dropout)."""
     n, d = x.shape
     if pos_table.shape[1:] != (d,) or time_table.shape[1:] != (d,):
         raise ValueError(f"position_time_encode: tables {tuple(pos_table.shape)} and {tuple(time_table.shape)} "
@@ -60,8 +72,11 @@ def position_time_encode(x: torch.Tensor, seq_offsets: torch.Tensor, timestamps:
                          f"query_time {tuple(query_time.shape)} must be [{seq_offsets.numel() - 1}]")
     if not (math.isfinite(time_bucket_seconds) and time_bucket_seconds > 0):
         raise ValueError(f"position_time_encode: time_bucket_seconds={time_bucket_seconds} must be positive")
+    seed, row_offset = check_dropout("position_time_encode", dropout_p, seed, row_offset)
     if resolve(kernels, x.device) == "pytorch":
         return ref.position_time_encode(x, seq_offsets, timestamps, query_time, num_contextual, pos_table,
-                                        time_table, x_scale, time_bucket_seconds)
+                                        time_table, x_scale, time_bucket_seconds, dropout_p, seed, training,
+                                        row_offset)
+    dropout = (dropout_p, seed, row_offset) if training and dropout_p > 0.0 else None
     return _PositionTimeFn.apply(x, seq_offsets, timestamps, query_time, num_contextual, pos_table, time_table,
-                                 x_scale, time_bucket_seconds)
+                                 x_scale, time_bucket_seconds, dropout)

@@ -6,12 +6,14 @@ output projection.
     y = Dropout([SiLU(u) ‖ attn ‖ SiLU(u) ⊙ LayerNorm(attn)])       [T, 3·H·Dv] (ops/output_block.py)
 
 ``stu_mixing(uvqk, seq_offsets, max_seq_len, *, num_heads, qk_dim, v_dim, alpha, norm_weight,
-norm_bias, eps, dropout_p, seed, training, kernels="auto", keep_mask=None)``. With ``pytorch`` it
+norm_bias, eps, dropout_p, seed, training, kernels="auto", keep_mask=None, row_offset=0)``. With ``pytorch`` it
 composes the reference ops under autograd. With ``triton`` it is one autograd function: the
 kernels read u, v, q, k as strided views of uvqk, SiLU(u) happens inside the output block, and the
 backward writes du, dv, dq, dk straight into their columns of one gradient buffer, so there is no
-activation pass and no concatenation of the four gradients. Dropout follows the output block's
-seed (``output_block_keep_mask`` gives the mask). Nothing reads device values on the host.
+activation pass and no concatenation of the four gradients. Dropout is the output block's, the
+same in both paths: a pure function of (seed, row_offset + local row, column), so a chunk of
+sequences passed with ``row_offset`` = its first row draws the unchunked call's mask for its rows
+(``output_block_keep_mask`` gives it). Nothing reads device values on the host.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from dlrmv4.ops.attention import check_attention_inputs, check_triton_attention_inputs
 from dlrmv4.ops.dispatch import resolve
 from dlrmv4.ops.reference import stu_mixing as ref
+from dlrmv4.ops.reference.philox import check_dropout
 from dlrmv4.ops.reference.stu_mixing import split_uvqk
 
 
@@ -78,19 +81,21 @@ def _check(uvqk, seq_offsets, max_seq_len, num_heads, qk_dim, v_dim, weight, bia
 def stu_mixing(uvqk: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, *, num_heads: int, qk_dim: int,
                v_dim: int, alpha: float, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
                eps: float, dropout_p: float, seed: int, training: bool, kernels: str = "auto",
-               keep_mask: torch.Tensor | None = None) -> torch.Tensor:
+               keep_mask: torch.Tensor | None = None, row_offset: int = 0) -> torch.Tensor:
     """uvqk [T, H·(2·Dv + 2·Dqk)] (columns u, v, q, k) -> y [T, 3·H·Dv] in uvqk's dtype (see the
     module docstring). seq_offsets [B+1] cumulative lengths; max_seq_len a host int (the longest
     sequence, also the attention's N); norm_weight, norm_bias [H·Dv] (or None) and eps of the
     LayerNorm of attn; dropout with probability ``dropout_p`` when ``training``, its mask drawn from
-    ``seed`` by the Triton kernels. ``keep_mask`` (bool [T, 3·H·Dv]) is used by the reference only."""
+    ``seed`` for the global rows from ``row_offset`` on (both paths). ``keep_mask`` (bool
+    [T, 3·H·Dv]) replaces that mask in the reference only (tests)."""
     _check(uvqk, seq_offsets, max_seq_len, num_heads, qk_dim, v_dim, norm_weight, norm_bias)
+    seed, row_offset = check_dropout("stu_mixing", dropout_p, seed, row_offset)
     max_seq_len = int(max_seq_len)
     if resolve(kernels, uvqk.device) == "pytorch":
         return ref.stu_mixing(uvqk, seq_offsets, max_seq_len, num_heads, qk_dim, v_dim, alpha, norm_weight,
-                              norm_bias, eps, dropout_p, training, keep_mask)
+                              norm_bias, eps, dropout_p, training, keep_mask, seed=seed, row_offset=row_offset)
     uvqk = _unit_cols(uvqk)
     _, v, q, _ = split_uvqk(uvqk, num_heads, qk_dim, v_dim)
     check_triton_attention_inputs(q, v)
     return _STUMixingFn.apply(uvqk, norm_weight, norm_bias, seq_offsets, (num_heads, qk_dim, v_dim), max_seq_len,
-                              float(alpha), eps, (dropout_p, seed, training))
+                              float(alpha), eps, (dropout_p, seed, training, row_offset))

@@ -381,14 +381,19 @@ class PlainEmbeddings(SparseEmbeddings):
 
 class TorchRecEmbeddings(SparseEmbeddings):
     """An EmbeddingCollection in DistributedModelParallel, sharded by TorchRec's planner (row-, column-
-    or table-wise); FBGEMM's row-wise Adagrad fused in the backward."""
+    or table-wise); FBGEMM's row-wise Adagrad fused in the backward. Rows come out in the sequence
+    dtype (the history rows feed the bf16 sequence model; the item tower takes the candidates'
+    rows up to fp32), which halves the lookup's output and gradient against fp32. Tables placed in
+    host memory (``uvm``, ``uvm_caching``) are allocated as pinned host memory mapped into the
+    device (``uvm_host_mapped``), never as CUDA managed memory."""
 
     backend = "torchrec"
 
     def __init__(self, specs: list[TableSpec], dim: int, lr: float, eps: float, std: float, seed: int,
-                 device: torch.device, cluster: Cluster, cfg: EmbeddingConfig) -> None:
+                 device: torch.device, cluster: Cluster, cfg: EmbeddingConfig,
+                 sequence_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(specs, dim, lr, eps, cluster)
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
         from torchrec import EmbeddingCollection, EmbeddingConfig as TableConfig
         from torchrec.distributed import DistributedModelParallel
         from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -398,9 +403,14 @@ class TorchRecEmbeddings(SparseEmbeddings):
                             "(gloo on the CPU, NCCL on GPUs); or set embeddings.embedding_backend=plain")
         tables = [TableConfig(name=s.name, embedding_dim=dim, num_embeddings=s.rows,
                               feature_names=list(_table_features(s.name))) for s in specs]
+        # FBGEMM's CPU kernels write fp32 only: there the rows are cast after the lookup (same numbers).
+        self.sequence_dtype = sequence_dtype
+        output_dtype = sequence_dtype if device.type == "cuda" else torch.float32
+        output = {torch.bfloat16: SparseType.BF16, torch.float16: SparseType.FP16, torch.float32: SparseType.FP32}
         sharder = EmbeddingCollectionSharder(fused_params={
             "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr, "eps": eps,
-            "weight_decay": 0.0}, qcomm_codecs_registry=qcomm_registry(cfg))
+            "weight_decay": 0.0, "output_dtype": output[output_dtype], "uvm_host_mapped": True},
+            qcomm_codecs_registry=qcomm_registry(cfg))
         # Built on "meta": DMP allocates only this rank's shards.
         collection = EmbeddingCollection(tables=tables, device=torch.device("meta"))
         self.plan = plan_sharding(collection, [sharder], cfg, cluster.world_size, cluster.local_world_size, device)
@@ -432,9 +442,9 @@ class TorchRecEmbeddings(SparseEmbeddings):
         per_key = [t if k.startswith("history_") else b for k in self.keys]
         kjt = KeyedJaggedTensor(keys=self.keys, values=torch.cat([ids[k] for k in self.keys]),
                                 lengths=torch.cat(lengths), stride=b, length_per_key=per_key)
-        out = self.dmp(kjt)
-        return _assemble({s.name: torch.cat([out[f].values() for f in _table_features(s.name)]) for s in self.specs},
-                         [out[f"candidate_{name}_id"].values() for name in SHARED_TABLES])
+        out = {k: jt.values().to(self.sequence_dtype) for k, jt in self.dmp(kjt).items()}
+        return _assemble({s.name: torch.cat([out[f] for f in _table_features(s.name)]) for s in self.specs},
+                         [out[f"candidate_{name}_id"] for name in SHARED_TABLES])
 
     def sparse_step(self) -> None:
         """Nothing to do: FBGEMM applied the update inside the backward."""
@@ -485,7 +495,7 @@ def make_embeddings(specs: list[TableSpec], cfg: BenchmarkConfig, device: torch.
     args = (specs, cfg.model.embedding_dim, cfg.train.learning_rate, cfg.train.adagrad_eps,
             cfg.embeddings.embedding_init_std, seed, device, cluster)
     if resolve_backend(cfg, device) == "torchrec":
-        return TorchRecEmbeddings(*args, cfg.embeddings)
+        return TorchRecEmbeddings(*args, cfg.embeddings, sequence_dtype=DTYPES[cfg.model.sequence_dtype])
     if cfg.embeddings.sharding_types or cfg.embeddings.placement or cfg.embeddings.qcomm != "none":
         raise UserError("embeddings.sharding_types, placement and qcomm are TorchRec settings: the plain backend "
                         "keeps a replica of every table on each rank")

@@ -29,6 +29,7 @@ from dlrmv4.data.loader import make_window_loader, rank_bounds
 from dlrmv4.data.store import Store
 from dlrmv4.mlperf.runlog import RunFacts, RunLog
 from dlrmv4.model.hstu import DlrmHSTU
+from dlrmv4.train.chunks import chunked_logits
 from dlrmv4.train.checkpoint import (CheckpointCadence, CheckpointPosition, ModelAndOptimizers, latest_checkpoint,
                                      load_checkpoint, save_checkpoint)
 from dlrmv4.errors import UserError
@@ -165,7 +166,8 @@ class StreamingTrainer:
                 self.runlog.open(0)
                 self.runlog.init_start()
             self.runlog.init_stop_and_run_start(self.cfg, RunFacts(self.train_samples, self.eval_samples,
-                                                                   self.config_filename, self.cluster.world_size))
+                                                                   self.config_filename, self.cluster.world_size,
+                                                                   self.step.chunks))
             return RunHistory()
         template = {"dense": ModelAndOptimizers(self.model, [self.optimizer]),
                     "sparse": self.embeddings.checkpoint_state()}
@@ -203,7 +205,7 @@ class StreamingTrainer:
         for batch, part in zip(loader, plan):
             lo, hi = rank_bounds(part, rank, world)
             batch = batch.to(self.device)
-            logits = self.model(batch, self.embeddings(batch)).logits
+            logits = chunked_logits(self.model, batch, self.embeddings(batch), self.step.chunks)
             acc.update(logits[: hi - lo], batch.label[: hi - lo])  # a stand-in slice (empty) adds nothing
         self.model.train()
         if world == 1:

@@ -21,6 +21,7 @@ from dlrmv4.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
 from dlrmv4.train.embeddings import make_embeddings, store_table_counts, table_specs
 from dlrmv4.train.sharding import check_sharding_options, describe_plan, plan_rows
 from dlrmv4.train.distributed import Cluster, is_comm_failure, lost_rank_error, start_cluster
+from dlrmv4.train.memory_plan import plan_for_run
 from dlrmv4.train.loop import RUN_LOG_FILE, RunHistory, StreamingTrainer, rank_seed, sample_counts
 from dlrmv4.train.report import AUC_PLOT, REPORT_FILE, THROUGHPUT_PLOT, parameter_digest, write_report
 
@@ -93,6 +94,13 @@ def _run(cfg: BenchmarkConfig, cluster: Cluster, log: Callable[[str], None], pro
     store = open_store(store_path)
     train_samples, eval_samples = sample_counts(store)
     check_closed_division(cfg, train_samples, eval_samples)
+    # The memory plan, before anything is allocated: a run that cannot fit stops here with one line.
+    plan = plan_for_run(cfg, cluster, store_table_counts(store))
+    if not plan.fits:
+        log(plan.describe())
+        raise UserError(plan.refusal())
+    cfg = plan.resolve(cfg)
+    log(plan.summary())
     runlog = RunLog(run_log_path(cfg), rank=cluster.rank, barrier=cluster.barrier)
     if cluster.is_main:
         check_run_dir_writable(run_dir)
@@ -126,6 +134,7 @@ def _run(cfg: BenchmarkConfig, cluster: Cluster, log: Callable[[str], None], pro
         "first_eval_samples": trainer.evals.first, "train_samples": trainer.train_samples,
         "device": str(device), "world_size": cluster.world_size, "embedding_backend": embeddings.backend,
         "sharding_plan": plan_rows(embeddings.plan) if embeddings.backend == "torchrec" else None,
+        "memory_plan": plan.describe(), "chunks": cfg.train.chunks, "recompute": cfg.model.recompute,
         "parameters_sha256": digest, "mlperf_log": str(runlog.path),
         "eval_samples": trainer.eval_samples}, cfg.train.target_auc)
     if plots:

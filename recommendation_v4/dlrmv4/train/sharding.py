@@ -3,12 +3,20 @@
 ``embeddings.sharding_types`` and ``embeddings.placement`` are ``table=value`` lists (``*`` for
 every table); a table without an override leaves the choice to TorchRec's
 ``EmbeddingShardingPlanner``, which also respects the per-rank memory cap
-(``embeddings.hbm_cap_gib``). The planner runs on every rank and agrees on one plan
-(``collective_plan``); ``describe_plan`` is what rank 0 prints at the start.
+(``embeddings.hbm_cap_gib``: the device memory the tables may fill, so no further share is
+reserved; without it the planner keeps ``DENSE_RESERVATION`` of the device free). The memory plan
+(``train/memory_plan.py``) fills all three in for a run, so the run's planner lays the tables out
+exactly as the plan counted them. The planner runs on every rank and agrees on one plan
+(``collective_plan``); ``describe_plan`` is what rank 0 prints at the start. ``target_plan`` runs the
+same planner for a target that is not this machine (no process group, nothing allocated).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,8 +31,10 @@ TABLE_NAMES = ("item", "artist", "album") + CONTEXTUAL_FEATURES
 SHARDING_TYPES = ("row_wise", "column_wise", "table_wise")
 # Where a table lives -> TorchRec compute kernel (fused: FBGEMM's row-wise Adagrad in the backward).
 PLACEMENTS = {"hbm": "fused", "uvm": "fused_uvm", "uvm_caching": "fused_uvm_caching"}
-# Share of each rank's memory the planner keeps free of tables.
+# Share of each rank's memory the planner keeps free of tables when no cap is configured.
 DENSE_RESERVATION = 0.25
+# The reference's sharding (SPEC §10); the memory plan assumes it for tables the config leaves open.
+DEFAULT_SHARDING = "row_wise"
 
 
 def parse_table_options(text: str, field: str, allowed: tuple[str, ...]) -> dict[str, str]:
@@ -72,27 +82,142 @@ def plan_sharding(module: torch.nn.Module, sharders: list, cfg: EmbeddingConfig,
                   local_world_size: int, device: torch.device):
     """The ShardingPlan every rank agrees on (the planner runs on each and rank 0's plan wins)."""
     import torch.distributed as dist
-    from torchrec.distributed.planner import EmbeddingShardingPlanner
-    from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
-    from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 
     kind = "cuda" if device.type == "cuda" else "cpu"
     hbm = int(cfg.hbm_cap_gib * 1024**3) if cfg.hbm_cap_gib > 0 else None
     if hbm is None and kind == "cuda":
         hbm = torch.cuda.get_device_properties(device).total_memory
-    topology = TopologyFactory.create_topology(
-        TrainerConfig(world_size=world_size, local_world_size=local_world_size, hbm_cap_bytes=hbm),
-        kernel_config=KernelConfig(compute_device=kind))
-    # The dense model, activations and optimizer state share the device with the tables.
-    reservation = FixedPercentageStorageReservation(DENSE_RESERVATION)
-    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints(cfg),
-                                       storage_reservation=reservation)
+    # A configured cap is the tables' own budget (the memory plan counted the rest); otherwise the
+    # dense model, activations and optimizer state share the device with the tables.
+    reserve = 0.0 if cfg.hbm_cap_gib > 0 else DENSE_RESERVATION
+    planner = _planner(constraints(cfg), world_size, local_world_size, kind, hbm,
+                       _host_memory_per_rank(local_world_size), reserve)
     try:
         return planner.collective_plan(module, sharders, dist.GroupMember.WORLD)
     except Exception as exc:  # the planner's own errors are long multi-line reports
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"TorchRec found no sharding plan for these tables on {world_size} rank(s) "
                         f"(embeddings.sharding_types / placement / hbm_cap_gib): {first[:300]}") from exc
+
+
+def _planner(table_constraints: dict[str, Any], world_size: int, local_world_size: int, compute_device: str,
+             hbm_cap_bytes: int | None, ddr_cap_bytes: int | None, reserve: float):
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+    from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+
+    topology = TopologyFactory.create_topology(
+        TrainerConfig(world_size=world_size, local_world_size=local_world_size, hbm_cap_bytes=hbm_cap_bytes,
+                      ddr_cap_bytes=ddr_cap_bytes),
+        kernel_config=KernelConfig(compute_device=compute_device))
+    return EmbeddingShardingPlanner(topology=topology, constraints=table_constraints,
+                                    storage_reservation=FixedPercentageStorageReservation(reserve))
+
+
+def _host_memory_per_rank(local_world_size: int) -> int:
+    """This node's RAM per local rank, never below TorchRec's own default (the memory plan checks
+    host memory itself: the planner's host cap must not refuse what the plan accepted)."""
+    from torchrec.distributed.planner.constants import DDR_CAP
+
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 0
+    return max(DDR_CAP, total // max(local_world_size, 1))
+
+
+def table_options(text: str, field: str, allowed: tuple[str, ...], default: str) -> dict[str, str]:
+    """Every table's value: the configured one, else ``default``."""
+    named = parse_table_options(text, field, allowed)
+    return {name: named.get(name, default) for name in TABLE_NAMES}
+
+
+def format_table_options(values: dict[str, str]) -> str:
+    """{table: value} for every table -> the shortest ``'*=common,table=other,...'`` string."""
+    counts: dict[str, int] = {}
+    for value in values.values():
+        counts[value] = counts.get(value, 0) + 1
+    common = max(counts, key=lambda v: (counts[v], -list(values.values()).index(v)))
+    return ",".join([f"*={common}"] + [f"{name}={values[name]}" for name in TABLE_NAMES
+                                        if values[name] != common])
+
+
+def planning_sharder(output_dtype: torch.dtype):
+    """A sharder with the run's fused parameters (``train/embeddings.py``), for ``target_plan``."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+
+    output = {torch.bfloat16: SparseType.BF16, torch.float16: SparseType.FP16, torch.float32: SparseType.FP32}
+    return EmbeddingCollectionSharder(fused_params={
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.0, "eps": 1e-8, "weight_decay": 0.0,
+        "output_dtype": output[output_dtype], "uvm_host_mapped": True})
+
+
+def target_plan(table_rows: dict[str, int], dim: int, sharding: dict[str, str], placement: dict[str, str] | None,
+                *, world_size: int, local_world_size: int, compute_device: str, hbm_cap_bytes: int | None,
+                ddr_cap_bytes: int | None, output_dtype: torch.dtype = torch.float32):
+    """TorchRec's ShardingPlan for ``world_size`` ranks of ``compute_device`` ("cuda" or "cpu"),
+    without a process group: the tables are built on "meta". ``sharding`` and ``placement`` give
+    every table's sharding type and placement (``placement`` None: the planner picks the kernel).
+    None when the planner finds no plan (the tables do not fit its caps); no extra reservation."""
+    from torchrec import EmbeddingCollection, EmbeddingConfig as TableConfig
+    from torchrec.distributed.planner import ParameterConstraints
+    from torchrec.distributed.planner.types import PlannerError
+
+    shared = ("item", "artist", "album")
+    tables = [TableConfig(name=name, embedding_dim=dim, num_embeddings=rows,
+                          feature_names=[f"history_{name}_id", f"candidate_{name}_id"] if name in shared else [name])
+              for name, rows in table_rows.items()]
+    kernels = {name: [PLACEMENTS[placement[name]]] if placement else list(PLACEMENTS.values()) for name in table_rows}
+    table_constraints = {name: ParameterConstraints(sharding_types=[sharding[name]], compute_kernels=kernels[name])
+                         for name in table_rows}
+    planner = _planner(table_constraints, world_size, local_world_size, compute_device,
+                       hbm_cap_bytes, ddr_cap_bytes, 0.0)
+    with _quiet_torchrec():
+        try:
+            return planner.plan(EmbeddingCollection(tables=tables, device=torch.device("meta")),
+                                [planning_sharder(output_dtype)])
+        except PlannerError:
+            return None
+
+
+@contextlib.contextmanager
+def _quiet_torchrec():
+    """The planner logs its statistics and warnings: a plan made for another machine prints its own."""
+    logger = logging.getLogger("torchrec")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@dataclass(frozen=True)
+class ShardBytes:
+    """One table's bytes on one rank: fp32 rows + row-wise Adagrad state (one fp32 per row)."""
+
+    table: str
+    rank: int
+    rows: int
+    cols: int
+    kernel: str
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * self.cols * 4 + self.rows * 4
+
+
+def plan_shards(plan) -> list[ShardBytes]:
+    """Every shard of a ShardingPlan with its rank (a shard's rows and columns, its kernel)."""
+    out = []
+    for module_plan in plan.plan.values():
+        for table, ps in module_plan.items():
+            for shard in ps.sharding_spec.shards if ps.sharding_spec else []:
+                rank = shard.placement.rank() if shard.placement is not None else 0
+                out.append(ShardBytes(table, rank, int(shard.shard_sizes[0]), int(shard.shard_sizes[1]),
+                                      ps.compute_kernel))
+    return out
 
 
 def plan_rows(plan) -> list[dict[str, Any]]:

@@ -1,10 +1,13 @@
 """One training step of both optimizers, with no host-device synchronisation.
 
 The learning rate of the step (a Python float from the step count) goes to both optimizers, the
-model runs forward and backward (through DDP on several ranks), the dense gradients are clipped
-on the device, Adam steps, the tables take their row-wise Adagrad update, and the loss goes to the
-divergence monitor, which records a non-finite value on the device. Nothing reads the device
-back: ``tests/gpu/test_zero_sync.py`` runs steps under ``torch.cuda.set_sync_debug_mode("error")``.
+slice's ids are looked up once, the model runs forward and backward over the slice (through DDP on
+several ranks), in ``train.chunks`` chunks of consecutive samples when the slice's activations do
+not fit at once (``train/chunks.py``: the chunked step equals the unchunked one), the dense
+gradients are clipped on the device, Adam steps, the tables take their row-wise Adagrad update,
+and the loss goes to the divergence monitor, which records a non-finite value on the device.
+Nothing reads the device back: ``tests/gpu/test_zero_sync.py`` runs steps under
+``torch.cuda.set_sync_debug_mode("error")``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from dlrmv4.config import TrainConfig
 from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.model.hstu import DlrmHSTU
+from dlrmv4.train.chunks import ChunkedEmbeddings, chunk_bounds, chunk_context, gradient_sync
 from dlrmv4.train.embeddings import SparseEmbeddings
 from dlrmv4.train.optim import FiniteMonitor, WarmupSchedule, clip_dense_gradients, make_dense_optimizer
 
@@ -31,15 +35,35 @@ class TrainStep:
         self.dense_params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_dense_optimizer(self.dense_params, cfg)
         self.schedule = WarmupSchedule(cfg)
+        # 0: the memory plan picks before a run; a step built without one runs the slice at once.
+        self.chunks = max(cfg.chunks, 1)
 
     def __call__(self, batch: TorchJaggedBatch, step: int, window: int) -> torch.Tensor:
         self.schedule.apply(step, self.optimizer, self.embeddings.set_learning_rate)
-        out = self.train_model(batch, self.embeddings(batch))
+        emb = self.embeddings(batch)
+        context = self.model.slice_context(batch)
         self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        bounds = chunk_bounds(batch.num_samples, self.chunks)
+        if len(bounds) == 1:
+            loss = self.train_model(batch, emb, context).loss
+            loss.backward()
+            loss = loss.detach()
+        else:
+            chunked = ChunkedEmbeddings(emb, batch)
+            parts = []
+            for i, (start, stop) in enumerate(bounds):
+                leaves = chunked.leaves(start, stop)
+                with gradient_sync(self.train_model, last_chunk=i + 1 == len(bounds)):
+                    part = self.train_model(batch.samples(start, stop), leaves,
+                                            chunk_context(self.model, batch, context, start)).loss
+                    part.backward()
+                chunked.store(start, stop, leaves)
+                parts.append(part.detach())
+                del leaves, part
+            chunked.backward()
+            loss = torch.stack(parts).sum()
         clip_dense_gradients(self.dense_params, self.cfg.grad_clip_norm)
         self.optimizer.step()
         self.embeddings.sparse_step()
-        loss = out.loss.detach()
         self.finite.update(loss, step, window)
         return loss

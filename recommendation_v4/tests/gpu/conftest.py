@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the shared test helpers
 
@@ -16,3 +17,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/gpu/" in str(item.fspath):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def process_group(tmp_path_factory):
+    """World size 1 over NCCL (TorchRec's DistributedModelParallel needs a process group)."""
+    created = not dist.is_initialized()
+    if created:
+        store = tmp_path_factory.mktemp("pg") / "store"
+        dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+    yield
+    if created:
+        dist.destroy_process_group()

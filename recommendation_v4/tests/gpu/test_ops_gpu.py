@@ -2,7 +2,9 @@
 against the float64 reference; skipped as a whole without CUDA (see conftest.py).
 
 Shape: 32 sequences of 8 contextual + up to 4,087 history + 1 candidate tokens (lengths 0, 1, odd
-and max among them), D = H·d_v = 512.
+and max among them), D = H·d_v = 512. Dropout: the compiled kernels' masks equal the reference's
+torch Philox masks (on the GPU too), and a chunk of rows run with its ``row_offset`` is bit for bit
+that chunk of the whole run, at the model's full slice (about 730k rows) in bf16.
 """
 
 from __future__ import annotations
@@ -16,13 +18,23 @@ import torch.nn.functional as F
 from dlrmv4.ops.jagged import concat_sequence_timestamps, concat_sequences, take_last
 from dlrmv4.ops.layer_norm import layer_norm, swish_layer_norm
 from dlrmv4.ops.output_block import output_block, output_block_keep_mask
-from dlrmv4.ops.position import position_time_encode
+from dlrmv4.ops.position import input_dropout_keep_mask, position_time_encode
 from sync_guard import run_without_syncs
 from test_ops_layer_norm import assert_close, gen, leaf64, poison, randn  # noqa: F401  (fixtures)
 
 CUDA = "cuda"
 B, C, D, MAX_HISTORY = 32, 8, 512, 4087
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+FULL_ROWS = 730_000  # one rank's slice at the reference batch size
+# Row offsets whose Philox counters (row · ceil(D / 2) or row · ceil(D / 8)) pass 2^32.
+HIGH_ROW = 2**25 + 12_345
+
+
+def assert_zeros_follow(y: torch.Tensor, keep: torch.Tensor) -> None:
+    """y is 0 wherever ``keep`` drops, and nonzero where it keeps but for the rare value that is 0
+    itself (random inputs at this size hold a few)."""
+    assert not ((y != 0) & ~keep).any(), "a dropped element is not 0"
+    assert ((y == 0) & keep).sum().item() <= 1e-6 * y.numel(), "kept elements are 0"
 
 
 def history_lengths(gen: torch.Generator) -> list[int]:
@@ -104,6 +116,48 @@ def test_output_block(dtype, gen, poison):
     assert (other != mask).float().mean().item() > 0.1
 
 
+def test_output_block_masks_are_the_references():
+    """The compiled mask kernel and the forward's stored bits against the torch Philox mask on the
+    GPU, at the full slice and at row offsets whose counters pass 2^32."""
+    from dlrmv4.ops.triton import output_block as tri
+
+    t, hd, p = FULL_ROWS, 512, 0.1
+    for seed, row_offset in ((int(torch.randint(2**31 - 1, (1,))), 0), (2**40 + 77, HIGH_ROW)):
+        want = output_block_keep_mask(t, hd, p, seed, CUDA, row_offset)
+        assert torch.equal(tri.keep_mask(t, hd, p, seed, torch.device(CUDA), row_offset), want)
+        assert abs(want.float().mean().item() - (1 - p)) < 1e-3
+        del want
+    rows = 40_000  # the forward's stored bits, on fewer rows (u and attn are [rows, hd] bf16)
+    u = torch.randn((rows, hd), device=CUDA, dtype=torch.bfloat16)
+    keep = tri.forward(u, u, None, None, 1e-6, p, seed, True, row_offset)[3]
+    bits = torch.stack([(keep >> s) & 1 for s in range(3)], 1).flatten(1).bool()
+    assert torch.equal(bits, output_block_keep_mask(rows, hd, p, seed, CUDA, row_offset))
+
+
+def test_output_block_chunks_are_the_whole(gen, poison):
+    """bf16 at the full slice: rows [a, b) run with row_offset = a (after a base offset) give rows
+    [a, b) of the whole run, y and du, dattn bit for bit; dweight, dbias add up to rounding."""
+    t, hd, p, seed = FULL_ROWS, 512, 0.1, int(torch.randint(2**31 - 1, (1,), generator=gen))
+    u = randn((t, hd), gen, torch.bfloat16, CUDA, scale=3.0).requires_grad_()
+    attn = randn((t, hd), gen, torch.bfloat16, CUDA, scale=2.0).requires_grad_()
+    w = randn(hd, gen, device=CUDA, shift=1.0).requires_grad_()
+    b = randn(hd, gen, device=CUDA).requires_grad_()
+    dy = randn((t, 3 * hd), gen, torch.bfloat16, CUDA)
+    y = output_block(u, attn, w, b, 1e-6, p, seed, True, kernels="triton", row_offset=HIGH_ROW)
+    whole = (y, *torch.autograd.grad(y, (u, attn, w, b), dy))
+    del y
+    dw, db = torch.zeros_like(w), torch.zeros_like(b)
+    for a, e in ((0, 100_003), (100_003, 500_000), (500_000, t)):
+        y = output_block(u[a:e], attn[a:e], w, b, 1e-6, p, seed, True, kernels="triton", row_offset=HIGH_ROW + a)
+        got = (y, *torch.autograd.grad(y, (u, attn, w, b), dy[a:e]))
+        assert torch.equal(got[0], whole[0][a:e]), f"y of rows [{a}, {e})"
+        assert torch.equal(got[1][a:e], whole[1][a:e]) and torch.equal(got[2][a:e], whole[2][a:e]), f"[{a}, {e})"
+        dw, db = dw + got[3], db + got[4]
+        del y, got
+    torch.testing.assert_close(dw, whole[3], rtol=1e-4, atol=1e-2)
+    torch.testing.assert_close(db, whole[4], rtol=1e-4, atol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_concat_and_take_last(dtype, gen, poison):
     lengths = history_lengths(gen)
@@ -126,24 +180,66 @@ def test_concat_and_take_last(dtype, gen, poison):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_position_time_encode(dtype, gen, poison):
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_position_time_encode(dtype, p, gen, poison):
+    """Kernel and reference each draw the input dropout's mask (p > 0): the same zeros, the same
+    values and gradients."""
     seq_offsets, ts, query = model_batch(gen)
     n = ts.numel()
     x = randn((n, D), gen, dtype, CUDA).requires_grad_()
     pos_table = randn((8192, D), gen, device=CUDA, scale=10.0).requires_grad_()
     time_table = randn((2048, D), gen, device=CUDA, scale=10.0).requires_grad_()
-    out = position_time_encode(x, seq_offsets, ts, query, C, pos_table, time_table, math.sqrt(D), kernels="triton")
+    drop = dict(dropout_p=p, seed=2**33 + int(torch.randint(2**31, (1,), generator=gen)), training=True,
+                row_offset=HIGH_ROW)
+    out = position_time_encode(x, seq_offsets, ts, query, C, pos_table, time_table, math.sqrt(D), kernels="triton",
+                               **drop)
     g = randn(out.shape, gen, dtype, CUDA)
     out.backward(g)
     x64, p64, t64 = leaf64(x), leaf64(pos_table), leaf64(time_table)
-    ref = position_time_encode(x64, seq_offsets, ts, query, C, p64, t64, math.sqrt(D), kernels="pytorch")
+    ref = position_time_encode(x64, seq_offsets, ts, query, C, p64, t64, math.sqrt(D), kernels="pytorch", **drop)
     ref.backward(g.double())
+    if p > 0:
+        keep = input_dropout_keep_mask(n, D, p, drop["seed"], CUDA, HIGH_ROW)
+        assert abs(keep.float().mean().item() - (1 - p)) < 2e-3
+        assert_zeros_follow(out, keep)
+        assert_zeros_follow(x.grad, keep & (g != 0))
     # Elementwise: one token with a wrong table row fails. Tolerances: one rounding in dtype.
     tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
     torch.testing.assert_close(out.double(), ref.detach(), atol=tol * 40, rtol=tol)
     torch.testing.assert_close(x.grad.double(), x64.grad, atol=tol * 10, rtol=tol)
     torch.testing.assert_close(pos_table.grad.double(), p64.grad, atol=1e-3, rtol=1e-5)
     torch.testing.assert_close(time_table.grad.double(), t64.grad, atol=1e-3, rtol=1e-5)
+
+
+def test_position_time_encode_chunks_are_the_whole(gen, poison):
+    """bf16 with dropout at the full slice (about 730k rows: the 32 sequences repeated), the rows of
+    consecutive sequences run with their first row as row_offset: out and dx bit for bit, the
+    tables' gradients to rounding."""
+    seq_offsets, ts, query = model_batch(gen)
+    reps = -(-FULL_ROWS // ts.numel())
+    lengths = seq_offsets.diff().repeat(reps)
+    seq_offsets = torch.cat([seq_offsets[:1], lengths.cumsum(0)])
+    ts, query = ts.repeat(reps), query.repeat(reps)
+    n = ts.numel()
+    x = randn((n, D), gen, torch.bfloat16, CUDA).requires_grad_()
+    tables = [randn((8192, D), gen, device=CUDA).requires_grad_(), randn((2048, D), gen, device=CUDA).requires_grad_()]
+    g = randn((n, D), gen, torch.bfloat16, CUDA)
+    drop = dict(dropout_p=0.2, seed=int(torch.randint(2**31 - 1, (1,), generator=gen)), training=True)
+    out = position_time_encode(x, seq_offsets, ts, query, C, *tables, math.sqrt(D), kernels="triton", **drop)
+    whole = (out, *torch.autograd.grad(out, (x, *tables), g))
+    del out
+    nseq = seq_offsets.numel() - 1
+    sums = [torch.zeros_like(t) for t in tables]
+    for i, j in ((0, 5), (5, nseq // 2 + 1), (nseq // 2 + 1, nseq)):
+        a, e = int(seq_offsets[i]), int(seq_offsets[j])
+        out = position_time_encode(x[a:e], seq_offsets[i:j + 1] - a, ts[a:e], query[i:j], C, *tables, math.sqrt(D),
+                                   kernels="triton", row_offset=a, **drop)
+        dx, dpt, dtt = torch.autograd.grad(out, (x, *tables), g[a:e])
+        assert torch.equal(out, whole[0][a:e]) and torch.equal(dx[a:e], whole[1][a:e]), f"rows [{a}, {e})"
+        sums = [sums[0] + dpt, sums[1] + dtt]
+        del out, dx
+    for name, got, want in zip(("dpos_table", "dtime_table"), sums, whole[2:]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-2, msg=name)
 
 
 def test_no_host_sync(gen):
@@ -160,9 +256,10 @@ def test_no_host_sync(gen):
 
     def step():
         x, offs = concat_sequences(ctx, torch.cat([hist, cand]), hist_offsets, MAX_HISTORY, kernels="triton")
-        x = position_time_encode(x, offs, ts, query, C, *tables, math.sqrt(D), kernels="triton")
+        x = position_time_encode(x, offs, ts, query, C, *tables, math.sqrt(D), kernels="triton", dropout_p=0.2,
+                                 seed=9, training=True, row_offset=HIGH_ROW)
         n = swish_layer_norm(layer_norm(x, w, b, 1e-6, kernels="triton"), w, b, 1e-6, kernels="triton")
-        y = output_block(n, x, w, b, 1e-6, 0.1, 7, True, kernels="triton")
+        y = output_block(n, x, w, b, 1e-6, 0.1, 7, True, kernels="triton", row_offset=HIGH_ROW)
         loss = take_last(y, offs, kernels="triton").float().sum()
         torch.autograd.grad(loss, leaves)
 

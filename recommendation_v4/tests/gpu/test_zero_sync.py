@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,13 +22,12 @@ from model_inputs import random_batch
 ROWS = 100  # random_batch draws every id below this: small tables, the reference's widths
 
 
-@pytest.mark.parametrize("preset, max_len", [("synthetic-tiny", 48), ("yambda-5b", 4087)])
-def test_training_steps_do_not_synchronise(preset, max_len):
+def _steps(preset: str, max_len: int, chunks: int, backend: str, sharding: str = ""):
     cfg = load_config(preset)
     cfg = dataclasses.replace(
-        cfg, embeddings=dataclasses.replace(cfg.embeddings, embedding_backend="plain"),
+        cfg, embeddings=dataclasses.replace(cfg.embeddings, embedding_backend=backend, sharding_types=sharding),
         sampler=dataclasses.replace(cfg.sampler, **{f"{name}_rows": ROWS for name in CONTEXTUAL_FEATURES}),
-        train=dataclasses.replace(cfg.train, warmup_steps=3))
+        train=dataclasses.replace(cfg.train, warmup_steps=3, chunks=chunks))
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = DlrmHSTU(cfg.model, seed=0).to(device)
@@ -37,6 +38,17 @@ def test_training_steps_do_not_synchronise(preset, max_len):
     for i in range(3):  # allocator, autotuning and lazy initialisation may synchronise once
         step(batches[i], i, 0)
     torch.cuda.synchronize()
+    return step, batches
+
+
+@pytest.mark.parametrize("backend, sharding", [("plain", ""), ("torchrec", "*=table_wise")])
+@pytest.mark.parametrize("preset, max_len, chunks", [("synthetic-tiny", 48, 1), ("yambda-5b", 4087, 1),
+                                                     ("yambda-5b", 4087, 3)])
+def test_training_steps_do_not_synchronise(preset, max_len, chunks, backend, sharding, request):
+    if backend == "torchrec":
+        pytest.importorskip("torchrec")
+        request.getfixturevalue("process_group")
+    step, batches = _steps(preset, max_len, chunks, backend, sharding)
     torch.cuda.set_sync_debug_mode("error")
     try:
         losses = [step(batches[i], i, 0) for i in range(3, 8)]  # past the warm-up too
@@ -44,5 +56,27 @@ def test_training_steps_do_not_synchronise(preset, max_len):
             float(losses[-1])
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    step.finite.check()
+    assert all(bool(torch.isfinite(loss)) for loss in losses)
+
+
+def test_row_wise_torchrec_waits_only_in_its_input_distribution(request):
+    """TorchRec's row-wise input distribution reads the bucketised lengths back to size its all-to-all
+    (``KeyedJaggedTensor.length_per_key``), once per step: the one wait of a row-wise step, and none
+    in this project's code."""
+    pytest.importorskip("torchrec")
+    request.getfixturevalue("process_group")
+    step, batches = _steps("yambda-5b", 4087, 3, "torchrec", "*=row_wise")
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            losses = [step(batches[i], i, 0) for i in range(3, 8)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    sites = sorted({(Path(w.filename).name, w.lineno) for w in seen if "synchroniz" in str(w.message)})
+    print("synchronising call sites:", sites)
+    assert not [w for w in seen if "dlrmv4" in w.filename and "synchroniz" in str(w.message)]
+    assert {name for name, _ in sites} <= {"jagged_tensor.py"}, sites
     step.finite.check()
     assert all(bool(torch.isfinite(loss)) for loss in losses)

@@ -1,4 +1,10 @@
-"""PyTorch reference of the STU output block: Dropout([SiLU(u) ‖ attn ‖ SiLU(u) ⊙ LayerNorm(attn)])."""
+"""PyTorch reference of the STU output block: Dropout([SiLU(u) ‖ attn ‖ SiLU(u) ⊙ LayerNorm(attn)]).
+
+The dropout mask is the Triton kernel's, drawn here with torch integer ops (``reference/philox.py``):
+row r = row_offset + local row, column c of a segment s in {0, 1, 2} (HD columns each) is kept iff
+the low (c even) or high (c odd) 16 bits of number s of ``randint4x(seed, r * ceil(HD / 2) + c // 2)``
+are >= round(p * 2^16); kept values are scaled by 1 / (1 - p).
+"""
 
 from __future__ import annotations
 
@@ -6,16 +12,40 @@ import torch
 import torch.nn.functional as F
 
 from dlrmv4.ops.reference.layer_norm import compute_dtype
+from dlrmv4.ops.reference.philox import check_dropout, dropout_threshold, philox_randint4x, split16
+
+# Rows of counters drawn at once: bounds the int64 temporaries of a full-size mask (about 2^24
+# counters, 128 MiB each) without a loop per row.
+_COUNTERS_PER_CHUNK = 1 << 24
+
+
+def draw_keep_mask(t: int, hd: int, dropout_p: float, seed: int, device: torch.device | str,
+                   row_offset: int = 0) -> torch.Tensor:
+    """bool [t, 3·hd]: the keep decisions of the Triton output block for the global rows
+    row_offset .. row_offset + t - 1 (see the module docstring)."""
+    seed, row_offset = check_dropout("output_block_keep_mask", dropout_p, seed, row_offset)
+    device = torch.device(device)
+    threshold, pairs = dropout_threshold(dropout_p), (hd + 1) // 2
+    if threshold == 0 or t == 0 or hd == 0:
+        return torch.ones((t, 3 * hd), dtype=torch.bool, device=device)
+    out = torch.empty((t, 3 * hd), dtype=torch.bool, device=device)
+    step = max(1, _COUNTERS_PER_CHUNK // pairs)
+    cols = torch.arange(pairs, device=device)
+    for r0 in range(0, t, step):
+        rows = torch.arange(row_offset + r0, row_offset + min(t, r0 + step), device=device)
+        numbers = philox_randint4x(seed, rows[:, None] * pairs + cols)
+        out[r0:r0 + rows.numel()] = torch.cat([split16(n)[:, :hd] for n in numbers[:3]], dim=1) >= threshold
+    return out
 
 
 def output_block(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 eps: float, dropout_p: float, training: bool,
-                 keep_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 eps: float, dropout_p: float, training: bool, keep_mask: torch.Tensor | None = None, *,
+                 seed: int = 0, row_offset: int = 0) -> torch.Tensor:
     """u (before its SiLU), attn [T, HD] -> [T, 3·HD] in u's dtype; SiLU and the LayerNorm over the
     HD columns of attn in fp32 (or wider).
 
-    ``keep_mask`` (bool [T, 3·HD]) replaces torch's own dropout draw, so that the reference can
-    reproduce the Triton kernel's mask exactly.
+    Dropout (training, p > 0) uses the kernel's mask for (seed, row_offset); ``keep_mask`` (bool
+    [T, 3·HD]), when given, replaces it (tests use masks of their own).
     """
     acc = compute_dtype(u.dtype)
     uf, af = F.silu(u.to(acc)), attn.to(acc)
@@ -24,8 +54,7 @@ def output_block(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | Non
     ln = F.layer_norm(af, (af.shape[-1],), w, b, eps)
     y = torch.cat([uf, af, uf * ln], dim=-1)
     if training and dropout_p > 0.0:
-        if keep_mask is not None:
-            y = y * keep_mask.to(acc) * (1.0 / (1.0 - dropout_p))
-        else:
-            y = F.dropout(y, dropout_p, training=True)
+        if keep_mask is None:
+            keep_mask = draw_keep_mask(u.shape[0], u.shape[1], dropout_p, seed, u.device, row_offset)
+        y = y * keep_mask.to(acc) * (1.0 / (1.0 - dropout_p))
     return y.to(u.dtype)

@@ -1,10 +1,19 @@
-"""PyTorch reference of the position/time encoding: x·scale + P[pos] + T[time bucket]."""
+"""PyTorch reference of the position/time encoding: Dropout(x·scale + P[pos] + T[time bucket]).
+
+The dropout mask is the Triton kernel's (layout in triton/position.py), drawn with torch integer
+ops (reference/philox.py): row r = row_offset + local row, column c of D, group g = c // 8 takes
+``randint4x(seed, r * ceil(D / 8) + g)`` = n0..n3; column 8g + 2i is the low, 8g + 2i + 1 the high
+16 bits of n_i; kept iff >= round(p * 2^16), kept values scaled by 1 / (1 - p).
+"""
 
 from __future__ import annotations
 
 import torch
 
 from dlrmv4.ops.reference.layer_norm import compute_dtype
+from dlrmv4.ops.reference.philox import check_dropout, dropout_threshold, philox_randint4x, split16
+
+_COUNTERS_PER_CHUNK = 1 << 24  # bounds the int64 temporaries of a full-size mask
 
 
 def positions_and_buckets(seq_offsets: torch.Tensor, timestamps: torch.Tensor, query_time: torch.Tensor,
@@ -26,10 +35,34 @@ def positions_and_buckets(seq_offsets: torch.Tensor, timestamps: torch.Tensor, q
 
 def position_time_encode(x: torch.Tensor, seq_offsets: torch.Tensor, timestamps: torch.Tensor,
                          query_time: torch.Tensor, num_contextual: int, pos_table: torch.Tensor,
-                         time_table: torch.Tensor, x_scale: float,
-                         time_bucket_seconds: float = 60.0) -> torch.Tensor:
+                         time_table: torch.Tensor, x_scale: float, time_bucket_seconds: float = 60.0,
+                         dropout_p: float = 0.0, seed: int = 0, training: bool = False, row_offset: int = 0
+                         ) -> torch.Tensor:
+    """Dropout applies when ``training`` and p > 0, with the mask of ``input_dropout_keep_mask``."""
     pos, bucket = positions_and_buckets(seq_offsets, timestamps, query_time, num_contextual,
                                         pos_table.shape[0], time_table.shape[0], time_bucket_seconds)
     acc = compute_dtype(x.dtype)
     out = x.to(acc) * x_scale + pos_table.to(acc)[pos] + time_table.to(acc)[bucket]
+    if training and dropout_p > 0.0:
+        keep = input_dropout_keep_mask(x.shape[0], x.shape[1], dropout_p, seed, x.device, row_offset)
+        out = out * keep.to(acc) * (1.0 / (1.0 - dropout_p))
     return out.to(x.dtype)
+
+
+def input_dropout_keep_mask(num_rows: int, d: int, dropout_p: float, seed: int, device: torch.device | str,
+                            row_offset: int = 0) -> torch.Tensor:
+    """bool [num_rows, d]: the input dropout's keep decisions for the global rows row_offset ..
+    row_offset + num_rows - 1 (see the module docstring), as the Triton kernel draws them."""
+    seed, row_offset = check_dropout("input_dropout_keep_mask", dropout_p, seed, row_offset)
+    device = torch.device(device)
+    threshold, groups = dropout_threshold(dropout_p), (d + 7) // 8
+    if threshold == 0 or num_rows == 0 or d == 0:
+        return torch.ones((num_rows, d), dtype=torch.bool, device=device)
+    out = torch.empty((num_rows, d), dtype=torch.bool, device=device)
+    step = max(1, _COUNTERS_PER_CHUNK // groups)
+    cols = torch.arange(groups, device=device)
+    for r0 in range(0, num_rows, step):
+        rows = torch.arange(row_offset + r0, row_offset + min(num_rows, r0 + step), device=device)
+        numbers = torch.stack(philox_randint4x(seed, rows[:, None] * groups + cols), dim=-1)  # [R, G, 4]
+        out[r0:r0 + rows.numel()] = split16(numbers).flatten(1)[:, :d] >= threshold
+    return out

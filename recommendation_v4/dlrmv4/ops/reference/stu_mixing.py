@@ -21,10 +21,12 @@ def split_uvqk(uvqk: torch.Tensor, num_heads: int, qk_dim: int, v_dim: int
 
 def stu_mixing(uvqk: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, num_heads: int, qk_dim: int,
                v_dim: int, alpha: float, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
-               eps: float, dropout_p: float, training: bool, keep_mask: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """y [T, 3·H·Dv] in uvqk's dtype; causal attention (no candidate mask). ``keep_mask`` (bool
-    [T, 3·H·Dv]) replaces torch's dropout draw, as in the reference output block."""
+               eps: float, dropout_p: float, training: bool, keep_mask: torch.Tensor | None = None, *,
+               seed: int = 0, row_offset: int = 0) -> torch.Tensor:
+    """y [T, 3·H·Dv] in uvqk's dtype; causal attention (no candidate mask). Dropout draws the Triton
+    kernel's mask for (seed, row_offset) unless ``keep_mask`` (bool [T, 3·H·Dv]) is given, as in
+    the reference output block."""
     u, v, q, k = split_uvqk(uvqk, num_heads, qk_dim, v_dim)
     attn = hstu_attention_reference(q, k, v, seq_offsets, max_seq_len, None, alpha)
-    return output_block(u, attn.flatten(1), norm_weight, norm_bias, eps, dropout_p, training, keep_mask)
+    return output_block(u, attn.flatten(1), norm_weight, norm_bias, eps, dropout_p, training, keep_mask,
+                        seed=seed, row_offset=row_offset)

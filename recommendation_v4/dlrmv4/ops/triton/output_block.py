@@ -4,14 +4,17 @@ One program holds a block of rows of u and attn in registers, applies SiLU to u 
 in fp32, and writes the three column segments of y. u arrives before its SiLU and the backward
 re-reads that pre-activation (SiLU' needs it), so no activated copy of u is ever stored.
 
-Dropout: the keep decisions come from Philox (``randint4x``) at (seed, row, column pair): its four
-32-bit numbers per two columns give six 16-bit uniforms, the three segments' decisions at both
-columns (an element is kept iff its uniform is >= round(p * 2^16), so the drop probability is p
-rounded to a multiple of 2^-16; kept elements are scaled by 1 / (1 - p)). Philox was most of the
-kernels' time (measured on an H200 at 730k x 512: forward 2.3 ms with dropout, 0.94 ms without),
-so the forward draws half as many numbers as one per element would and stores the decisions, three
-bits a byte, for the backward, which reads them (one byte per (row, column)) instead of drawing
-again. ``keep_mask`` draws the same decisions from the seed alone.
+Dropout: the keep decisions are a pure function of (seed, global row, column), so a chunk of rows
+run with ``row_offset`` = its first row's index draws the rows' masks of the whole batch. Row r =
+row_offset + local row, column pair j = c // 2 of HD columns: ``randint4x(seed, r * ceil(HD / 2) +
+j)`` gives four 32-bit numbers; segment s in {0, 1, 2} takes number s, column 2j its low 16 bits
+and 2j + 1 its high 16 bits, and the element is kept iff that value is >= round(p * 2^16) (so the
+drop probability is p rounded to a multiple of 2^-16; kept elements are scaled by 1 / (1 - p)).
+Philox was most of the kernels' time (measured on an H200 at 730k x 512: forward 2.3 ms with
+dropout, 0.94 ms without), so the forward draws half as many numbers as one per element would and
+stores the decisions, three bits a byte, for the backward, which reads them (one byte per (row,
+column)) instead of drawing again. ``keep_mask`` here and the reference's ``draw_keep_mask`` (torch
+only, ``reference/philox.py``) draw the same decisions from (seed, row_offset) alone.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
+from dlrmv4.ops.reference.philox import dropout_threshold
 from dlrmv4.ops.triton.layer_norm import (normalize_rows, persistent_programs, row_tile, sum_weight_grads,
                                           weight_grad_partials)
 
 
 @triton.jit
-def _split16(r, threshold):
+def split16(r, threshold):
     """Each 32-bit number of r [M, P] -> two decisions (low half, high half) -> [M, 2P], interleaved:
     column 2j takes the low 16 bits of pair j, column 2j + 1 the high 16 bits."""
     r = r.to(tl.uint32, bitcast=True)
@@ -37,18 +41,19 @@ def _split16(r, threshold):
 
 @triton.jit
 def _keep(seed, rows, HD, threshold, BLOCK_H: tl.constexpr):
-    """Keep decisions [rows, BLOCK_H] of the three segments: one Philox call per two columns."""
+    """Keep decisions [rows, BLOCK_H] of the three segments at global ``rows``: one Philox call per
+    two columns."""
     pairs = tl.arange(0, BLOCK_H // 2)
     offsets = rows.to(tl.int64)[:, None] * ((HD + 1) // 2) + pairs[None, :]
     r0, r1, r2, _ = tl.randint4x(seed, offsets)
-    return _split16(r0, threshold), _split16(r1, threshold), _split16(r2, threshold)
+    return split16(r0, threshold), split16(r1, threshold), split16(r2, threshold)
 
 
-# Kernels take the seed unspecialised: it changes every step, and each new value's divisibility
-# by 16 would otherwise be compiled as a variant of its own.
-@triton.jit(do_not_specialize=["seed"])
+# Kernels take the seed and row offset unspecialised: they change every step (chunk), and each new
+# value's divisibility by 16 would otherwise be compiled as a variant of its own.
+@triton.jit(do_not_specialize=["seed", "row_offset"])
 def _output_block_fwd(U, A, W, B, Y, Mean, Rstd, KEEP, T, HD, stride_u, stride_a, stride_y, eps, threshold, scale,
-                      seed, HAS_W: tl.constexpr, HAS_B: tl.constexpr, DROPOUT: tl.constexpr,
+                      seed, row_offset, HAS_W: tl.constexpr, HAS_B: tl.constexpr, DROPOUT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_H)
@@ -64,7 +69,7 @@ def _output_block_fwd(U, A, W, B, Y, Mean, Rstd, KEEP, T, HD, stride_u, stride_a
     y1 = a
     y2 = su * ln
     if DROPOUT:
-        k0, k1, k2 = _keep(seed, rows, HD, threshold, BLOCK_H)
+        k0, k1, k2 = _keep(seed, rows.to(tl.int64) + row_offset, HD, threshold, BLOCK_H)
         y0 = tl.where(k0, y0 * scale, 0.0)
         y1 = tl.where(k1, y1 * scale, 0.0)
         y2 = tl.where(k2, y2 * scale, 0.0)
@@ -131,12 +136,12 @@ def _output_block_bwd(U, A, W, B, DY, DU, DA, DWp, DBp, Mean, Rstd, KEEP, T, HD,
         tl.store(DBp + pid * HD + cols, tl.sum(db_acc, axis=0), mask=cmask)
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _output_block_mask(M, T, HD, threshold, seed, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+@triton.jit(do_not_specialize=["seed", "row_offset"])
+def _output_block_mask(M, T, HD, threshold, seed, row_offset, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_H)
     mask = (rows < T)[:, None] & (cols < HD)[None, :]
-    k0, k1, k2 = _keep(seed, rows, HD, threshold, BLOCK_H)
+    k0, k1, k2 = _keep(seed, rows.to(tl.int64) + row_offset, HD, threshold, BLOCK_H)
     out = M + rows.to(tl.int64)[:, None] * (3 * HD) + cols[None, :]
     tl.store(out, k0.to(tl.uint8), mask=mask)
     tl.store(out + HD, k1.to(tl.uint8), mask=mask)
@@ -150,22 +155,19 @@ def _dropout_args(dropout_p: float, training: bool) -> tuple[bool, float]:
     return active, (1.0 / (1.0 - dropout_p) if active else 1.0)
 
 
-def _threshold(dropout_p: float) -> int:
-    """Drop iff a 16-bit uniform is below this."""
-    return round(dropout_p * 65536)
-
-
 # Launch shapes (elements per program, per thread[, programs per SM]): the fastest of
 # benchmarks/bench_ops.py --sweep on an H200 at [91k, 512] bf16 (results/ops.md).
 FWD_TILE, BWD_TILE = (2048, 8), (1024, 4, 8)
 
 
 def forward(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-            eps: float, dropout_p: float, seed: int, training: bool, tile: tuple[int, int] = FWD_TILE
+            eps: float, dropout_p: float, seed: int, training: bool, row_offset: int = 0,
+            tile: tuple[int, int] = FWD_TILE
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(y [T, 3·HD] in u's dtype, mean [T] fp32, rstd [T] fp32, keep) from u before its SiLU; u and
     attn need unit column stride. ``keep``: uint8 [T, HD], the three segments' keep decisions in
-    bits 0-2, for the backward (None without dropout)."""
+    bits 0-2, for the backward (None without dropout); the masks are drawn for the global rows
+    row_offset .. row_offset + T - 1."""
     t, hd = u.shape
     dropout, scale = _dropout_args(dropout_p, training)
     y = torch.empty((t, 3 * hd), device=u.device, dtype=u.dtype)
@@ -177,8 +179,8 @@ def forward(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | None, bi
     block_m, block_h, warps = row_tile(hd, *tile)
     _output_block_fwd[(triton.cdiv(t, block_m),)](
         u, attn, weight, bias, y, mean, rstd, keep, t, hd, u.stride(0), attn.stride(0), y.stride(0), eps,
-        _threshold(dropout_p), scale, seed, HAS_W=weight is not None, HAS_B=bias is not None, DROPOUT=dropout,
-        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps)
+        dropout_threshold(dropout_p), scale, seed, row_offset, HAS_W=weight is not None, HAS_B=bias is not None,
+        DROPOUT=dropout, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps)
     return y, mean, rstd, keep
 
 
@@ -213,11 +215,14 @@ def backward(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | None, b
     return du, da, dw, db
 
 
-def keep_mask(t: int, hd: int, dropout_p: float, seed: int, device: torch.device) -> torch.Tensor:
-    """bool [t, 3·hd]: the keep decisions the kernels make for (dropout_p, seed)."""
+def keep_mask(t: int, hd: int, dropout_p: float, seed: int, device: torch.device, row_offset: int = 0
+              ) -> torch.Tensor:
+    """bool [t, 3·hd]: the keep decisions the kernels make for (dropout_p, seed) at the global rows
+    row_offset .. row_offset + t - 1 (the reference's ``keep_mask`` draws the same without Triton;
+    this one lets tests compare the two)."""
     m = torch.empty((t, 3 * hd), device=device, dtype=torch.uint8)
     if t > 0:
         block_m, block_h, warps = row_tile(hd, *FWD_TILE)
-        _output_block_mask[(triton.cdiv(t, block_m),)](m, t, hd, _threshold(dropout_p), seed, BLOCK_M=block_m,
-                                                        BLOCK_H=block_h, num_warps=warps)
+        _output_block_mask[(triton.cdiv(t, block_m),)](m, t, hd, dropout_threshold(dropout_p), seed, row_offset,
+                                                        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps)
     return m.view(torch.bool)

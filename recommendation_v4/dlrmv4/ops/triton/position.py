@@ -1,10 +1,17 @@
-"""Triton position/time encoding: out = x·scale + P[pos] + T[bucket], one row block per program.
+"""Triton position/time encoding: out = Dropout(x·scale + P[pos] + T[bucket]), one row block per program.
 
 Each row finds its sequence by a branch-free binary search over seq_offsets (log2 B steps over
 a tiny array in L1), so no per-token index tensors are built. Time buckets are computed in
 float64, as in the reference, so both give the same bucket for any time difference. The
 backward adds the gradient into the two fp32 tables with atomics (a position row is shared by
 at most B tokens; a time bucket by many, hence the per-block pre-sum there).
+
+Dropout (the model's input dropout, fused): row r = row_offset + local row, column group g = c // 8
+of D columns: ``randint4x(seed, r * ceil(D / 8) + g)`` gives n0..n3, column 8g + 2i takes the low
+16 bits of n_i and 8g + 2i + 1 the high 16 bits, kept iff >= round(p * 2^16), kept values scaled
+by 1 / (1 - p). One Philox call per 8 columns is cheap next to the loads, so the backward draws
+the mask again instead of the forward storing it; the tables' gradients are the masked, scaled
+gradient. ``reference/position.py`` draws the same mask in torch.
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ import struct
 import torch
 import triton
 import triton.language as tl
+
+from dlrmv4.ops.reference.philox import dropout_threshold
+from dlrmv4.ops.triton.output_block import split16
 
 
 @triton.jit
@@ -41,8 +51,21 @@ def _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds
 
 
 @triton.jit
+def _keep8(seed, rows, d0, threshold, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Keep decisions [M, BLOCK_D] of columns d0 .. d0 + BLOCK_D - 1 (d0 a multiple of 8) at the
+    global rows ``rows`` (int64 [M, 1]): one Philox call per 8 columns."""
+    groups = d0 // 8 + tl.arange(0, BLOCK_D // 8)
+    n0, n1, n2, n3 = tl.randint4x(seed, rows * ((D + 7) // 8) + groups[None, :])
+    # [M, G, 2, 2] with [m, g, j, k] = n_(2j + k): flattened, 32-bit number 4g + i is n_i of group g.
+    n = tl.join(tl.join(n0, n2), tl.join(n1, n3))
+    return split16(tl.reshape(n, (n.shape[0], BLOCK_D // 2)), threshold)
+
+
+# The seed and row offset change every step (chunk): unspecialised, so they compile no variants.
+@triton.jit(do_not_specialize=["seed", "row_offset"])
 def _position_time_fwd(X, SOFF, TS, QT, PT, TT, OUT, N, B, C, P, NT, n_search, bucket_seconds_bits, x_scale,
-                       s_x, s_pt, s_tt, s_out, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                       s_x, s_pt, s_tt, s_out, seed, row_offset, threshold, drop_scale, D: tl.constexpr,
+                       DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
     pos, bucket = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds_bits)
@@ -53,12 +76,16 @@ def _position_time_fwd(X, SOFF, TS, QT, PT, TT, OUT, N, B, C, P, NT, n_search, b
         x = tl.load(X + r64 * s_x + cols, mask=mask, other=0.0).to(tl.float32)
         pt = tl.load(PT + pos[:, None] * s_pt + cols, mask=mask, other=0.0).to(tl.float32)
         tt = tl.load(TT + bucket[:, None] * s_tt + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(OUT + r64 * s_out + cols, (x * x_scale + pt + tt).to(OUT.dtype.element_ty), mask=mask)
+        y = x * x_scale + pt + tt
+        if DROPOUT:
+            y = tl.where(_keep8(seed, r64 + row_offset, d0, threshold, D, BLOCK_D), y * drop_scale, 0.0)
+        tl.store(OUT + r64 * s_out + cols, y.to(OUT.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "row_offset"])
 def _position_time_bwd(G, SOFF, TS, QT, DX, DPT, DTT, N, B, C, P, NT, n_search, bucket_seconds_bits, x_scale,
-                       s_g, s_dx, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                       s_g, s_dx, seed, row_offset, threshold, drop_scale, D: tl.constexpr, DROPOUT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
     pos, bucket = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds_bits)
@@ -71,6 +98,8 @@ def _position_time_bwd(G, SOFF, TS, QT, DX, DPT, DTT, N, B, C, P, NT, n_search, 
         cols = (d0 + tl.arange(0, BLOCK_D))[None, :]
         mask = rmask[:, None] & (cols < D)
         g = tl.load(G + r64 * s_g + cols, mask=mask, other=0.0).to(tl.float32)
+        if DROPOUT:  # the forward's mask, drawn again
+            g = tl.where(_keep8(seed, r64 + row_offset, d0, threshold, D, BLOCK_D), g * drop_scale, 0.0)
         tl.store(DX + r64 * s_dx + cols, (g * x_scale).to(DX.dtype.element_ty), mask=mask)
         tl.atomic_add(DPT + pos[:, None] * D + cols, g, mask=mask, sem="relaxed")
         if one_bucket:
@@ -82,38 +111,51 @@ def _position_time_bwd(G, SOFF, TS, QT, DX, DPT, DTT, N, B, C, P, NT, n_search, 
 def _common(seq_offsets: torch.Tensor, d: int, time_bucket_seconds: float) -> tuple:
     b = seq_offsets.numel() - 1
     bits = struct.unpack("<q", struct.pack("<d", float(time_bucket_seconds)))[0]
-    block_d = min(triton.next_power_of_2(max(d, 16)), 1024)
+    block_d = min(triton.next_power_of_2(max(d, 16)), 1024)  # a multiple of 8: whole Philox groups
     return b, (b - 1).bit_length(), bits, max(1, 4096 // block_d), block_d
+
+
+def dropout_args(dropout: tuple[float, int, int] | None) -> tuple:
+    """Kernel arguments (seed, row_offset, threshold, scale) and DROPOUT for ``dropout`` = (p, seed,
+    row_offset), or None for no dropout."""
+    if dropout is None:
+        return (0, 0, 0, 1.0), False
+    p, seed, row_offset = dropout
+    return (seed, row_offset, dropout_threshold(p), 1.0 / (1.0 - p)), True
 
 
 def forward(x: torch.Tensor, seq_offsets: torch.Tensor, timestamps: torch.Tensor, query_time: torch.Tensor,
             num_contextual: int, pos_table: torch.Tensor, time_table: torch.Tensor, x_scale: float,
-            time_bucket_seconds: float) -> torch.Tensor:
-    """x [T', D] with unit column stride; tables [rows, D] with unit column stride."""
+            time_bucket_seconds: float, dropout: tuple[float, int, int] | None = None) -> torch.Tensor:
+    """x [T', D] with unit column stride; tables [rows, D] with unit column stride; ``dropout``
+    (p > 0, seed, row_offset) or None."""
     n, d = x.shape
     out = torch.empty((n, d), device=x.device, dtype=x.dtype)
     b, n_search, bits, block_m, block_d = _common(seq_offsets, d, time_bucket_seconds)
+    drop_args, active = dropout_args(dropout)
     if n > 0:
         _position_time_fwd[(triton.cdiv(n, block_m),)](
             x, seq_offsets, timestamps, query_time, pos_table, time_table, out, n, b, num_contextual,
             pos_table.shape[0], time_table.shape[0], n_search, bits, x_scale,
-            x.stride(0), pos_table.stride(0), time_table.stride(0), out.stride(0),
-            D=d, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+            x.stride(0), pos_table.stride(0), time_table.stride(0), out.stride(0), *drop_args,
+            D=d, DROPOUT=active, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
     return out
 
 
 def backward(grad: torch.Tensor, seq_offsets: torch.Tensor, timestamps: torch.Tensor, query_time: torch.Tensor,
              num_contextual: int, num_positions: int, num_buckets: int, x_scale: float,
-             time_bucket_seconds: float, x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx in x's dtype, dpos_table fp32, dtime_table fp32)."""
+             time_bucket_seconds: float, x_dtype: torch.dtype, dropout: tuple[float, int, int] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx in x's dtype, dpos_table fp32, dtime_table fp32); ``dropout`` as in the forward."""
     n, d = grad.shape
     dx = torch.empty((n, d), device=grad.device, dtype=x_dtype)
     dpt = torch.zeros((num_positions, d), device=grad.device, dtype=torch.float32)
     dtt = torch.zeros((num_buckets, d), device=grad.device, dtype=torch.float32)
     b, n_search, bits, block_m, block_d = _common(seq_offsets, d, time_bucket_seconds)
+    drop_args, active = dropout_args(dropout)
     if n > 0:
         _position_time_bwd[(triton.cdiv(n, block_m),)](
             grad, seq_offsets, timestamps, query_time, dx, dpt, dtt, n, b, num_contextual, num_positions,
-            num_buckets, n_search, bits, x_scale, grad.stride(0), dx.stride(0),
-            D=d, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+            num_buckets, n_search, bits, x_scale, grad.stride(0), dx.stride(0), *drop_args,
+            D=d, DROPOUT=active, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
     return dx, dpt, dtt

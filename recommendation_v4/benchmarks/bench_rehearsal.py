@@ -1,0 +1,181 @@
+"""One rank of the real job on one GPU: Yambda-5B's tables at this rank's share of the 8-GPU
+row-wise plan, 1,024 samples per step (GBS 8,192 over 8 GPUs) at the real length mix with
+Zipf-skewed ids, at the chunk count, recompute mode and table placement the memory plan picks for
+8 GPUs like this one; against the fastest single-chunk batch on the same tables and GPU.
+
+The memory plan is made for 8 ranks of this GPU (``--host-memory-gib``: the host RAM of one
+8-GPU node, for tables the plan puts in host memory). This process then holds rank 0's share of
+every table (the plan's rows on its fullest rank, each table's rows / 8) with TorchRec, row-wise
+over one rank, the plan's placements, and runs ``TrainStep`` over 1,024-sample slices: one lookup,
+the planned chunks, one fused sparse update, one Adam step. What a single GPU cannot show: the
+embedding all-to-all (one rank sends nothing).
+
+    python benchmarks/bench_rehearsal.py --steps 50             # on the lent GPU (TorchRec installed)
+    python benchmarks/bench_rehearsal.py --smoke                # tiny shapes on the CPU (the script runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench_end_to_end import git_commit, random_batch, start_single_process_group, sync
+from dlrmv4.config import BenchmarkConfig, load_config
+from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
+from dlrmv4.model.hstu import DlrmHSTU
+from dlrmv4.train.embeddings import make_embeddings, table_specs
+from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS, make_memory_plan
+from dlrmv4.train.optim import FiniteMonitor
+from dlrmv4.train.step import TrainStep
+from length_mix import jagged_lengths
+
+RESULTS = Path(__file__).parent / "results"
+PLAN_WORLD = 8
+SLICE = 1_024  # GBS 8,192 over 8 ranks
+POOL = 4  # distinct batches kept on the device, used in turn
+WARM_STEPS = 4
+
+
+def rank_config(plan, cfg: BenchmarkConfig, smoke: bool) -> tuple[BenchmarkConfig, dict[str, int]]:
+    """The config of one process holding rank 0's share of every table, as the 8-rank plan lays it."""
+    planned = plan.resolve(cfg)
+    rows = {s.name: math.ceil(s.rows / PLAN_WORLD) for s in table_specs(cfg, *YAMBDA_5B_COUNTS)}
+    if smoke:
+        rows = {name: 1_000 for name in rows}
+    emb = dataclasses.replace(planned.embeddings, embedding_backend="torchrec", item_rows=rows["item"],
+                              artist_rows=rows["artist"], album_rows=rows["album"], sharding_types="*=row_wise")
+    sampler = dataclasses.replace(planned.sampler, **{f"{name}_rows": rows[name] for name in CONTEXTUAL_FEATURES})
+    train = dataclasses.replace(planned.train, learning_rate=1e-4, warmup_steps=100)
+    loader = dataclasses.replace(planned.loader, batch_size=SLICE)
+    out = dataclasses.replace(planned, embeddings=emb, sampler=sampler, train=train, loader=loader)
+    if smoke:
+        model = dataclasses.replace(out.model, embedding_dim=16, d_model=16, num_layers=1, num_heads=1, qk_dim=16,
+                                    v_dim=16, preprocessor_hidden=16, item_tower_hidden=16, head_hidden=16,
+                                    sequence_dtype="float32", num_position_buckets=256, kernels="pytorch")
+        out = dataclasses.replace(out, model=model, sampler=dataclasses.replace(sampler, max_seq_len=128),
+                                  embeddings=dataclasses.replace(emb, placement=""))
+    return out, rows
+
+
+def timed(step: TrainStep, batches, steps: int, first: int, device: torch.device) -> float:
+    """Seconds for ``steps`` steps over ``batches`` in turn (after the warm-up)."""
+    sync(device)
+    started = time.perf_counter()
+    for i in range(steps):
+        step(batches[i % len(batches)], first + i, 0)
+    sync(device)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50, help="timed steps of 1,024 samples")
+    parser.add_argument("--baseline-batches", type=int, nargs="+", default=[128, 256],
+                        help="single-chunk batch sizes to find the fastest one")
+    parser.add_argument("--baseline-steps", type=int, default=16)
+    parser.add_argument("--id-skew", type=float, default=1.2, help="Zipf exponent of every table's ids")
+    parser.add_argument("--host-memory-gib", type=float, default=2048.0,
+                        help="host RAM of one 8-GPU node, for the plan's host-memory tables")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU; nothing saved")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.machine()
+    device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 << 30
+    cfg = load_config("yambda-5b")
+    cfg = dataclasses.replace(cfg, embeddings=dataclasses.replace(cfg.embeddings, embedding_backend="torchrec"))
+    plan = make_memory_plan(cfg, world_size=PLAN_WORLD, gpus_per_node=PLAN_WORLD, device_kind="cuda",
+                            device_memory_bytes=device_bytes, host_memory_bytes=int(args.host_memory_gib * 2**30),
+                            table_counts=YAMBDA_5B_COUNTS, backend="torchrec")
+    print(plan.describe(), flush=True)
+    if not plan.fits:
+        sys.exit(f"[dlrmv4] error: {plan.refusal()}")
+    rcfg, rows = rank_config(plan, cfg, args.smoke)
+    start_single_process_group(device)
+    torch.manual_seed(0)
+    model = DlrmHSTU(rcfg.model, seed=0).to(device)
+    built = time.perf_counter()
+    embeddings = make_embeddings(table_specs(rcfg, 0, 0, 0), rcfg, device, seed=0)
+    sync(device)
+    init_s = time.perf_counter() - built
+    resting = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    step = TrainStep(model, embeddings, rcfg.train, FiniteMonitor(device))
+    rng = np.random.default_rng(0)
+    max_len = rcfg.sampler.max_seq_len
+    lengths = [jagged_lengths("jagged", SLICE, rng, max_len) for _ in range(POOL)]
+    pool = [random_batch(rcfg, n, rows, rng, args.id_skew).to(device) for n in lengths]
+    for i in range(WARM_STEPS):
+        step(pool[i % POOL], i, 0)
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = timed(step, pool, args.steps, WARM_STEPS, device)
+    step.finite.check()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    rehearsal = {"samples_per_s": args.steps * SLICE / seconds, "step_ms": 1e3 * seconds / args.steps,
+                 "chunks": step.chunks, "recompute": rcfg.model.recompute, "peak_gib": peak / 2**30,
+                 "resting_gib": resting / 2**30, "mean_tokens": float(np.mean(np.concatenate(lengths)))}
+    print(f"rehearsal: {rehearsal['samples_per_s']:,.0f} samples/s, {rehearsal['step_ms']:.0f} ms/step, "
+          f"peak {rehearsal['peak_gib']:.1f} GiB", flush=True)
+    baseline = []
+    for batch in args.baseline_batches:
+        single = TrainStep(model, embeddings, dataclasses.replace(rcfg.train, chunks=1), FiniteMonitor(device))
+        cut = [b.samples(0, min(batch, SLICE)) for b in pool]
+        try:
+            for i in range(2):
+                single(cut[i], 1000 + i, 0)
+            secs = timed(single, cut, args.baseline_steps, 1002, device)
+        except torch.OutOfMemoryError:
+            baseline.append({"batch": batch, "oom": True})
+            print(f"single chunk of {batch}: out of memory", flush=True)
+            del single, cut
+            gc.collect()
+            torch.cuda.empty_cache()
+            break
+        baseline.append({"batch": batch, "samples_per_s": args.baseline_steps * batch / secs})
+        print(f"single chunk of {batch}: {baseline[-1]['samples_per_s']:,.0f} samples/s", flush=True)
+        del single, cut
+    fastest = max((b for b in baseline if not b.get("oom")), key=lambda b: b["samples_per_s"], default=None)
+    result = {"device": name, "torch": torch.__version__, "commit": git_commit(), "plan": plan.describe(),
+              "placement": rcfg.embeddings.placement, "rank_rows": rows,
+              "table_gib": sum(rows.values()) * rcfg.model.embedding_dim * 4 / 2**30, "init_s": init_s,
+              "id_skew": args.id_skew, "steps": args.steps, "rehearsal": rehearsal, "baseline": baseline,
+              "ratio_to_fastest": rehearsal["samples_per_s"] / fastest["samples_per_s"] if fastest else None,
+              "command": "python benchmarks/bench_rehearsal.py " + " ".join(sys.argv[1:])}
+    table = _table(result)
+    print(table)
+    if not args.smoke:
+        RESULTS.mkdir(exist_ok=True)
+        tag = "h200" if "H200" in name else "h100" if "H100" in name else "gpu"
+        (RESULTS / f"rehearsal_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (RESULTS / f"rehearsal_{tag}.md").write_text(table + f"\n\nCommand: `{result['command']}`\n")
+
+
+def _table(result: dict) -> str:
+    r = result["rehearsal"]
+    fastest = max((b for b in result["baseline"] if not b.get("oom")), key=lambda b: b["samples_per_s"], default=None)
+    ratio = f"{result['ratio_to_fastest']:.3f}" if result["ratio_to_fastest"] else "-"
+    lines = [f"One rank of Yambda-5B at GBS 8,192 on 8 GPUs, rehearsed on one {result['device']} (commit "
+             f"{result['commit']}): rank 0's share of the row-wise plan, {result['table_gib']:.1f} GiB of fp32 tables "
+             f"(placement: {result['placement'] or 'all in HBM'}), 1,024 samples per step, jagged length mix (mean "
+             f"{r['mean_tokens']:,.0f} tokens), Zipf({result['id_skew']:g}) ids, {result['steps']} timed steps.", "",
+             "| device | chunks | recompute | peak GiB | resting GiB | samples/s | ms/step | fastest single chunk | "
+             "ratio |", "|---|---:|---|---:|---:|---:|---:|---|---:|"]
+    best = f"{fastest['samples_per_s']:,.0f} (batch {fastest['batch']})" if fastest else "-"
+    lines.append(f"| {result['device']} | {r['chunks']} | {r['recompute']} | {r['peak_gib']:.1f} | "
+                 f"{r['resting_gib']:.1f} | {r['samples_per_s']:,.0f} | {r['step_ms']:.0f} | {best} | {ratio} |")
+    lines += ["", "The memory plan (8 ranks of this GPU):", "", "```", result["plan"], "```"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""A chunked step is the unchunked step: one lookup, the dense model over 1, 2 or 3 chunks of the
+slice, one sparse update, one Adam step. In fp32 with dropout on, every per-row quantity is
+bit-equal (the loss of each sample, the embedding gradients and so the tables after the row-wise
+Adagrad update); the dense gradients are sums over the slice's rows whose order a chunk changes
+(a GEMM over a chunk's rows, then the sum over chunks), so they agree to fp32 rounding, and so do
+the dense weights after Adam (its first step moves every weight by about the learning rate,
+whatever the gradient's size, so rounding in a near-zero gradient shows as a fraction of a step).
+Both backends; one process here, two (gloo, DDP) in ``test_chunked_step_on_two_ranks``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from dlrmv4.train.chunks import chunk_bounds, chunked_logits
+from model_inputs import random_batch
+from step_setup import build_step, small_table_config
+
+TORCHREC = pytest.param("torchrec", marks=pytest.mark.skipif(
+    __import__("importlib").util.find_spec("torchrec") is None, reason="torchrec not installed"))
+BACKENDS = ["plain", TORCHREC]
+ROWS = 100  # random_batch draws ids below 100: duplicates within and across samples
+LENGTHS = [0, 7, 30, 1, 12, 25, 3, 0, 19, 8, 30, 2, 14, 5, 22, 9, 0, 16, 11, 27, 4, 6, 13, 1]
+DROPOUT = {"input_dropout": 0.2, "linear_dropout": 0.1, "kernels": "pytorch"}
+LR = 0.01
+GRAD_RTOL = 1e-5   # of the gradient tensor's largest element: fp32 sums over the slice in another order
+STEP_ATOL = 1e-3 * LR  # a thousandth of one Adam step
+
+
+def assert_dense_close(run: dict, reference: dict, label: str) -> None:
+    for name, grad in reference["grads"].items():
+        scale = float(grad.abs().max()) or 1.0
+        torch.testing.assert_close(run["grads"][name], grad, rtol=0, atol=GRAD_RTOL * scale,
+                                   msg=lambda m, n=name: f"{label}, gradient of {n}: {m}")
+    for name, value in reference["dense"].items():
+        torch.testing.assert_close(run["dense"][name], value, rtol=0, atol=STEP_ATOL,
+                                   msg=lambda m, n=name: f"{label}, {n}: {m}")
+
+
+def assert_tables_equal(run: dict, reference: dict, label: str) -> None:
+    for name, table in reference["tables"].items():
+        for part in ("weight", "momentum"):
+            assert torch.equal(run["tables"][name][part], table[part]), f"{label}: {name}.{part}"
+
+
+def config(backend: str, chunks: int):
+    return small_table_config("synthetic-tiny", backend, ROWS, model=DROPOUT,
+                              train={"chunks": chunks, "learning_rate": LR, "warmup_steps": 0})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group(tmp_path_factory):
+    """World size 1 over gloo: TorchRec's DistributedModelParallel needs a group."""
+    created = not dist.is_initialized()
+    if created:
+        store = tmp_path_factory.mktemp("pg") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def run_steps(backend: str, chunks: int, batches) -> dict:
+    step = build_step(config(backend, chunks), "cpu", seed=3)
+    losses = [step(batch, i, 0) for i, batch in enumerate(batches)]
+    tables = step.embeddings.state_for_checkpoint()["tables"]
+    return {"losses": torch.stack(losses), "dense": {k: v.clone() for k, v in step.model.state_dict().items()},
+            "grads": dense_grads(step.model), "tables": tables, "step": step}
+
+
+def dense_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The last step's dense gradients (after clipping; the next step zeroes them)."""
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_chunk_bounds_split_the_slice_evenly():
+    assert chunk_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert chunk_bounds(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert chunk_bounds(2, 5) == [(0, 1), (1, 2)]  # never an empty chunk
+    with pytest.raises(ValueError, match="at least 1"):
+        chunk_bounds(8, 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_chunked_step_equals_the_unchunked_step(backend):
+    batch = random_batch(LENGTHS, seed=5)
+    runs = {k: run_steps(backend, k, [batch]) for k in (1, 2, 3)}
+    for k in (2, 3):
+        # The tables after the sparse update: bit-equal (per-row gradients, one update).
+        assert_tables_equal(runs[k], runs[1], f"{k} chunks")
+        torch.testing.assert_close(runs[k]["losses"], runs[1]["losses"], rtol=1e-6, atol=0)
+        assert_dense_close(runs[k], runs[1], f"{k} chunks")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_steps_follow_the_unchunked_trajectory(backend):
+    batches = [random_batch(np.random.default_rng(i).integers(0, 31, 24), seed=20 + i) for i in range(4)]
+    losses = {k: run_steps(backend, k, batches)["losses"] for k in (1, 3)}
+    torch.testing.assert_close(losses[3], losses[1], rtol=1e-5, atol=0)
+
+
+def test_chunks_use_the_slice_dropout_masks():
+    """Dropout on: a chunk that drew its own masks (row offset 0, its own N) would differ far above
+    fp32 noise; the slice's masks give the unchunked logits to the last bit."""
+    step = build_step(config("plain", 1), "cpu", seed=3)
+    model, batch = step.model, random_batch(LENGTHS, seed=8)
+    emb = step.embeddings(batch)
+    context = model.slice_context(batch)
+    whole = model(batch, emb, context).logits
+    parts = []
+    for start, stop in chunk_bounds(batch.num_samples, 3):
+        part = batch.samples(start, stop)
+        rows = emb.samples(start, stop, batch.history_row(start), batch.history_row(stop))
+        parts.append(model(part, rows, context.at_row(model.sequence_row(batch, start))).logits)
+    assert torch.equal(torch.cat(parts), whole)
+    naive = model(batch.samples(0, 8), emb.samples(0, 8, 0, batch.history_row(8)),
+                  model.slice_context(batch.samples(0, 8))).logits
+    assert not torch.allclose(naive, whole[:8], rtol=1e-3)
+
+
+def test_chunked_eval_logits_equal_the_whole_slice():
+    step = build_step(config("plain", 1), "cpu", seed=4)
+    step.model.eval()
+    batch = random_batch(LENGTHS, seed=9)
+    with torch.no_grad():
+        emb = step.embeddings(batch)
+        whole = chunked_logits(step.model, batch, emb, 1)
+        assert torch.equal(chunked_logits(step.model, batch, emb, 3), whole)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_step_on_two_ranks(backend, tmp_path):
+    """Two gloo ranks with DDP and each rank's half of the global batch: 1, 2 and 3 chunks give the
+    same tables (bit-equal) and dense weights (fp32 rounding) after a step."""
+    worker = Path(__file__).parent / "chunk_worker.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), str(Path(__file__).parent)]),
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker),
+           backend, str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    runs = {k: torch.load(tmp_path / f"chunks{k}.pt") for k in (1, 2, 3)}
+    for k in (2, 3):
+        assert_tables_equal(runs[k], runs[1], f"two ranks, {k} chunks")
+        assert_dense_close(runs[k], runs[1], f"two ranks, {k} chunks")
+        torch.testing.assert_close(runs[k]["loss"], runs[1]["loss"], rtol=1e-6, atol=0)
+    assert json.loads((tmp_path / "world.json").read_text()) == {"world_size": 2}
