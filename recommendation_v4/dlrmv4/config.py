@@ -135,10 +135,11 @@ class EmbeddingConfig:
     album_rows: int = _field(0, "rows of the album table (0: from the store)", min=0)
     embedding_init_std: float = _field(0.01, "std of the normal init of every table row", min=0.0)
     sharding_types: str = _field("", "TorchRec sharding type per table, 'table=type,...' ('*' for every table; "
-                                 "types: row_wise, column_wise, table_wise, data_parallel); empty: the planner "
-                                 "chooses")
+                                 "types: row_wise, column_wise, table_wise); a table not named: row_wise (the "
+                                 "reference)")
     placement: str = _field("", "TorchRec table placement, 'table=where,...' ('*' for every table; where: hbm, "
-                            "uvm, uvm_caching); empty: the planner chooses")
+                            "uvm, uvm_caching: host memory mapped into the device, uncached or with an HBM cache); "
+                            "a table not named: hbm, unless the memory plan moves it to host memory")
     hbm_cap_gib: float = _field(0.0, "device memory per rank the TorchRec planner may fill with tables (GiB; 0: "
                                 "the device's own size)", min=0.0)
     qcomm: str = _field("none", "TorchRec quantized embedding all-to-all: forward and backward in fp16 or bf16",

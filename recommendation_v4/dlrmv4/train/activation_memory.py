@@ -22,12 +22,15 @@ LN_STATS_BYTES = 8  # one layer norm's mean and rstd per row, fp32
 TOWERS = 3  # the preprocessor's content, extra-id and action branches
 FP32 = 4
 
-# Measured bytes per sequence token of one chunk's kept activations (the STU stack and the
-# preprocessor together, what ``stu_kept_bytes_per_token`` x layers + ``preprocessor_bytes_per_token``
-# estimate), keyed by ``ActivationShape.key(mode)``. Empty until measured: a value must come from a
-# GPU run of the real step (torch.cuda.max_memory_allocated over one chunk's forward, minus what was
-# allocated before it, divided by the chunk's tokens) at that exact shape, dtype and recompute mode.
-MEASURED_BYTES_PER_TOKEN: dict[tuple, float] = {}
+# Measured bytes per sequence token that one chunk's forward keeps for its backward (the STU stack
+# and the preprocessor together: what ``stu_kept_bytes_per_token`` x layers + the preprocessor's
+# share estimate), keyed by ``ActivationShape.key(mode)``. A value comes from
+# ``benchmarks/bench_end_to_end.py --recompute none cheap layer`` (its "kept KiB/token" column:
+# saved-tensor hooks over one training forward, the tables' rows and the weights left out) at that
+# exact shape, dtype and mode; results/end_to_end_recompute.md names the GPU and the commit.
+_REFERENCE = (512, 4, 128, 128, 3, 512, 256, 2, True)  # SPEC §5's model in bf16 with dropout
+MEASURED_BYTES_PER_TOKEN: dict[tuple, float] = {
+    (*_REFERENCE, "none"): 37.71 * 1024, (*_REFERENCE, "cheap"): 12.17 * 1024, (*_REFERENCE, "layer"): 9.15 * 1024}
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,9 @@ from dlrmv4.train.sharding import (DEFAULT_SHARDING, PLACEMENTS, SHARDING_TYPES,
 GIB = 1 << 30
 MIB = 1 << 20
 RECOMPUTE_MODES = ("none", "cheap", "layer")
-# Relative step time of each recompute mode. Placeholders until measured (the STU stack's step
-# at the reference shape with each mode, on a GPU).
-RECOMPUTE_COST = {"none": 1.0, "cheap": 1.12, "layer": 1.35}
+# Relative step time of each recompute mode: the reference model's whole step at batch 256 on an
+# H100 (benchmarks/results/end_to_end_recompute.md: 1,665 / 1,514 / 1,388 samples/s).
+RECOMPUTE_COST = {"none": 1.0, "cheap": 1.10, "layer": 1.20}
 # Measured end to end on one H200: training samples/s by per-GPU batch (chunk samples).
 CHUNK_RATE = ((32, 1_060.0), (64, 1_620.0), (128, 1_740.0), (256, 1_763.0), (512, 1_753.0))
 # One id per sample each: cheap to serve from host memory. item/artist/album/uid never move by themselves.

@@ -68,14 +68,13 @@ def check_sharding_options(cfg: EmbeddingConfig) -> None:
 def constraints(cfg: EmbeddingConfig) -> dict[str, Any]:
     from torchrec.distributed.planner import ParameterConstraints
 
-    sharding = parse_table_options(cfg.sharding_types, "sharding_types", SHARDING_TYPES)
-    placement = parse_table_options(cfg.placement, "placement", tuple(PLACEMENTS))
-    out = {}
-    for name in TABLE_NAMES:
-        kinds = [sharding[name]] if name in sharding else list(SHARDING_TYPES)
-        kernels = [PLACEMENTS[placement[name]]] if name in placement else list(PLACEMENTS.values())
-        out[name] = ParameterConstraints(sharding_types=kinds, compute_kernels=kernels)
-    return out
+    # A table the config does not name is row-wise in HBM (the reference's layout); the memory plan
+    # names the tables it moves to host memory. Left to itself TorchRec's planner may pick column-wise
+    # shards, whose row-wise Adagrad state is per shard (another update), or a UVM cache.
+    sharding = table_options(cfg.sharding_types, "sharding_types", SHARDING_TYPES, DEFAULT_SHARDING)
+    placement = table_options(cfg.placement, "placement", tuple(PLACEMENTS), "hbm")
+    return {name: ParameterConstraints(sharding_types=[sharding[name]], compute_kernels=[PLACEMENTS[placement[name]]])
+            for name in TABLE_NAMES}
 
 
 def plan_sharding(module: torch.nn.Module, sharders: list, cfg: EmbeddingConfig, world_size: int,
