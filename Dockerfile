@@ -1,4 +1,4 @@
-# CUDA 13 image with the production stack (requirements.txt) and the benchmark.
+# CUDA 13 image with the GPU stack the benchmark was tested with (requirements.txt) and the benchmark.
 #   docker build -t dlrmv4 .
 #   docker run --gpus all --ipc=host -v /data:/data dlrmv4 ./download_dataset.sh --size 5b --data-path /data
 #   docker run --gpus all --ipc=host -v /data:/data dlrmv4 ./run_and_time.sh --preset yambda-5b --data-path /data
@@ -12,8 +12,8 @@ RUN python3.12 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH VIRTUAL_ENV=/opt/venv
 
 WORKDIR /workspace/dlrmv4
-COPY requirements.txt .
-RUN pip install --upgrade pip && pip install -r requirements.txt
+COPY requirements.txt requirements-nodeps.txt ./
+RUN pip install --upgrade pip && pip install -r requirements.txt && pip install --no-deps -r requirements-nodeps.txt
 COPY . .
 RUN pip install --no-deps -e recommendation_v4
 # The scripts use this interpreter as it is instead of creating .venv.

@@ -160,7 +160,9 @@ class SparseEmbeddings(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def set_learning_rate(self, lr: float) -> None:
-        """The learning rate of the next update (the warm-up changes it every step)."""
+        """The learning rate of the next update (the warm-up changes it every step). Set it before the
+        lookup: FBGEMM's CUDA kernels apply the rate that was set when the forward ran (seen with
+        fbgemm-gpu 1.6 on an H200; its CPU kernels read it in the backward)."""
 
     @abc.abstractmethod
     def live_tables(self) -> dict[str, dict[str, Any]]:
@@ -383,7 +385,8 @@ class TorchRecEmbeddings(SparseEmbeddings):
     """An EmbeddingCollection in DistributedModelParallel, sharded by TorchRec's planner (row-, column-
     or table-wise); FBGEMM's row-wise Adagrad fused in the backward. Rows come out in the sequence
     dtype (the history rows feed the bf16 sequence model; the item tower takes the candidates'
-    rows up to fp32), which halves the lookup's output and gradient against fp32. Tables placed in
+    rows up to fp32), which halves the lookup's output and gradient against fp32; the row-wise
+    lookup's unbucketize step has a gather for its backward (``torchrec_permute.py``). Tables placed in
     host memory (``uvm``, ``uvm_caching``) are allocated as pinned host memory mapped into the
     device (``uvm_host_mapped``), never as CUDA managed memory."""
 
@@ -398,6 +401,9 @@ class TorchRecEmbeddings(SparseEmbeddings):
         from torchrec.distributed import DistributedModelParallel
         from torchrec.distributed.embedding import EmbeddingCollectionSharder
 
+        from dlrmv4.train import torchrec_permute
+
+        torchrec_permute.install()
         if not dist.is_initialized():
             raise UserError("the torchrec embedding backend needs torch.distributed initialised "
                             "(gloo on the CPU, NCCL on GPUs); or set embeddings.embedding_backend=plain")

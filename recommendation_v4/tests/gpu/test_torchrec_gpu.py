@@ -45,14 +45,12 @@ def test_lookup_and_update_equal_the_plain_backend():
     batch = _batches(1, 16, 512, seed=1)[0]
     for backend in ("plain", "torchrec"):
         step = build_step(_reference(backend), DEVICE, seed=2)
+        # Before the lookup: FBGEMM's CUDA kernels take the rate of the forward that saved the batch.
+        step.embeddings.set_learning_rate(0.01)
         emb = step.embeddings(batch)
         g = torch.Generator(device=DEVICE).manual_seed(5)
         loss = sum((t.float() * torch.randn(t.shape, generator=g, device=DEVICE)).sum() for t in emb.tensors())
         tables[backend] = {"emb": [t.detach().clone() for t in emb.tensors()]}
-        step.embeddings.set_learning_rate(0.01)
-        if backend == "torchrec":  # every FBGEMM module took the rate
-            rates = {m.get_learning_rate() for m in step.embeddings.dmp.modules() if hasattr(m, "get_learning_rate")}
-            assert rates and all(r == pytest.approx(0.01) for r in rates), rates
         loss.backward()
         step.embeddings.sparse_step()
         tables[backend]["after"] = step.embeddings.state_for_checkpoint()["tables"]
