@@ -40,8 +40,9 @@ RECOMPUTE_MODES = ("none", "cheap", "layer")
 # Relative step time of each recompute mode: the reference model's whole step at batch 256 on an
 # H100 (benchmarks/results/end_to_end_recompute.md: 1,665 / 1,514 / 1,388 samples/s).
 RECOMPUTE_COST = {"none": 1.0, "cheap": 1.10, "layer": 1.20}
-# Measured end to end on one H200: training samples/s by per-GPU batch (chunk samples).
-CHUNK_RATE = ((32, 1_060.0), (64, 1_620.0), (128, 1_740.0), (256, 1_763.0), (512, 1_753.0))
+# Training samples/s of the whole step by per-GPU batch (chunk samples), the reference model on one
+# H200 (benchmarks/results/end_to_end.md).
+CHUNK_RATE = ((32, 1_132.0), (64, 1_626.0), (128, 1_723.0), (256, 1_755.0), (512, 1_750.0))
 # One id per sample each: cheap to serve from host memory. item/artist/album/uid never move by themselves.
 MOVABLE_TABLES = CONTEXTUAL_FEATURES[1:]
 # Relative step time per table served from host memory: a slice's 1,024 rows of 2 KiB over the host
