@@ -3,7 +3,9 @@ interpreter; the variable must be set before triton is first imported."""
 
 import os
 
+import pytest
 import torch
+import torch.distributed as dist
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -22,3 +24,16 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
         _patch_lang_tensor.numpy_index_fix = True
         interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
+@pytest.fixture(scope="module")
+def gloo_world_of_one(tmp_path_factory):
+    """World size 1 over gloo with a file store, as TorchRec's DistributedModelParallel needs (kept
+    when a process group already exists)."""
+    created = not dist.is_initialized()
+    if created:
+        store = tmp_path_factory.mktemp("pg") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()

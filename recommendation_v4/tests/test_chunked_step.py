@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from dlrmv4.train.chunks import chunk_bounds, chunked_logits
 from model_inputs import random_batch
@@ -56,16 +55,7 @@ def config(backend: str, chunks: int):
                               train={"chunks": chunks, "learning_rate": LR, "warmup_steps": 0})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group(tmp_path_factory):
-    """World size 1 over gloo: TorchRec's DistributedModelParallel needs a group."""
-    created = not dist.is_initialized()
-    if created:
-        store = tmp_path_factory.mktemp("pg") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("gloo_world_of_one")
 
 
 def run_steps(backend: str, chunks: int, batches) -> dict:

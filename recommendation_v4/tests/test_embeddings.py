@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.batch import JaggedBatch
@@ -39,16 +38,7 @@ def config(backend: str, lr: float = LR, sequence_dtype: str = "float32") -> Ben
                                train=dataclasses.replace(cfg.train, learning_rate=lr))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group(tmp_path_factory):
-    """World size 1 over gloo with a file store, as TorchRec's DistributedModelParallel needs."""
-    created = not dist.is_initialized()
-    if created:
-        store = tmp_path_factory.mktemp("pg") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("gloo_world_of_one")
 
 
 def build(backend: str, seed: int = 7, lr: float = LR):

@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dlrmv4.train.torchrec_permute import permute_rows
 
@@ -29,16 +28,6 @@ def test_permute_rows_has_index_selects_values_and_gradient():
         permute_rows(rows, permutation[:10])
 
 
-@pytest.fixture
-def process_group(tmp_path):
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
 def _graph_names(tensor: torch.Tensor) -> set[str]:
     names, stack, seen = set(), [tensor.grad_fn], set()
     while stack:
@@ -51,7 +40,7 @@ def _graph_names(tensor: torch.Tensor) -> set[str]:
     return names
 
 
-def test_row_wise_lookups_go_through_it(process_group):
+def test_row_wise_lookups_go_through_it(gloo_world_of_one):
     from test_embeddings import batch, config
     from dlrmv4.train.embeddings import make_embeddings, table_specs
 
