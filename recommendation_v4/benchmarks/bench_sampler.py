@@ -3,7 +3,9 @@
 Builds a synthetic store with realistic per-user lengths (5k-30k events, Yambda's action mix,
 Yambda-5b's 9.39M items with Zipf-like popularity, so the per-item tables do not fit in cache),
 then times consecutive batches of a window's anchors at the reference history length and at 1,024.
-Prints a table and writes results/sampler.json and results/sampler.md.
+The 7 xxh64 crosses (``hashing.contextual_ids``) are also timed alone on the same anchors, so the
+table shows their share and the rate without them. Prints a table and writes results/sampler.json
+and results/sampler.md.
 
     python benchmarks/bench_sampler.py [--users 384] [--batches 8] [--repeats 5] [--item-zipf 0.9]
 """
@@ -26,7 +28,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the store factory and the reference live with the tests
 
 from dlrmv4.config import SamplerConfig  # noqa: E402
-from dlrmv4.data.sampler import build_batch, pack_item_sides  # noqa: E402
+from dlrmv4.data.hashing import contextual_ids  # noqa: E402
+from dlrmv4.data.sampler import build_batch, item_side_ids, pack_item_sides, user_of  # noqa: E402
 from dlrmv4.data.store import open_store  # noqa: E402
 from store_factory import random_store  # noqa: E402
 from test_sampler import reference_sample  # noqa: E402
@@ -48,6 +51,26 @@ def time_fast(store, batches: list[np.ndarray], cfg: SamplerConfig, repeats: int
     n = sum(len(b) for b in batches)
     return {"samples": n, "tokens_per_sample": tokens / n, "wall_s": min(walls), "cpu_s": min(cpus),
             "samples_per_s": n / min(walls), "samples_per_cpu_s": n / min(cpus)}
+
+
+def time_crosses(store, batches: list[np.ndarray], cfg: SamplerConfig, repeats: int,
+                 item_sides: np.ndarray) -> float:
+    """Best-of-repeats wall time of ``contextual_ids`` alone over the batches' anchors (inputs gathered first)."""
+    train = store.train
+    offsets, item_id = np.asarray(train.user_offsets), np.asarray(train.item_id)
+    inputs = []
+    for b in batches:
+        item = item_id[b].astype(np.int64)
+        artist, album = item_side_ids(store, item, item_sides)
+        inputs.append((np.asarray(train.user_ids)[user_of(offsets, b)], item, artist, album,
+                       np.asarray(train.timestamp)[b], np.asarray(train.is_organic)[b]))
+    walls = []
+    for _ in range(repeats):
+        w0 = time.perf_counter()
+        for args in inputs:
+            contextual_ids(*args, cfg)
+        walls.append(time.perf_counter() - w0)
+    return min(walls)
 
 
 def time_reference(store, anchors: np.ndarray, cfg: SamplerConfig) -> float:
@@ -90,19 +113,26 @@ def main() -> None:
             build_batch(store, batches[0], cfg)  # warm the page cache and allocator
             fast = time_fast(store, batches, cfg, args.repeats, item_sides)
             plain = time_fast(store, batches, cfg, args.repeats, None)
+            crosses_s = time_crosses(store, batches, cfg, args.repeats, item_sides)
             ref = time_reference(store, anchors[:args.reference_samples], cfg)
             rows.append({"config": label, "max_seq_len": cfg.max_seq_len, "history_length": cfg.history_length,
                          "per_pool_length": cfg.per_pool_length, "scan_window": cfg.scan_window,
                          "batch_size": args.batch_size, **fast, "python_reference_samples_per_s": ref,
                          "samples_per_s_without_item_sides": plain["samples_per_s"],
+                         "crosses_s": crosses_s, "crosses_us_per_sample": 1e6 * crosses_s / fast["samples"],
+                         "crosses_share": crosses_s / fast["wall_s"],
+                         "samples_per_s_without_crosses": fast["samples"] / (fast["wall_s"] - crosses_s),
                          "speedup_vs_python": fast["samples_per_s"] / ref,
                          "ratio_vs_goal": fast["samples_per_s"] / GOAL_SAMPLES_PER_S})
 
     header = ("| config | history | tokens/sample | samples/s (wall) | samples/CPU-s | without item_sides "
-              "| python ref samples/s | × python | × goal 2,500/s |\n|---|---|---|---|---|---|---|---|---|\n")
+              "| crosses µs/sample (share) | samples/s without crosses "
+              "| python ref samples/s | × python | × goal 2,500/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
     table = header + "".join(
         f"| {r['config']} | {r['history_length']} ({r['per_pool_length']}/pool) | {r['tokens_per_sample']:.0f} "
         f"| {r['samples_per_s']:,.0f} | {r['samples_per_cpu_s']:,.0f} | {r['samples_per_s_without_item_sides']:,.0f} "
+        f"| {r['crosses_us_per_sample']:.1f} ({100 * r['crosses_share']:.1f} %) "
+        f"| {r['samples_per_s_without_crosses']:,.0f} "
         f"| {r['python_reference_samples_per_s']:.1f} "
         f"| {r['speedup_vs_python']:,.0f} | {r['ratio_vs_goal']:.2f} |\n" for r in rows)
     machine = {"nproc": os.cpu_count(), "affinity_cpus": len(os.sched_getaffinity(0)),
@@ -122,8 +152,11 @@ def main() -> None:
         f"# Sampler throughput (`{command}`)\n\n{table}\nOne process (numpy is single-threaded here), "
         f"{machine['nproc']} CPUs visible; synthetic store of {args.users} users with 5k-30k events each, "
         f"{YAMBDA_5B_ITEMS:,} items (Zipf {args.item_zipf}), scan window {rows[0]['scan_window']:,}, "
-        f"batch {args.batch_size}, Yambda action mix. `samples/CPU-s` discounts time lost to other "
-        "processes on a shared box; `without item_sides` is `build_batch` without the packed item table.\n")
+        f"batch {args.batch_size} (consecutive anchors of one window in the store's order), Yambda action mix. "
+        "`samples/CPU-s` discounts time lost to other processes on a shared box; `without item_sides` is "
+        "`build_batch` without the packed item table; "
+        "`crosses` is `contextual_ids` (7 xxh64 crosses, one C call per key) timed alone on the same anchors, "
+        "and `without crosses` subtracts its time.\n")
     print(table)
     print(json.dumps({"machine": machine, "store": store_facts}))
 

@@ -61,29 +61,60 @@ def cmd_preprocess(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     meta = preprocess(files, out, cfg.dataset, cfg.preprocess, resolved_revision=revision,
                       progress=not args.no_progress)
     c = meta["counts"]
+    n = meta["split"]["num_windows"]
     _say(f"store ready: {c['train_events']:,} train events of {c['train_users']:,} users, "
-         f"{c['test_events']:,} test events, {c['anchors']:,} anchors in {cfg.preprocess.num_train_days} windows, "
+         f"{c['test_events']:,} test events, {c['anchors']:,} anchors in {n} windows ({c['train_samples']:,} in the "
+         f"train windows 0..{max(n - 2, 0)}, {c['eval_samples']:,} in the holdout window {max(n - 1, 0)}), "
          f"{c['num_items']:,} items ({meta['seconds']:.1f} s, "
          f"{c['raw_events'] / max(meta['seconds'], 1e-9) / 1e6:.2f} M raw events/s)")
     if c["dropped_null_ratio_listens"]:
         _say(f"dropped {c['dropped_null_ratio_listens']:,} listens with a null played_ratio_pct")
+    elif c["null_ratio_listens"]:
+        _say(f"kept {c['null_ratio_listens']:,} listens with a null played_ratio_pct as skips (ratio 0, label 0)")
+
+
+def _discover_store(data_path: Path) -> Path:
+    """The one processed store under ``data_path`` (what download_dataset.sh wrote there)."""
+    root = data_path / "processed"
+    stores = sorted(p for p in root.iterdir() if (p / "meta.json").exists()) if root.is_dir() else []
+    if not stores:
+        raise UserError(f"no processed store under {root} (run download_dataset.sh with --data-path {data_path})")
+    if len(stores) > 1:
+        raise UserError(f"{len(stores)} processed stores under {root}: {', '.join(p.name for p in stores)}; name one "
+                        "with --size (and --source synthetic) or --store")
+    return stores[0]
+
+
+def _store_dataset_name(path: Path, fallback: str) -> str:
+    """<source>-<size> as the store's meta.json records it (the published sums are keyed by it)."""
+    import json
+
+    try:
+        dataset = json.loads((path / "meta.json").read_text())["dataset"]
+        return f"{dataset['source']}-{dataset['size']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return fallback
 
 
 def cmd_verify(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     from dlrmv4.data.paths import store_dir
     from dlrmv4.data.verify import check_reference_md5s, read_reference_md5s, verify_store
 
-    path = Path(args.store) if getattr(args, "store", None) else store_dir(cfg.dataset)
+    if getattr(args, "discover", False):
+        path = _discover_store(Path(cfg.dataset.data_path))
+    else:
+        path = Path(args.store) if getattr(args, "store", None) else store_dir(cfg.dataset)
+    name = _store_dataset_name(path, cfg.dataset.name)
     problems = verify_store(path, progress=not args.no_progress, on_step=_say)
     reference_file = getattr(args, "reference_md5s", None)
     if not problems and reference_file:
-        reference = read_reference_md5s(Path(reference_file), cfg.dataset.name)
+        reference = read_reference_md5s(Path(reference_file), name)
         if reference:
             problems = check_reference_md5s(path, reference)
             if not problems:
-                _say(f"all {len(reference)} files match the published sums for {cfg.dataset.name} in {reference_file}")
+                _say(f"all {len(reference)} files match the published sums for {name} in {reference_file}")
         else:
-            _say(f"no published sums for {cfg.dataset.name} in {reference_file} (see README: Dataset checksums)")
+            _say(f"no published sums for {name} in {reference_file} (see README: Dataset checksums)")
     if problems:
         for p in problems[1:]:
             print(f"[dlrmv4]   also: {p}", file=sys.stderr)
@@ -91,10 +122,32 @@ def cmd_verify(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     _say(f"verified {path}: md5 sums and store invariants OK")
 
 
+def _store_current(cfg: BenchmarkConfig) -> bool:
+    """True when the configured store exists and was written by this code's store schema (an older
+    one is rebuilt: the preprocessing's rules changed with its schema)."""
+    import json
+
+    from dlrmv4.data.paths import store_dir
+    from dlrmv4.data.store import META_FILE, STORE_SCHEMA_VERSION
+
+    meta = store_dir(cfg.dataset) / META_FILE
+    if not meta.exists():
+        return False
+    try:
+        version = json.loads(meta.read_text()).get("schema_version")
+    except (OSError, ValueError):
+        version = None
+    if version != STORE_SCHEMA_VERSION:
+        _say(f"the store at {meta.parent} has schema version {version}, this code writes {STORE_SCHEMA_VERSION}: "
+             "rebuilding it")
+        return False
+    return True
+
+
 def cmd_prepare(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     from dlrmv4.data.paths import store_dir
 
-    if getattr(args, "if_missing", False) and (store_dir(cfg.dataset) / "meta.json").exists():
+    if getattr(args, "if_missing", False) and _store_current(cfg):
         _say(f"store ready at {store_dir(cfg.dataset)}: nothing to prepare")
         return
     cmd_preprocess(cfg, args)
@@ -131,11 +184,10 @@ def cmd_pipeline(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
 
 
 def cmd_train(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
-    from dlrmv4.data.paths import store_dir
     from dlrmv4.train.run import run_training
 
     # Under a multi-process launcher the data is prepared once beforehand (run_and_time.sh does it).
-    if not (store_dir(cfg.dataset) / "meta.json").exists() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not _store_current(cfg):
         cmd_prepare(cfg, args)
     config_filename = Path(args.config).name if args.config else f"{args.preset or 'defaults'}.toml"
     history, report = run_training(cfg, log=_say, progress=not args.no_progress, restart=args.restart,
@@ -161,7 +213,8 @@ def cmd_check_log(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
 
     from dlrmv4.data.paths import store_dir
     from dlrmv4.data.store import open_store
-    from dlrmv4.mlperf.rules import RULESET, is_reference_dataset, run_checker, run_seconds, write_dataset_rules
+    from dlrmv4.mlperf.rules import (RULESET, check_reference_counts, is_reference_dataset, run_checker, run_seconds,
+                                     write_dataset_rules)
     from dlrmv4.train.loop import sample_counts
     from dlrmv4.train.run import run_log_path
     from dlrmv4.train.schedule import EvalSchedule
@@ -170,6 +223,8 @@ def cmd_check_log(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     if not log.is_file():
         raise UserError(f"no MLPerf run log at {log} (train first, or pass --log)")
     train_samples, eval_samples = sample_counts(open_store(store_dir(cfg.dataset)))
+    # Closed Yambda-5B: the official rules pin the counts; a store that gives others is refused here.
+    check_reference_counts(cfg, train_samples, eval_samples)
     rules = None
     if not is_reference_dataset(train_samples, eval_samples):
         schedule = EvalSchedule(train_samples, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
@@ -228,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--if-missing", action="store_true", help="do nothing when the store already exists")
         if name == "verify":
             p.add_argument("--store", default=None, help="store directory (default: from the dataset config)")
+            p.add_argument("--discover", action="store_true",
+                           help="verify the one store under --data-path/processed (several: name one)")
         if name == "train":
             p.add_argument("--restart", action="store_true",
                            help="start cold: delete run_dir's checkpoints and report instead of resuming")

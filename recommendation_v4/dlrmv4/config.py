@@ -48,7 +48,8 @@ class DatasetConfig:
 
 @dataclass(frozen=True)
 class PreprocessConfig:
-    last_timestamp: int = _field(26_000_000, "end of the data (exclusive); 0 derives max(timestamp)+1 from the data",
+    last_timestamp: int = _field(0, "end of the data (exclusive); 0: the data's largest timestamp (its own events "
+                                 "are dropped, as the reference does)",
                                  min=0, max=2**32 - 1)
     test_span_seconds: int = _field(86_400, "length of the held-out test span at the end", min=1)
     split_gap_seconds: int = _field(1_800, "gap between the train span and the test span", min=0)
@@ -59,8 +60,9 @@ class PreprocessConfig:
     listen_threshold_pct: int = _field(50, "played_ratio_pct at or above which a listen is listen_plus",
                                        min=0, max=65_535)
     min_history: int = _field(4_086, "user-local event index an anchor needs at least", min=0)
-    null_ratio_policy: str = _field("drop", "what to do with listens whose played_ratio_pct is null",
-                                    choices=("drop", "error"))
+    null_ratio_policy: str = _field("skip", "listens whose played_ratio_pct is null: skip (the reference: the ratio "
+                                    "reads 0, a skip, label 0), drop, or error",
+                                    choices=("skip", "drop", "error"))
     rows_per_chunk: int = _field(4_000_000, "at most this many raw rows per chunk (bounds memory; parquet row groups cap it too)", min=1_000)
 
 
@@ -68,7 +70,8 @@ class PreprocessConfig:
 class SamplerConfig:
     max_seq_len: int = _field(4_096, "tokens per sample: history + 8 contextual + 1 candidate", min=10)
     scan_window: int = _field(20_000, "events before the anchor scanned for the history pools", min=1)
-    uid_rows: int = _field(1_000_000, "rows of the uid table (uid modulo this)", min=1)
+    uid_rows: int = _field(1_000_001, "rows of the uid table: the raw uid is the row (no modulo; a larger uid is "
+                           "refused)", min=1)
     user_artist_rows: int = _field(100_000_000, "rows of the hashed user x artist table", min=1)
     user_album_rows: int = _field(40_000_000, "rows of the hashed user x album table", min=1)
     user_hour_rows: int = _field(24_000_000, "rows of the hashed user x hour table", min=1)
@@ -93,6 +96,12 @@ class LoaderConfig:
                              "the world's processes takes an equal contiguous slice)", min=1)
     num_workers: int = _field(2, "loader worker processes (0 builds batches in the main process)", min=0, max=256)
     shuffle_within_window: bool = _field(False, "seeded shuffle of anchors inside each window")
+    window_order: str = _field("index", "order of a window's anchors: index (ascending event index, user-major, "
+                               "the reference's) or time (ascending timestamp, ties by index)",
+                               choices=("index", "time"))
+    rank_slicing: str = _field("strided", "how the processes share a global batch: strided (rank r takes samples "
+                               "r, r + W, ..., the reference's) or contiguous (equal consecutive slices)",
+                               choices=("strided", "contiguous"))
     prefetch_batches: int = _field(2, "batches each worker prepares ahead", min=1, max=64)
 
 

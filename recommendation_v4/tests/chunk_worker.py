@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from dlrmv4.data.loader import BatchSlice, rank_bounds
+from dlrmv4.data.loader import BatchSlice, rank_share
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.distributed import Cluster
 from dlrmv4.train.embeddings import make_embeddings, table_specs
@@ -45,8 +45,8 @@ def main(backend: str, out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cluster = Cluster(rank, world, rank, world, torch.device("cpu"), backend="gloo",
                       control=dist.new_group(backend="gloo"))
-    lo, hi = rank_bounds(BatchSlice(0, 0, len(LENGTHS)), rank, world)
-    batch = random_batch(LENGTHS, seed=5).samples(lo, hi)
+    share = rank_share(BatchSlice(0, 0, len(LENGTHS)), rank, world, "contiguous")
+    batch = random_batch(LENGTHS, seed=5).samples(int(share[0]), int(share[-1]) + 1)
     for chunks in (1, 2, 3):
         one_step(backend, chunks, batch, cluster, out)
     if rank == 0:

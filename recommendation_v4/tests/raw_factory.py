@@ -22,7 +22,7 @@ class RawEvents:
     timestamp: np.ndarray
     is_organic: np.ndarray
     event_type: np.ndarray  # codes 0..4
-    played_ratio_pct: np.ndarray  # ignored (null) where event_type != listen
+    played_ratio_pct: np.ndarray  # ignored (null) where event_type != listen; an object array may hold None
 
 
 def random_events(seed: int, num_users: int = 30, max_events: int = 400, span_days: int = 12,
@@ -61,9 +61,21 @@ def events_table(ev: RawEvents, event_type_kind: str = "dictionary") -> pa.Table
         "timestamp": pa.array(ev.timestamp, pa.uint32()),
         "is_organic": pa.array(ev.is_organic, pa.uint8()),
         "event_type": etype,
-        "played_ratio_pct": pa.array(ev.played_ratio_pct, pa.uint16(), mask=~listen),
+        "played_ratio_pct": _ratio_array(ev.played_ratio_pct, listen),
         "track_length_seconds": pa.array(np.full(len(ev.uid), 180, np.uint32), pa.uint32(), mask=~listen),
     })
+
+
+def _ratio_array(ratio: np.ndarray, listen: np.ndarray) -> pa.Array:
+    if ratio.dtype == object:  # None marks a listen with a null ratio
+        return pa.array([int(r) if ok and r is not None else None for r, ok in zip(ratio, listen)], pa.uint16())
+    return pa.array(ratio, pa.uint16(), mask=~listen)
+
+
+def write_mapping(path: Path, id_column: str, rows: list[tuple[int, int]]) -> None:
+    """A mapping file with exactly these (item_id, id) rows, in this order."""
+    pq.write_table(pa.table({id_column: pa.array([r[1] for r in rows], pa.uint32()),
+                             "item_id": pa.array([r[0] for r in rows], pa.uint32())}), path)
 
 
 def write_raw(root: Path, ev: RawEvents, *, event_type_kind: str = "dictionary", num_items: int = 300,

@@ -3,6 +3,11 @@
 Tests (and the sampler benchmark) use this instead of the preprocessor, so they depend only on
 the store layout. ``random_store`` draws users, events and item tables from one seed;
 ``write_store`` takes explicit train arrays and derives sessions, anchors and meta.json.
+
+Unlike the preprocessor, whose windows start at the earliest anchor, the factory's windows start
+at ``train_start`` (recorded as the store's ``t_min``), so a test sets the window count itself; the
+reader needs only ``t_min`` and ``window_offsets``. Everything else follows the store's rules:
+sessions break on gaps > the session gap, anchors are in ascending event index inside a window.
 """
 
 from __future__ import annotations
@@ -56,9 +61,9 @@ def random_events(rng: np.random.Generator, lengths: np.ndarray, *, num_items: i
 
 
 def session_ids(user_offsets: np.ndarray, timestamp: np.ndarray, gap: int = SESSION_GAP_SECONDS) -> np.ndarray:
-    """Per-user session number: a new session after ``gap`` seconds of inactivity."""
+    """Per-user session number: a new session after more than ``gap`` seconds of inactivity."""
     new = np.zeros(len(timestamp), dtype=np.int64)
-    new[1:] = np.diff(timestamp.astype(np.int64)) >= gap
+    new[1:] = np.diff(timestamp.astype(np.int64)) > gap
     lengths = np.diff(user_offsets)
     starts = user_offsets[:-1][lengths > 0]
     new[starts] = 0
@@ -68,14 +73,14 @@ def session_ids(user_offsets: np.ndarray, timestamp: np.ndarray, gap: int = SESS
 
 def anchor_index(user_offsets: np.ndarray, timestamp: np.ndarray, event_code: np.ndarray, *, min_history: int,
                  train_start: int, window_seconds: int, num_windows: int) -> tuple[np.ndarray, np.ndarray]:
-    """(event_index, window_offsets): listens at user-local index >= min_history, by (window, ts, index)."""
+    """(event_index, window_offsets): listens at user-local index >= min_history, by (window, index)."""
     total = len(timestamp)
     user = np.repeat(np.arange(len(user_offsets) - 1), np.diff(user_offsets))
     local = np.arange(total) - user_offsets[:-1][user]
     window = (timestamp.astype(np.int64) - train_start) // window_seconds
     keep = (event_code == LISTEN) & (local >= min_history) & (window >= 0) & (window < num_windows)
-    idx = np.flatnonzero(keep)
-    idx = idx[np.lexsort((idx, timestamp[idx]))]
+    idx = np.flatnonzero(keep)  # ascending: user-major
+    idx = idx[np.argsort(window[idx], kind="stable")]
     window_offsets = np.searchsorted(window[idx], np.arange(num_windows + 1), side="left").astype(np.int64)
     return idx.astype(np.int64), window_offsets
 
@@ -119,9 +124,13 @@ def write_store(path: Path, *, user_ids: np.ndarray, user_offsets: np.ndarray, e
                           "num_train_days": num_windows, "session_gap_seconds": SESSION_GAP_SECONDS},
             "split": {"train_start": train_start, "train_end": train_end,
                       "test_start": train_end + SESSION_GAP_SECONDS,
-                      "t_end": train_end + SESSION_GAP_SECONDS + window_seconds},
+                      "t_end": train_end + SESSION_GAP_SECONDS + window_seconds,
+                      "t_min": train_start, "num_windows": num_windows,
+                      "t_last": int(events["timestamp"][anchors].max()) if len(anchors) else None},
             "counts": {"users": len(user_ids), "train_events": int(user_offsets[-1]), "test_events": 0,
-                       "items": num_items, "anchors": len(anchors), "windows": num_windows},
+                       "items": num_items, "anchors": len(anchors), "windows": num_windows,
+                       "train_samples": int(window_offsets[-2]),
+                       "eval_samples": int(window_offsets[-1] - window_offsets[-2])},
         })
     return path
 
@@ -129,8 +138,11 @@ def write_store(path: Path, *, user_ids: np.ndarray, user_offsets: np.ndarray, e
 def random_store(path: Path, *, seed: int, lengths: np.ndarray | list[int], num_items: int = 1_000,
                  item_table_size: int | None = None, num_artists: int = 100, num_albums: int = 300,
                  min_history: int = 0, window_seconds: int = 1_000, num_windows: int = 5,
-                 action_probs=YAMBDA_ACTION_PROBS, item_zipf: float | None = None) -> Path:
+                 action_probs=YAMBDA_ACTION_PROBS, item_zipf: float | None = None,
+                 uid_limit: int = 1_000_001) -> Path:
     """A random store; users get ``lengths`` events each, spread over ``num_windows`` windows.
+
+    Raw uids are drawn from ``[0, uid_limit)`` (default: Yambda's, which fit the reference's uid table).
 
     Item ids are drawn from ``[0, num_items)`` but the artist/album tables have
     ``item_table_size`` rows (default ``num_items``), so a smaller table leaves items unmapped.
@@ -143,7 +155,7 @@ def random_store(path: Path, *, seed: int, lengths: np.ndarray | list[int], num_
                            train_end=num_windows * window_seconds, action_probs=action_probs,
                            item_zipf=item_zipf)
     table = num_items if item_table_size is None else item_table_size
-    user_ids = np.sort(rng.choice(2**32 - 1, size=len(lengths), replace=False)).astype(np.uint32)
+    user_ids = np.sort(rng.choice(uid_limit, size=len(lengths), replace=False)).astype(np.uint32)
     return write_store(path, user_ids=user_ids, user_offsets=offsets, events=events,
                        artist_id=rng.integers(0, num_artists, size=table, dtype=np.uint32),
                        album_id=rng.integers(0, num_albums, size=table, dtype=np.uint32),

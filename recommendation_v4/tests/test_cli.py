@@ -85,3 +85,25 @@ def test_download_dataset_script_from_an_offline_hub_cache(tmp_path):
     meta = json.loads((data / "processed" / "yambda-50m" / "meta.json").read_text())
     assert meta["dataset"]["resolved_revision"] == COMMIT
     assert meta["dataset"]["source"] == "yambda" and meta["counts"]["anchors"] > 0
+
+
+def test_verify_dataset_script_finds_the_store_under_a_data_path(tiny, tmp_path):
+    """``verify_dataset.sh --data-path D`` verifies what download_dataset.sh wrote under D without
+    repeating --source/--size; with two stores there it asks which, with none it says so."""
+    data, _ = tiny
+    script = [str(REPO / "verify_dataset.sh"), "--no-progress"]
+    env = {"DLRMV4_NO_VENV": "1", "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
+    proc = subprocess.run([*script, "--data-path", str(data)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "all 22 files match the published sums for synthetic-tiny" in proc.stdout
+    two = tmp_path / "two"
+    for name in ("synthetic-tiny", "yambda-5b"):
+        (two / "processed" / name).mkdir(parents=True)
+        (two / "processed" / name / "meta.json").write_text("{}")
+    proc = subprocess.run([*script, "--data-path", str(two)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        f"[dlrmv4] error: 2 processed stores under {two / 'processed'}: synthetic-tiny, yambda-5b; name one with "
+        "--size (and --source synthetic) or --store")
+    proc = subprocess.run([*script, "--data-path", str(tmp_path / "none")], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 1 and "no processed store under" in proc.stderr

@@ -31,7 +31,11 @@ def test_reference_preset_carries_spec_numbers():
     cfg = load_config("yambda-5b")
     assert cfg.dataset.source == "yambda" and cfg.dataset.size == "5b"
     p = cfg.preprocess
-    assert (p.last_timestamp, p.test_span_seconds, p.split_gap_seconds, p.num_train_days) == (26_000_000, 86_400, 1_800, 300)
+    # last_timestamp 0: the split ends at the data's largest timestamp, exclusive (SPEC §9).
+    assert (p.last_timestamp, p.test_span_seconds, p.split_gap_seconds, p.num_train_days) == (0, 86_400, 1_800, 300)
+    assert p.null_ratio_policy == "skip" and cfg.sampler.uid_rows == 1_000_001
+    assert cfg.dataset.hub_revision == "dd6f3a19eef5866e346c3270e098baa641a44948"
+    assert (cfg.loader.window_order, cfg.loader.rank_slicing) == ("index", "strided")
     assert (p.window_seconds, p.session_gap_seconds, p.listen_threshold_pct, p.min_history) == (86_400, 1_800, 50, 4_086)
     s = cfg.sampler
     assert (s.max_seq_len, s.history_length, s.per_pool_length, s.scan_window) == (4_096, 4_087, 1_362, 20_000)
@@ -110,4 +114,5 @@ def test_source_and_size_select_the_matching_preset():
     proc = subprocess.run([sys.executable, "-m", "dlrmv4", "show-config", "--source", "yambda", "--size", "50m"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert 'size = "50m"' in proc.stdout and "last_timestamp = 26000000" in proc.stdout
+    assert 'size = "50m"' in proc.stdout
+    assert "dd6f3a19eef5866e346c3270e098baa641a44948" in proc.stdout  # the preset pins the revision

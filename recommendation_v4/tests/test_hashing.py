@@ -1,72 +1,106 @@
-"""Contextual feature hashing: golden values and an independent big-int implementation."""
+"""Contextual features: the reference's xxh64 crosses (golden values) and the raw-uid rule."""
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
+import xxhash
 
 from dlrmv4.config import SamplerConfig
-from dlrmv4.data.hashing import (CONTEXTUAL_FEATURES, CROSS_SALTS, GOLDEN_GAMMA, contextual_ids, mix64,
-                                 table_rows)
+from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, CROSSES, contextual_ids, hash_rows, table_rows
+from dlrmv4.errors import UserError
 
-MASK = 2**64 - 1
-
-
-def py_mix(z: int) -> int:
-    z ^= z >> 30
-    z = (z * 0xBF58476D1CE4E5B9) & MASK
-    z ^= z >> 27
-    z = (z * 0x94D049BB133111EB) & MASK
-    return z ^ (z >> 31)
-
-
-def py_contextual(uid: int, item: int, artist: int, album: int, ts: int, organic: int, cfg: SamplerConfig) -> list[int]:
-    """The documented formula, written out with Python integers (no numpy)."""
-    hour = (ts // 3600) % 24
-    keys = [uid << 32 | artist, uid << 32 | album, uid << 32 | hour, item << 32 | hour, artist << 32 | hour,
-            uid << 32 | organic, uid << 32 | artist << 5 | hour]
-    rows = [cfg.uid_rows, cfg.user_artist_rows, cfg.user_album_rows, cfg.user_hour_rows, cfg.item_hour_rows,
-            cfg.artist_hour_rows, cfg.user_organic_rows, cfg.user_artist_hour_rows]
-    salts = [c * 0x9E3779B97F4A7C15 & MASK for c in range(1, 8)]
-    return [uid % rows[0]] + [py_mix((k + s) & MASK) % r for k, s, r in zip(keys, salts, rows[1:])]
-
-
-GOLDEN_INPUTS = dict(uid=[0, 1, 123456, 4294967295], item=[0, 7, 9390622, 4294967295],
-                     artist=[0, 3, 1234567, 2**27 - 1], album=[0, 5, 7654321, 4294967295],
-                     timestamp=[0, 3600, 25999999, 4294967295], is_organic=[0, 1, 1, 0])
-GOLDEN_OUTPUTS = [
-    [0, 58607535, 34355700, 7545679, 20542444, 26094747, 1162090, 306913],
-    [1, 62640283, 23399888, 3615656, 39899324, 31153261, 627659, 14534740],
-    [123456, 95677880, 33754649, 20633749, 22283819, 21535641, 1291188, 2531690],
-    [967295, 62459541, 9888969, 15899245, 36759129, 7909436, 406657, 17073378],
+# (keys, rows, row): the reference's xxhash_cross with salt/seed 0 (SPEC §9).
+GOLDEN = [
+    ((1, 2), 1000, 524),
+    ((1, 2), 2**30, 1_056_167_084),
+    ((42, 7), 10**6, 924_376),
+    ((0, 0), 1000, 434),
+    ((-1, -1), 1000, 28),
+    ((1, 2, 3), 1000, 706),
+    ((1, 2, 3), 2**30, 633_392_634),
+    ((42, 7, 15), 10**6, 847_584),
+    ((1, 2, 3, 4), 1000, 45),
+    ((3, 2, 1), 1000, 313),
 ]
 
 
-def test_mix_is_splitmix64():
-    # The first outputs of splitmix64 seeded with 0 (published reference values).
-    states = np.array([GOLDEN_GAMMA, 2 * GOLDEN_GAMMA & MASK, 3 * GOLDEN_GAMMA & MASK], dtype=np.uint64)
-    assert [int(v) for v in mix64(states)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
-    assert int(mix64(np.array([0], dtype=np.uint64))[0]) == 0
+def py_cross(keys, rows: int) -> int:
+    """The reference's formula, one key tuple at a time."""
+    return xxhash.xxh64(struct.pack(f"<{len(keys)}q", *keys), seed=0).intdigest() % rows
 
 
-def test_golden_values():
+def py_contextual(uid: int, item: int, artist: int, album: int, ts: int, organic: int, cfg: SamplerConfig) -> list[int]:
+    """SPEC §9 written out with Python integers and struct (no numpy, no code under test)."""
+    hour = (ts // 3600) % 24
+    crosses = [((uid, artist), cfg.user_artist_rows), ((uid, album), cfg.user_album_rows),
+               ((uid, hour), cfg.user_hour_rows), ((item, hour), cfg.item_hour_rows),
+               ((artist, hour), cfg.artist_hour_rows), ((uid, organic), cfg.user_organic_rows),
+               ((uid, artist, hour), cfg.user_artist_hour_rows)]
+    return [uid] + [py_cross(keys, rows) for keys, rows in crosses]
+
+
+@pytest.mark.parametrize("keys,rows,row", GOLDEN)
+def test_golden_values(keys, rows, row):
+    assert py_cross(keys, rows) == row
+    assert hash_rows(np.array([keys], dtype=np.int64), rows).tolist() == [row]
+
+
+def test_golden_values_in_one_batch():
+    # A batch of one width hashes each row independently of its neighbours.
+    pairs = [g for g in GOLDEN if len(g[0]) == 2 and g[1] == 1000]
+    keys = np.array([k for k, _, _ in pairs], dtype=np.int64)
+    assert hash_rows(keys, 1000).tolist() == [r for _, _, r in pairs]
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_vectorised_equals_struct_pack(width, seed):
+    rng = np.random.default_rng(seed)
+    n = 300
+    # Negative, small, > 2**32 and extreme int64 values, in every key position.
+    keys = np.concatenate([rng.integers(-2**63, 2**63 - 1, (n, width), dtype=np.int64, endpoint=True),
+                           rng.integers(-5, 2**33, (n, width), dtype=np.int64),
+                           np.array([[-2**63] * width, [2**63 - 1] * width, [0] * width], dtype=np.int64)])
+    for rows in (1, 7, 1000, 2**30, 2**62 + 11):
+        got = hash_rows(keys, rows)
+        assert got.dtype == np.int64
+        assert got.tolist() == [py_cross(tuple(int(v) for v in k), rows) for k in keys]
+
+
+def test_non_contiguous_and_narrow_inputs():
+    rng = np.random.default_rng(3)
+    wide = rng.integers(0, 2**32, (50, 4), dtype=np.int64)
+    strided = wide[::2, [3, 1]]  # a fancy-indexed, strided view
+    assert hash_rows(strided, 1000).tolist() == [py_cross(tuple(map(int, k)), 1000) for k in strided]
+    narrow = wide[:, :2].astype(np.uint32)  # uint32 inputs are packed as their int64 values
+    assert hash_rows(narrow, 1000).tolist() == hash_rows(wide[:, :2], 1000).tolist()
+    with pytest.raises(ValueError, match=r"\[n, k\]"):
+        hash_rows(np.zeros(3, dtype=np.int64), 10)
+
+
+def test_contextual_ids_follow_the_reference():
     cfg = SamplerConfig()
-    arrays = {k: np.array(v, dtype=np.int64) for k, v in GOLDEN_INPUTS.items()}
-    out = contextual_ids(cfg=cfg, **arrays)
+    inputs = dict(uid=[0, 1, 123456, 1_000_000], item=[0, 7, 9_390_622, 4_294_967_295],
+                  artist=[0, 3, 1_293_394, 4_294_967_295], album=[0, 5, 3_367_691, 4_294_967_295],
+                  timestamp=[0, 3_600, 25_999_999, 4_294_967_295], is_organic=[0, 1, 1, 0])
+    out = contextual_ids(cfg=cfg, **{k: np.array(v, dtype=np.uint32) for k, v in inputs.items()})
     assert out.dtype == np.int64 and out.shape == (4, len(CONTEXTUAL_FEATURES))
-    assert out.tolist() == GOLDEN_OUTPUTS
-    rows = [py_contextual(*(GOLDEN_INPUTS[k][i] for k in GOLDEN_INPUTS), cfg) for i in range(4)]
-    assert rows == GOLDEN_OUTPUTS
+    want = [py_contextual(*(inputs[k][i] for k in inputs), cfg) for i in range(4)]
+    assert out.tolist() == want
+    assert out[:, 0].tolist() == inputs["uid"]  # the raw uid, no modulo
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_matches_big_int_reference(seed):
+def test_contextual_ids_random(seed):
     rng = np.random.default_rng(seed)
-    cfg = SamplerConfig(uid_rows=int(rng.integers(1, 10**6)), user_artist_rows=int(rng.integers(1, 10**9)),
-                        user_artist_hour_rows=7, user_organic_rows=1)
+    cfg = SamplerConfig(uid_rows=2**32, user_artist_rows=int(rng.integers(1, 10**9)), user_artist_hour_rows=7,
+                        user_organic_rows=1)
     n = 200
     inputs = dict(uid=rng.integers(0, 2**32, n, dtype=np.uint32), item=rng.integers(0, 2**32, n, dtype=np.uint32),
-                  artist=rng.integers(0, 2**27, n, dtype=np.uint32), album=rng.integers(0, 2**32, n, dtype=np.uint32),
+                  artist=rng.integers(0, 2**32, n, dtype=np.uint32), album=rng.integers(0, 2**32, n, dtype=np.uint32),
                   timestamp=rng.integers(0, 2**32, n, dtype=np.uint32),
                   is_organic=rng.integers(0, 2, n, dtype=np.uint8))
     out = contextual_ids(cfg=cfg, **inputs)
@@ -77,21 +111,27 @@ def test_matches_big_int_reference(seed):
     assert (out[:, CONTEXTUAL_FEATURES.index("user_organic")] == 0).all()
 
 
-def test_salts_distinct_per_cross():
-    assert len(set(CROSS_SALTS)) == len(CONTEXTUAL_FEATURES) - 1
-    # The same packed key lands on different rows in different crosses.
-    cfg = SamplerConfig(**{f"{n}_rows": 2**31 - 1 for n in CONTEXTUAL_FEATURES})
-    zeros = np.zeros(1, dtype=np.int64)
-    out = contextual_ids(zeros, zeros, zeros, zeros, zeros, zeros, cfg)[0, 1:]
-    assert len(set(out.tolist())) == len(out)
+def test_cross_table_matches_spec():
+    assert CONTEXTUAL_FEATURES == ("uid", "user_artist", "user_album", "user_hour", "item_hour", "artist_hour",
+                                   "user_organic", "user_artist_hour")
+    assert dict(CROSSES)["user_artist_hour"] == ("uid", "artist", "hour")
+    cfg = SamplerConfig()
+    assert table_rows(cfg) == (1_000_001, 100_000_000, 40_000_000, 24_000_000, 40_000_000, 32_000_000, 2_000_000,
+                               40_000_000)
 
 
-def test_triple_rejects_wide_artist():
-    z = np.zeros(1, dtype=np.int64)
-    with pytest.raises(ValueError, match="27 bits"):
-        contextual_ids(z, z, np.array([2**27]), z, z, z, SamplerConfig())
+def test_uid_beyond_the_table_is_refused():
+    z = np.zeros(2, dtype=np.int64)
+    cfg = SamplerConfig(uid_rows=1_000)
+    assert contextual_ids(np.array([0, 999]), z, z, z, z, z, cfg)[:, 0].tolist() == [0, 999]
+    with pytest.raises(UserError, match=r"uid 1000 does not fit the uid table of 1,000 rows") as err:
+        contextual_ids(np.array([5, 1_000]), z, z, z, z, z, cfg)
+    assert "\n" not in str(err.value) and "sampler.uid_rows" in str(err.value)
+    with pytest.raises(UserError, match="uid -1 "):
+        contextual_ids(np.array([-1, 0]), z, z, z, z, z, cfg)
 
 
 def test_empty_batch():
     z = np.zeros(0, dtype=np.int64)
     assert contextual_ids(z, z, z, z, z, z, SamplerConfig()).shape == (0, len(CONTEXTUAL_FEATURES))
+    assert hash_rows(np.zeros((0, 3), dtype=np.int64), 10).shape == (0,)

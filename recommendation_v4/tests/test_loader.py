@@ -10,7 +10,7 @@ import torch
 
 from dlrmv4.config import BenchmarkConfig, LoaderConfig, SamplerConfig
 from dlrmv4.data.batch import BATCH_DTYPES, TorchJaggedBatch
-from dlrmv4.data.loader import WindowDataset, make_window_loader, plan_batches
+from dlrmv4.data.loader import BatchSlice, WindowDataset, make_window_loader, plan_batches, rank_share
 from dlrmv4.data.sampler import build_batch
 from dlrmv4.data.store import open_store
 from store_factory import random_store
@@ -24,9 +24,10 @@ def store(tmp_path_factory):
     return open_store(random_store(path, seed=11, lengths=[40, 90, 0, 130, 25], min_history=5, num_windows=4))
 
 
-def config(workers: int = 0, shuffle: bool = False, seed: int = 0) -> BenchmarkConfig:
+def config(workers: int = 0, shuffle: bool = False, seed: int = 0, order: str = "index") -> BenchmarkConfig:
     return BenchmarkConfig(seed=seed, sampler=SamplerConfig(max_seq_len=39, scan_window=60),
-                           loader=LoaderConfig(batch_size=BATCH, num_workers=workers, shuffle_within_window=shuffle))
+                           loader=LoaderConfig(batch_size=BATCH, num_workers=workers, shuffle_within_window=shuffle,
+                                               window_order=order))
 
 
 def anchors_of(loader) -> list[list[int]]:
@@ -50,10 +51,33 @@ def test_time_order_same_for_0_1_2_workers(store, drop_last):
         loader = make_window_loader(store, windows, config(workers), drop_last=drop_last)
         assert len(loader) == len(expected)
         assert anchors_of(loader) == expected, workers
-    ts = np.asarray(store.train.timestamp)
-    for w in windows:  # within a window, anchors stream in time order
+    for w in windows:  # within a window, anchors stream in ascending event index (user-major)
         got = [a for b in make_window_loader(store, [w], config()) for a in b.anchor_index.tolist()]
-        assert np.all(np.diff(ts[got]) >= 0)
+        assert np.all(np.diff(got) > 0)
+
+
+def test_time_order_is_a_switch(store):
+    ts = np.asarray(store.train.timestamp)
+    for w in range(store.num_windows):
+        got = [a for b in make_window_loader(store, [w], config(order="time")) for a in b.anchor_index.tolist()]
+        assert sorted(got) == np.asarray(store.window_anchors(w)).tolist()
+        assert all((ts[a], a) <= (ts[b], b) for a, b in zip(got, got[1:]))  # time order, ties by index
+
+
+@pytest.mark.parametrize("slicing", ["strided", "contiguous"])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_rank_shares_split_a_batch(slicing, world):
+    part = BatchSlice(window=0, start=5, stop=5 + 13)
+    shares = [rank_share(part, r, world, slicing).tolist() for r in range(world)]
+    assert sorted(x for share in shares for x in share) == list(range(5, 18))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    if slicing == "strided":  # the reference's: rank r takes samples r, r + W, r + 2W, ...
+        assert shares[0][:2] == [5, 5 + world] if world < 13 else shares[0] == [5]
+        assert all(share == list(range(5 + r, 18, world)) for r, share in enumerate(shares))
+    else:
+        assert all(share == sorted(share) and (not share or share[-1] - share[0] == len(share) - 1) for share in shares)
+    with pytest.raises(ValueError, match="slicing"):
+        rank_share(part, 0, world, "round")
 
 
 def test_batches_equal_the_sampler_and_are_not_padded(store):

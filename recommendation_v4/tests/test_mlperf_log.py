@@ -73,7 +73,57 @@ def test_closed_division_refuses_a_forbidden_learning_rate():
         check_closed_division(cfg, REFERENCE_TRAIN_SAMPLES, REFERENCE_EVAL_SAMPLES)
     open_run = dataclasses.replace(cfg, mlperf=dataclasses.replace(cfg.mlperf, division="open"))
     check_closed_division(open_run, REFERENCE_TRAIN_SAMPLES, REFERENCE_EVAL_SAMPLES)  # not the closed rules
-    check_closed_division(cfg, 134_291, 17_483)  # another dataset: its project rules apply instead
+    synthetic = dataclasses.replace(load_config("synthetic-tiny"), train=cfg.train)
+    assert synthetic.mlperf.division == "closed"
+    check_closed_division(synthetic, 134_291, 17_483)  # another dataset: its project rules apply instead
+
+
+@pytest.mark.parametrize("train,evals,named", [
+    (2_290_835_000, REFERENCE_EVAL_SAMPLES, ["train_samples 2,290,835,000 from the store, the closed division "
+                                             "pins 2,290,835,423"]),
+    (REFERENCE_TRAIN_SAMPLES, 2_058_205, ["eval_samples 2,058,205 from the store, the closed division pins 2,058,204"]),
+    (134_291, 17_483, ["train_samples 134,291 from the store, the closed division pins 2,290,835,423",
+                       "eval_samples 17,483 from the store, the closed division pins 2,058,204"]),
+])
+def test_closed_yambda_5b_refuses_counts_other_than_the_pins(train, evals, named):
+    cfg = reference_config(8192, 1e-6)
+    with pytest.raises(UserError) as info:
+        check_closed_division(cfg, train, evals)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("the closed division refuses this Yambda-5B store: ")
+    assert all(n in msg for n in named) and msg.count("from the store") == len(named), msg
+    # The open division and other datasets are not held to the pinned counts.
+    check_closed_division(dataclasses.replace(cfg, mlperf=dataclasses.replace(cfg.mlperf, division="open")),
+                          train, evals)
+    fifty = dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, size="50m"))
+    check_closed_division(fifty, train, evals)
+
+
+def test_check_log_refuses_a_closed_yambda_5b_store_with_other_counts(tmp_path, capsys):
+    """check-log on a yambda-5b config whose store (a tiny one) does not give the pinned counts: one
+    line naming both numbers of each count, before the checker runs."""
+    from dlrmv4.cli import main as cli_main
+    from dlrmv4.data.store import open_store
+    from dlrmv4.train.loop import sample_counts
+    from store_factory import random_store
+
+    data = tmp_path / "data"
+    store = open_store(random_store(data / "processed" / "yambda-5b", seed=3, lengths=[60, 80], num_windows=3))
+    train, evals = sample_counts(store)
+    assert (train, evals) == (store.meta["counts"]["train_samples"], store.meta["counts"]["eval_samples"])
+    log = tmp_path / "log.txt"
+    write_reference_log(log, reference_config(8192, 1e-6), [0.76])  # would pass the official rules
+    capsys.readouterr()
+    assert cli_main(["check-log", "--preset", "yambda-5b", "--data-path", str(data), "--log", str(log),
+                     "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert err == ("[dlrmv4] error: the closed division refuses this Yambda-5B store: "
+                   f"train_samples {train:,} from the store, the closed division pins 2,290,835,423; "
+                   f"eval_samples {evals:,} from the store, the closed division pins 2,058,204 (re-run the "
+                   "preprocessing with the reference's defaults: python -m dlrmv4 prepare --source yambda "
+                   "--size 5b, or download_dataset.sh --size 5b)")
+    assert not log.with_suffix(".checker.txt").exists()  # refused before the checker ran
 
 
 def test_project_rules_replace_only_the_benchmark_file(tmp_path):
@@ -102,3 +152,22 @@ def test_project_rules_replace_only_the_benchmark_file(tmp_path):
     (tmp_path / "log.txt").write_text("".join(l for l in lines if '"key": "submission_org"' not in l))
     passed, output = run_checker(tmp_path / "log.txt", rules)
     assert not passed and "submission_org" in output
+
+
+def test_training_refuses_a_closed_yambda_5b_store_with_other_counts(tmp_path, capsys):
+    """The start check: ``train`` on a yambda-5b config whose store gives other counts stops with one line
+    before any model is built."""
+    from dlrmv4.cli import main as cli_main
+    from store_factory import random_store
+
+    data = tmp_path / "data"
+    store = random_store(data / "processed" / "yambda-5b", seed=4, lengths=[50, 70], num_windows=3)
+    counts = json.loads((store / "meta.json").read_text())["counts"]
+    capsys.readouterr()
+    assert cli_main(["train", "--preset", "yambda-5b", "--data-path", str(data), "--run-dir", str(tmp_path / "run"),
+                     "--embedding-backend", "plain", "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("[dlrmv4] error: the closed division refuses this Yambda-5B store")
+    assert f"train_samples {counts['train_samples']:,} from the store, the closed division pins 2,290,835,423" in err
+    assert f"eval_samples {counts['eval_samples']:,} from the store, the closed division pins 2,058,204" in err
+    assert not (tmp_path / "run" / "mlperf_log.txt").exists()  # no log claims the pinned counts

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from dlrmv4.config import load_config
@@ -13,7 +16,7 @@ from dlrmv4.data.preprocess import preprocess
 from dlrmv4.data.store import open_store, read_md5s
 from dlrmv4.data.verify import verify_store
 from dlrmv4.data.yambda_schema import EVENT_TYPES
-from raw_factory import RawEvents, random_events, write_raw
+from raw_factory import RawEvents, events_table, random_events, write_raw
 
 SEED = np.random.SeedSequence().entropy % 2**32  # fresh data every run; printed on failure
 
@@ -32,43 +35,65 @@ def _run(tmp_path: Path, ev: RawEvents, cfg, name: str = "store", **kw):
     return out, meta
 
 
+def _mapping_last_row(path: Path, id_column: str) -> dict[int, int]:
+    """item -> id, walking the mapping file's rows in order: a later row overwrites an earlier one."""
+    table = pq.read_table(path).to_pydict()
+    out: dict[int, int] = {}
+    for item, value in zip(table["item_id"], table[id_column]):
+        out[item] = value
+    return out
+
+
 def _reference(ev: RawEvents, cfg) -> dict:
-    """SPEC §2 written the slow, obvious way, one user at a time."""
+    """SPEC §2 with the reference's rules (§9), written the slow, obvious way, one user at a time."""
     p = cfg.preprocess
-    t_end = p.last_timestamp or int(ev.timestamp.max()) + 1
+    t_end = p.last_timestamp or int(max(ev.timestamp))  # exclusive: the last timestamp's own events drop
     test_start = t_end - p.test_span_seconds
     train_end = test_start - p.split_gap_seconds
     train_start = train_end - p.num_train_days * p.window_seconds
-    out = {"train": [], "test": [], "anchors": [[] for _ in range(p.num_train_days)]}
+    out = {"train": [], "test": [], "anchors": []}
+    anchors = []  # (timestamp, global train index)
     train_base = 0
     for u in np.unique(ev.uid):
-        rows = [i for i in np.flatnonzero(ev.uid == u)
-                if not (ev.event_type[i] == 0 and ev.played_ratio_pct[i] is None)]
-        session, prev = -1, None
         train_rows, test_rows = [], []
-        for i in rows:
-            t = int(ev.timestamp[i])
-            if prev is None or t - prev >= p.session_gap_seconds:
-                session += 1
-            prev = t
+        for i in np.flatnonzero(ev.uid == u):
             code = int(ev.event_type[i])
+            ratio = ev.played_ratio_pct[i]
+            if code == 0 and ratio is None:
+                if p.null_ratio_policy == "drop":
+                    continue
+                ratio = 0  # "skip": the reference reads a null ratio as 0
+            t = int(ev.timestamp[i])
             if code == 0:
-                action = 1 if ev.played_ratio_pct[i] >= p.listen_threshold_pct else 4
+                action = 1 if ratio >= p.listen_threshold_pct else 4
             else:
                 action = 2 if code == 1 else 0
-            row = (int(u), int(ev.item_id[i]), t, code, action, int(ev.is_organic[i]), session)
+            row = [int(u), int(ev.item_id[i]), t, code, action, int(ev.is_organic[i])]
             if train_start <= t < train_end:
                 train_rows.append(row)
             elif test_start <= t < t_end:
                 test_rows.append(row)
+        for rows in (train_rows, test_rows):  # each split numbers its own sessions
+            session, prev = -1, None
+            for row in rows:
+                if prev is None or row[2] - prev > p.session_gap_seconds:
+                    session += 1
+                prev = row[2]
+                row.append(session)
         for local, row in enumerate(train_rows):
             if row[3] == 0 and local >= p.min_history:
-                out["anchors"][(row[2] - train_start) // p.window_seconds].append((row[2], train_base + local))
+                anchors.append((row[2], train_base + local))
         train_base += len(train_rows)
-        out["train"] += train_rows
+        out["train"] += [tuple(r) for r in train_rows]
         if train_rows:
-            out["test"] += test_rows
-    out["anchors"] = [[i for _, i in sorted(w)] for w in out["anchors"]]
+            out["test"] += [tuple(r) for r in test_rows]
+    if anchors:
+        t_min = min(t for t, _ in anchors)
+        t_last = max(t for t, _ in anchors)
+        num_windows = math.ceil((t_last - t_min + 1) / p.window_seconds)
+        out["anchors"] = [sorted(i for t, i in anchors if (t - t_min) // p.window_seconds == w)
+                          for w in range(num_windows)]
+        out["t_min"], out["t_last"] = t_min, t_last
     return out
 
 
@@ -89,15 +114,19 @@ def test_matches_reference_implementation(tmp_path):
     got = [store.window_anchors(w).tolist() for w in range(store.num_windows)]
     assert got == ref["anchors"], f"seed {SEED}"
     assert sum(map(len, got)) > 0, "the test data should produce anchors"
+    assert (meta["split"]["t_min"], meta["split"]["t_last"]) == (ref["t_min"], ref["t_last"]), f"seed {SEED}"
+    assert meta["split"]["num_windows"] == len(ref["anchors"])
+    assert meta["counts"]["train_samples"] == sum(map(len, ref["anchors"][:-1]))
+    assert meta["counts"]["eval_samples"] == len(ref["anchors"][-1])
     assert meta["counts"]["raw_events"] == len(ev.uid)
     assert sum(meta["event_type_counts"].values()) == len(ev.uid)
-    # Items: smallest mapped id per item, 0 where unmapped; popularity = train counts.
+    # Items: the last mapping row's id per item, 0 where unmapped; popularity = train counts.
     train_items = np.array([r[1] for r in ref["train"]])
     assert np.array_equal(store.popularity[:300], np.bincount(train_items, minlength=300)[:300])
-    items = np.arange(300)
-    mapped = items % 17 != 5
-    assert np.array_equal(store.artist_id[:300], np.where(mapped, items // 7 + 1, 0))
-    assert np.array_equal(store.album_id[:300], np.where(mapped, items // 3 + 2, 0))
+    raw = tmp_path / "raw-store"
+    for column, table in (("artist_id", store.artist_id), ("album_id", store.album_id)):
+        last = _mapping_last_row(raw / f"{column.split('_')[0]}_item_mapping.parquet", column)
+        assert table[:300].tolist() == [last.get(i, 0) for i in range(300)], column
     assert verify_store(out, progress=False) == []
 
 
@@ -116,33 +145,60 @@ def test_event_type_encodings_give_the_same_store(tmp_path, kind):
     assert read_md5s(base) == read_md5s(other)
 
 
-def test_null_ratio_listens_are_dropped_and_counted(tmp_path):
-    ev = random_events(SEED, num_users=10)
+def _with_null_ratios(ev: RawEvents) -> tuple[RawEvents, pa.Table, int]:
+    """Every 7th listen gets a null played_ratio_pct: (events, their raw table, number of nulls)."""
     listens = np.flatnonzero(ev.event_type == 0)
     ratio = ev.played_ratio_pct.astype(object)
     ratio[listens[::7]] = None
     ev = dataclasses.replace(ev, played_ratio_pct=ratio)
-    cfg = _cfg()
-    import pyarrow as pa
-    from raw_factory import events_table
     table = events_table(dataclasses.replace(ev, played_ratio_pct=np.zeros(len(ev.uid), np.uint16)))
     listen = ev.event_type == 0
     table = table.set_column(table.schema.get_field_index("played_ratio_pct"), "played_ratio_pct",
                              pa.array([r if ok else None for r, ok in zip(ratio, listen)], pa.uint16()))
+    return ev, table, len(listens[::7])
+
+
+@pytest.mark.parametrize("policy", ["skip", "drop"])
+def test_null_ratio_listens_are_counted_and_kept_as_skips_or_dropped(tmp_path, policy):
+    ev, table, nulls = _with_null_ratios(random_events(SEED, num_users=10))
+    cfg = _cfg(null_ratio_policy=policy)
     out, meta = _run(tmp_path, ev, cfg, table=table)
-    assert meta["counts"]["dropped_null_ratio_listens"] == len(listens[::7])
-    assert _rows(open_store(out).train) == _reference(ev, cfg)["train"]
+    assert meta["counts"]["null_ratio_listens"] == nulls
+    assert meta["counts"]["dropped_null_ratio_listens"] == (nulls if policy == "drop" else 0)
+    store = open_store(out)
+    ref = _reference(ev, cfg)
+    assert _rows(store.train) == ref["train"], f"seed {SEED}"
+    assert [store.window_anchors(w).tolist() for w in range(store.num_windows)] == ref["anchors"], f"seed {SEED}"
+    assert verify_store(out, progress=False) == []
+
+
+def test_default_policy_is_the_references_skip():
+    assert _cfg().preprocess.null_ratio_policy == "skip"
 
 
 def test_meta_records_constants_and_split(tmp_path):
     ev = random_events(SEED, num_users=5)
     cfg = _cfg()
     out, meta = _run(tmp_path, ev, cfg)
-    t_end = int(ev.timestamp.max()) + 1
+    t_end = int(ev.timestamp.max())  # exclusive: the last timestamp's events are dropped
     assert meta["split"]["t_end"] == t_end
     assert meta["split"]["test_start"] == t_end - 86_400
     assert meta["split"]["train_end"] == t_end - 86_400 - 1_800
+    assert meta["counts"]["dropped_at_or_after_end"] == int(np.count_nonzero(ev.timestamp == t_end))
     assert meta["constants"]["min_history"] == 40
-    assert meta["schema_version"] == 1
+    assert meta["schema_version"] == 2
     assert set(EVENT_TYPES) == set(meta["event_type_counts"])
-    assert len(meta["counts"]["anchors_per_window"]) == 9
+    n = meta["split"]["num_windows"]
+    assert 0 < n <= 9 and len(meta["counts"]["anchors_per_window"]) == n
+    assert meta["counts"]["train_samples"] + meta["counts"]["eval_samples"] == meta["counts"]["anchors"]
+    assert meta["counts"]["eval_samples"] == meta["counts"]["anchors_per_window"][-1]
+
+
+def test_explicit_last_timestamp_is_exclusive(tmp_path):
+    ev = random_events(SEED, num_users=8)
+    end = int(ev.timestamp.max()) - 3_600
+    cfg = _cfg(last_timestamp=end)
+    out, meta = _run(tmp_path, ev, cfg)
+    assert meta["split"]["t_end"] == end
+    assert meta["counts"]["dropped_at_or_after_end"] == int(np.count_nonzero(ev.timestamp >= end))
+    assert _rows(open_store(out).test) == _reference(ev, cfg)["test"], f"seed {SEED}"

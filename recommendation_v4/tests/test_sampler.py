@@ -10,10 +10,11 @@ import torch
 
 from dlrmv4.config import SamplerConfig
 from dlrmv4.data.batch import BATCH_DTYPES, JaggedBatch, TorchJaggedBatch
-from dlrmv4.data.hashing import contextual_ids
 from dlrmv4.data.sampler import build_batch, pack_item_sides
 from dlrmv4.data.store import open_store
+from dlrmv4.errors import UserError
 from store_factory import random_store
+from test_hashing import py_contextual
 
 
 def reference_sample(store, g: int, cfg: SamplerConfig) -> dict:
@@ -38,12 +39,14 @@ def reference_sample(store, g: int, cfg: SamplerConfig) -> dict:
     stamps = [int(store.train.timestamp[i]) for i in picked]
     cand = int(store.train.item_id[g])
     cand_ts = int(store.train.timestamp[g])
-    ctx = contextual_ids(np.array([store.train.user_ids[u]]), np.array([cand]),
-                         np.array([side(cand, store.artist_id)]), np.array([side(cand, store.album_id)]),
-                         np.array([cand_ts]), np.array([store.train.is_organic[g]]), cfg)[0]
+    uid = int(store.train.user_ids[u])
+    if uid >= cfg.uid_rows:  # the raw uid is its row: the reference has no row for it
+        raise UserError(f"uid {uid} beyond {cfg.uid_rows}")
+    ctx = py_contextual(uid, cand, side(cand, store.artist_id), side(cand, store.album_id), cand_ts,
+                        int(store.train.is_organic[g]), cfg)
     return dict(items=items, artists=[side(i, store.artist_id) for i in items],
                 albums=[side(i, store.album_id) for i in items], actions=[int(action[i]) for i in picked],
-                stamps=stamps, ctx=ctx.tolist(), cand=cand, cand_artist=side(cand, store.artist_id),
+                stamps=stamps, ctx=ctx, cand=cand, cand_artist=side(cand, store.artist_id),
                 cand_album=side(cand, store.album_id), cand_ts=cand_ts, query_time=stamps[-1] if stamps else cand_ts,
                 label=1.0 if int(action[g]) == 1 else 0.0)
 
@@ -118,10 +121,10 @@ def test_store_anchors_and_pool_caps(tmp_path):
 
 
 def test_wide_ids_round_trip(tmp_path):
-    # Album ids use all 32 bits, artist ids the 27 the triple cross allows.
-    store = open_store(random_store(tmp_path / "s", seed=5, lengths=[300, 400], num_artists=2**27,
-                                   num_albums=2**32 - 1))
-    cfg = SamplerConfig(max_seq_len=90, scan_window=150)
+    # uid, artist and album ids use all 32 bits (the crosses hash them as int64, nothing is packed).
+    store = open_store(random_store(tmp_path / "s", seed=5, lengths=[300, 400], num_artists=2**32 - 1,
+                                   num_albums=2**32 - 1, uid_limit=2**32 - 1))
+    cfg = SamplerConfig(max_seq_len=90, scan_window=150, uid_rows=2**32)
     anchors = np.asarray(store.anchor_event_index)[::23]
     assert_matches_reference(store, build_batch(store, anchors, cfg), anchors, cfg)
 
@@ -163,3 +166,24 @@ def test_to_torch_twin(tmp_path):
     assert (tb.num_samples, tb.max_history_length, tb.total_tokens) == (
         batch.num_samples, batch.max_history_length, batch.total_tokens)
     assert int(tb.history_offsets[-1]) == tb.total_tokens == int(tb.history_lengths.sum())
+
+
+def test_raw_uid_at_the_table_edge(tmp_path):
+    store = open_store(random_store(tmp_path / "s", seed=4, lengths=[200, 300, 250]))
+    uids = np.asarray(store.train.user_ids)  # sorted: the last user has the largest uid
+    last_start = int(store.train.user_offsets[-2])
+    all_anchors = np.asarray(store.anchor_event_index)
+    anchors = np.concatenate([all_anchors[::19], all_anchors[all_anchors >= last_start][:3]])
+    edge = SamplerConfig(max_seq_len=39, scan_window=100)
+    edge = dataclasses.replace(edge, uid_rows=int(uids.max()) + 1)  # the largest uid is the last row
+    batch = build_batch(store, anchors, edge)
+    assert_matches_reference(store, batch, anchors, edge)
+    assert batch.contextual_ids[:, 0].max() == uids.max()
+    small = dataclasses.replace(edge, uid_rows=int(uids.max()))
+    top = int(uids.max())
+    with pytest.raises(UserError, match=rf"uid {top} does not fit the uid table of {top:,} rows"):
+        build_batch(store, anchors, small)
+    with pytest.raises(UserError):
+        reference_sample(store, int(anchors[-1]), small)
+    earlier = anchors[anchors < last_start]  # the other users' uids still fit
+    assert build_batch(store, earlier, small).num_samples == len(earlier)

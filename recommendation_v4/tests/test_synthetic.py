@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from dlrmv4.config import load_config
 from dlrmv4.data import synthetic
 from dlrmv4.data.yambda_schema import (DISLIKE, EVENT_TYPES, LIKE, LISTEN, MULTI_EVENT_SCHEMA, UNLIKE,
                                        RawFiles)
@@ -74,17 +75,32 @@ def test_timestamps_are_5s_bins_from_zero_within_span(events):
 
 def test_sessions_are_bursts_separated_by_long_gaps(events):
     uid, ts = events["uid"].astype(np.int64), events["timestamp"].astype(np.int64)
-    gaps = np.diff(ts)[np.diff(uid) == 0]
-    assert not np.any((gaps > 65) & (gaps < 1_800))  # 5-60 s steps (+5 s for a late like) or a new session
-    sessions_per_user = np.bincount(uid[1:][np.diff(uid) == 0], weights=gaps >= 1_800) + 1
+    after_ramp = ts[:-1] >= synthetic.launch_ramp_seconds(synthetic.SPECS["tiny"].days)
+    same_user = np.diff(uid) == 0
+    gaps = np.diff(ts)[same_user & after_ramp]  # the launch ramp stretches every gap
+    assert not np.any((gaps > 65) & (gaps < 1_800))  # 0-60 s steps (+5 s for a late like) or a new session
+    new_session = np.diff(ts)[same_user] >= 1_800
+    sessions_per_user = np.unique(uid[1:][same_user][new_session], return_counts=True)[1] + 1
     assert np.median(sessions_per_user) >= 5
 
 
-def test_listen_columns_are_null_exactly_off_listens(events):
+def test_listen_columns_are_null_off_listens_and_some_ratios_null(events):
     listen = events["event_type"] == LISTEN
-    assert np.array_equal(events["played_ratio_pct_valid"], listen)
     assert np.array_equal(events["track_length_seconds_valid"], listen)
     assert np.all(events["track_length_seconds"][listen] > 0)
+    ratio_valid = events["played_ratio_pct_valid"]
+    assert not np.any(ratio_valid & ~listen)
+    null_share = np.mean(~ratio_valid[listen])  # listens whose ratio was lost (the reference: a skip)
+    assert 0.003 < null_share < 0.008, null_share
+
+
+def test_timestamp_ties_within_a_user(events):
+    uid, ts, et = events["uid"].astype(np.int64), events["timestamp"].astype(np.int64), events["event_type"]
+    listen = et == LISTEN
+    tied = (np.diff(uid[listen]) == 0) & (np.diff(ts[listen]) == 0)  # two listens in one 5-s bin
+    assert 0.01 < tied.mean() < 0.06, tied.mean()
+    runs = np.unique(np.stack([uid[listen][1:][tied], ts[listen][1:][tied]]), axis=1, return_counts=True)[1]
+    assert runs.max() >= 2  # some bins hold three listens or more
 
 
 def test_event_mix_and_replays(events):
@@ -102,7 +118,8 @@ def test_event_mix_and_replays(events):
 
 def test_likes_follow_a_listen_plus_and_unlikes_a_like(events):
     uid, item, ts, et = events["uid"], events["item_id"], events["timestamp"], events["event_type"]
-    plus = (et == LISTEN) & (events["played_ratio_pct"] >= 50)
+    # A like follows a listen_plus, or a listen whose ratio was lost.
+    plus = (et == LISTEN) & ((events["played_ratio_pct"] >= 50) | ~events["played_ratio_pct_valid"])
     listened = set(zip(uid[plus].tolist(), item[plus].tolist(), ts[plus].tolist()))
     for u, i, t in zip(uid[et == LIKE].tolist(), item[et == LIKE].tolist(), ts[et == LIKE].tolist()):
         assert (u, i, t) in listened or (u, i, t - 5) in listened
@@ -114,9 +131,17 @@ def test_likes_follow_a_listen_plus_and_unlikes_a_like(events):
 
 
 def test_per_user_activity_is_heavy_tailed(events):
-    counts = np.bincount(events["uid"])
+    counts = np.unique(events["uid"], return_counts=True)[1]
     assert counts.max() > 5 * np.median(counts)
     assert 150_000 <= len(events["uid"]) <= 300_000
+
+
+def _last_row_wins(table: pa.Table, id_name: str, n_items: int) -> np.ndarray:
+    """Per item, the id of its last row in file order (the reference's rule); -1 when unmapped."""
+    out = np.full(n_items, -1, np.int64)
+    for i, a in zip(table.column("item_id").to_pylist(), table.column(id_name).to_pylist()):
+        out[i] = a
+    return out
 
 
 def test_mappings_cover_about_99_percent_of_items(tiny):
@@ -125,17 +150,75 @@ def test_mappings_cover_about_99_percent_of_items(tiny):
     album = pq.read_table(tiny.album_mapping)
     for table in (artist, album):
         items = table.column("item_id").to_numpy()
-        assert len(np.unique(items)) == len(items)  # one row per item at most
-        assert 0.98 < len(items) / n_items < 0.999
+        assert 0.98 < len(np.unique(items)) / n_items < 0.999
         assert items.max() < n_items and 0 in items
     assert 0 in artist.column("artist_id").to_numpy() and 0 in album.column("album_id").to_numpy()
-    # An album belongs to one artist.
-    item_artist = dict(zip(artist.column("item_id").to_pylist(), artist.column("artist_id").to_pylist()))
+    # An album belongs to one artist, reading each item's last row.
+    item_artist = _last_row_wins(artist, "artist_id", n_items)
+    item_album = _last_row_wins(album, "album_id", n_items)
+    both = (item_artist >= 0) & (item_album >= 0)
     album_artists: dict[int, set[int]] = {}
-    for a, i in zip(album.column("album_id").to_pylist(), album.column("item_id").to_pylist()):
-        if i in item_artist:
-            album_artists.setdefault(a, set()).add(item_artist[i])
+    for a, b in zip(item_album[both].tolist(), item_artist[both].tolist()):
+        album_artists.setdefault(a, set()).add(b)
     assert all(len(s) == 1 for s in album_artists.values())
+
+
+@pytest.mark.parametrize("id_name", ["artist_id", "album_id"])
+def test_some_items_have_several_mapping_rows_and_the_last_wins(tiny, id_name):
+    path = tiny.artist_mapping if id_name == "artist_id" else tiny.album_mapping
+    table = pq.read_table(path)
+    rows: dict[int, list[int]] = {}
+    for i, a in zip(table.column("item_id").to_pylist(), table.column(id_name).to_pylist()):
+        rows.setdefault(i, []).append(a)
+    multi = {i: ids for i, ids in rows.items() if len(ids) > 1}
+    assert 0.01 < len(multi) / len(rows) < 0.06, len(multi) / len(rows)
+    # The last row is neither the first, nor the smallest, nor the largest id: only "last wins" reads it.
+    assert all(ids[-1] != ids[0] and min(ids) < ids[-1] < max(ids) for ids in multi.values())
+
+
+@pytest.mark.parametrize("size", list(synthetic.SPECS))
+def test_uids_reach_the_edge_of_the_presets_uid_table(size):
+    cfg = load_config(f"synthetic-{size}")
+    assert cfg.dataset.size == size and synthetic.SPECS[size].uid_rows == cfg.sampler.uid_rows
+    uids = synthetic.user_ids(synthetic.SPECS[size], SEED)
+    assert len(np.unique(uids)) == len(uids) == synthetic.SPECS[size].users and np.all(np.diff(uids) > 0)
+    assert uids[0] == 0 and uids[-1] == cfg.sampler.uid_rows - 1
+
+
+def test_uids_in_the_data_are_sparse_up_to_the_edge(events):
+    uids = np.unique(events["uid"])
+    spec = synthetic.SPECS["tiny"]
+    assert uids.tolist() == synthetic.user_ids(spec, SEED).tolist()
+    assert uids.max() == spec.uid_rows - 1 and len(uids) < uids.max() // 10
+
+
+def _earliest_anchor(events: dict[str, np.ndarray], preset: str) -> tuple[int, int, int]:
+    """(train start, earliest anchor, events before the train start) by the reference's rules (SPEC §2, §9)."""
+    pre = load_config(preset).preprocess
+    uid, ts, et = events["uid"].astype(np.int64), events["timestamp"].astype(np.int64), events["event_type"]
+    train_end = int(ts.max()) - pre.test_span_seconds - pre.split_gap_seconds
+    train_start = train_end - pre.num_train_days * 86_400
+    keep = (ts >= train_start) & (ts < train_end)  # events before the train start never count
+    u = uid[keep]
+    first = np.flatnonzero(np.r_[True, np.diff(u) != 0])
+    local = np.arange(len(u)) - np.repeat(first, np.diff(np.r_[first, len(u)]))
+    anchors = (et[keep] == LISTEN) & (local >= pre.min_history)
+    return train_start, int(ts[keep][anchors].min()), int(np.sum(ts < train_start))
+
+
+def test_earliest_anchor_is_days_after_the_train_start(events, tmp_path):
+    day = 86_400
+    train_start, earliest, before = _earliest_anchor(events, "synthetic-tiny")
+    assert earliest >= train_start + day, (earliest - train_start) / day
+    assert before > 0  # some users listen before the train start; those events never count
+    assert train_start + day <= synthetic.launch_ramp_seconds(synthetic.SPECS["tiny"].days)
+    # The preset's own seed too.
+    files = synthetic.generate(tmp_path, "tiny", load_config("synthetic-tiny").dataset.synthetic_seed, progress=False)
+    table = pq.read_table(files.multi_event, columns=["uid", "timestamp", "event_type"])
+    other = {n: table.column(n).to_numpy() for n in ("uid", "timestamp")}
+    other["event_type"] = table.column("event_type").combine_chunks().indices.to_numpy().astype(np.int64)
+    train_start, earliest, _ = _earliest_anchor(other, "synthetic-tiny")
+    assert earliest >= train_start + day, (earliest - train_start) / day
 
 
 def test_listen_plus_is_predictable_from_recent_history(tiny, events):

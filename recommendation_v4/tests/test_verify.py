@@ -75,6 +75,9 @@ def _tamper(store, rel, change):
     ("train/timestamp.npy", lambda a: a.__setitem__(1, a[0] - 5), "train: timestamps"),
     ("items/popularity.npy", lambda a: a.__setitem__(0, a[0] + 1), "popularity does not sum"),
     ("anchors/window_offsets.npy", lambda a: a.__setitem__(slice(1, None), a[1:] - 1), "anchors"),
+    ("train/session_id.npy", lambda a: a.__setitem__(slice(None), a + (np.arange(len(a)) == len(a) // 2)),
+     "session_id does not follow the 1800 s gap rule"),
+    ("test/session_id.npy", lambda a: a.__setitem__(slice(None), 0), "test: session_id"),
 ])
 def test_invariant_violations_are_found(store, rel, change, message):
     _tamper(store, rel, change)
@@ -94,3 +97,19 @@ def test_a_dropped_anchor_is_found(store):
     write_md5s(store)
     problems = verify_store(store, progress=False)
     assert any("listens have at least" in p for p in problems), problems
+
+
+def test_meta_counts_and_window_span_are_checked(store):
+    import json
+
+    meta = json.loads((store / "meta.json").read_text())
+    meta["counts"]["eval_samples"] += 1
+    (store / "meta.json").write_text(json.dumps(meta))
+    write_md5s(store)
+    assert any("counts.eval_samples" in p for p in verify_store(store, progress=False))
+    meta["counts"]["eval_samples"] -= 1
+    meta["split"]["t_min"] -= 5
+    (store / "meta.json").write_text(json.dumps(meta))
+    write_md5s(store)
+    problems = verify_store(store, progress=False)
+    assert any("t_min" in p or "another window" in p for p in problems), problems

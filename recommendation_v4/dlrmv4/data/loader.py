@@ -1,15 +1,17 @@
 """Streaming loader: jagged batches of one or more windows, in strict time order (SPEC §4).
 
-A window's anchors are cut into consecutive batches (``store.window_anchors`` is already in
-time order; the optional in-window shuffle permutes it first with a generator seeded from
-(seed, window)). Batches never span two windows. Batch i of the plan is built by worker
+A window's anchors are cut into consecutive batches, in the store's order (ascending event index:
+user-major, the reference's) or, with ``loader.window_order = "time"``, in time order (ties by
+index); the optional in-window shuffle permutes that order with a generator seeded from
+(seed, window). Batches never span two windows. Batch i of the plan is built by worker
 i mod num_workers, which is exactly the order the DataLoader's round-robin collects them in,
 so the stream is identical for any number of workers. Workers convert numpy to torch (zero
 copy); the main process pins them when a GPU is present.
 
 In a run of several processes the plan is the global one (the batch size is the global batch
-size) and each rank builds only its contiguous slice of every batch (``rank_bounds``), so the
-global batches, the step count and the eval points do not depend on the world size.
+size) and each rank builds only its share of every batch (``rank_share``: samples r, r + W, ... as
+the reference does, or a contiguous slice), so the global batches, the step count and the eval
+points do not depend on the world size.
 """
 
 from __future__ import annotations
@@ -34,10 +36,20 @@ class BatchSlice(NamedTuple):
     stop: int
 
 
-def rank_bounds(part: BatchSlice, rank: int, world_size: int) -> tuple[int, int]:
-    """Rank ``rank``'s share ``[lo, hi)`` of a batch: contiguous, sizes differing by at most one."""
-    n = part.stop - part.start
-    return part.start + n * rank // world_size, part.start + n * (rank + 1) // world_size
+RANK_SLICINGS = ("strided", "contiguous")
+
+
+def rank_share(part: BatchSlice, rank: int, world_size: int, slicing: str = "strided") -> np.ndarray:
+    """Positions (into the window's order) of rank ``rank``'s samples of a batch: ``strided``
+    takes samples r, r + W, r + 2W, ... (the reference's), ``contiguous`` an equal consecutive
+    slice; either way the shares' sizes differ by at most one."""
+    if slicing == "strided":
+        return np.arange(part.start + rank, part.stop, world_size, dtype=np.int64)
+    if slicing == "contiguous":
+        n = part.stop - part.start
+        return np.arange(part.start + n * rank // world_size, part.start + n * (rank + 1) // world_size,
+                         dtype=np.int64)
+    raise ValueError(f"rank slicing {slicing!r} is not one of {', '.join(RANK_SLICINGS)}")
 
 
 def plan_batches(window_sizes: Sequence[tuple[int, int]], batch_size: int, drop_last: bool) -> list[BatchSlice]:
@@ -49,9 +61,14 @@ def plan_batches(window_sizes: Sequence[tuple[int, int]], batch_size: int, drop_
     return plan
 
 
-def window_order(store: Store, window: int, shuffle: bool, seed: int) -> np.ndarray:
-    """The window's anchors in batch order: time order, or a permutation seeded by (seed, window)."""
+def window_order(store: Store, window: int, order: str, shuffle: bool, seed: int) -> np.ndarray:
+    """The window's anchors in batch order: the store's (ascending event index) or time order (ties
+    by index), then, with ``shuffle``, a permutation seeded by (seed, window)."""
     anchors = np.asarray(store.window_anchors(window))
+    if order == "time":
+        anchors = anchors[np.lexsort((anchors, np.asarray(store.train.timestamp)[anchors]))]
+    elif order != "index":
+        raise ValueError(f"window order {order!r} is not one of index, time")
     if not shuffle:
         return anchors
     return anchors[np.random.default_rng([seed, window]).permutation(len(anchors))]
@@ -66,7 +83,7 @@ class WindowDataset(IterableDataset):
 
     def __init__(self, store: Store, windows: Sequence[int], cfg: SamplerConfig, *, batch_size: int,
                  shuffle: bool = False, seed: int = 0, drop_last: bool = False, start_batch: int = 0,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, order: str = "index", slicing: str = "strided") -> None:
         super().__init__()
         windows = [int(w) for w in windows]
         bad = [w for w in windows if not 0 <= w < store.num_windows]
@@ -83,6 +100,7 @@ class WindowDataset(IterableDataset):
         self.seed = seed
         self.start_batch = start_batch
         self.rank, self.world_size = rank, world_size
+        self.order, self.slicing = order, slicing
 
     def __len__(self) -> int:
         return len(self.plan) - self.start_batch
@@ -98,12 +116,12 @@ class WindowDataset(IterableDataset):
         order_window, order = -1, np.zeros(0, dtype=np.int64)
         for part in mine:
             if part.window != order_window:
-                order_window, order = part.window, window_order(store, part.window, self.shuffle, self.seed)
-            lo, hi = rank_bounds(part, self.rank, self.world_size)
-            if lo == hi:  # a tail batch smaller than the world: this rank scores a stand-in, ignored
-                lo = hi - 1 if hi > part.start else part.start
-                hi = lo + 1
-            yield build_batch(store, order[lo:hi], self.cfg, item_sides).to_torch()
+                order_window, order = part.window, window_order(store, part.window, self.order, self.shuffle,
+                                                                 self.seed)
+            share = rank_share(part, self.rank, self.world_size, self.slicing)
+            if not len(share):  # a tail batch smaller than the world: this rank scores a stand-in, ignored
+                share = np.array([part.start], dtype=np.int64)
+            yield build_batch(store, order[share], self.cfg, item_sides).to_torch()
 
 
 def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfig, start_batch: int = 0,
@@ -112,7 +130,8 @@ def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfi
     and yields rank ``rank``'s slice of every batch."""
     dataset = WindowDataset(store, windows, cfg.sampler, batch_size=cfg.loader.batch_size,
                             shuffle=cfg.loader.shuffle_within_window, seed=cfg.seed, drop_last=drop_last,
-                            start_batch=start_batch, rank=rank, world_size=world_size)
+                            start_batch=start_batch, rank=rank, world_size=world_size,
+                            order=cfg.loader.window_order, slicing=cfg.loader.rank_slicing)
     workers = cfg.loader.num_workers
     # An own generator: creating an iterator draws a worker base seed, which must not consume the
     # global torch RNG (dropout draws from it, and a resumed run must see the same stream).

@@ -1,22 +1,33 @@
-"""Raw Yambda parquet -> the processed store (SPEC §2), in one streaming pass with bounded memory.
+"""Raw Yambda parquet -> the processed store (SPEC §2, with the reference's rules of SPEC §9), in one
+streaming pass with bounded memory.
 
 The raw file is sorted by (uid, timestamp), so it is read in chunks of ``rows_per_chunk`` rows
 that are cut at user boundaries (the last user of a chunk is carried into the next). Each chunk
-is decoded and checked with polars, split and labelled with numpy, and appended to memory-mapped
-output columns sized by the raw row count; the columns are cut to their real length at the end.
-Anchors are bucketed per window in small side files and sorted window by window. Memory is
-O(rows_per_chunk + largest user + largest window's anchors + users), not O(events).
+is decoded and checked with polars, split and labelled with numpy, and appended to output
+columns sized by the raw row count; the columns are cut to their real length at the end.
+Anchors go to per-day side files during the pass (the windows depend on the earliest anchor,
+known only at the end) and are cut into windows day by day afterwards. Memory is
+O(rows_per_chunk + largest user + two days' anchors + users), not O(events).
 
-Choices (documented in the README):
-- Global temporal split: ``t_end`` = ``last_timestamp`` (or max timestamp + 1 when 0);
-  test = [t_end - test_span, t_end); train = [train_end - num_train_days * window, train_end) with
-  train_end = test start - gap. Events in the gap or before the train span are dropped (counted).
+Choices (the MLPerf reference's, documented in the README):
+- Global temporal split: ``t_end`` = the data's largest timestamp (or ``last_timestamp`` when
+  nonzero), exclusive: events at ``t_end`` itself are dropped. Test = [t_end - test_span, t_end);
+  train = [train_end - num_train_days * window, train_end) with train_end = test start - gap.
+  Events in the gap, before the train span or at/after ``t_end`` are dropped (counted).
   Test keeps only users with at least one train event.
-- Listens with a null ``played_ratio_pct`` cannot be labelled: ``null_ratio_policy`` "drop"
-  (default: dropped and counted in meta.json) or "error".
-- Sessions are numbered per user over all of the user's kept events, so test sessions continue
-  the train numbering.
-- An item's artist (album) is the smallest artist_id (album_id) mapped to it; unmapped items get 0.
+- Listens with a null ``played_ratio_pct``: ``null_ratio_policy`` "skip" (default) keeps them
+  with the ratio read as 0, so they are skips (action bit 4) and, as anchors, label 0; "drop"
+  drops them; "error" refuses the data. meta.json counts them under any policy.
+- Sessions: a new session when the gap to the user's previous event of the same split is
+  strictly greater than ``session_gap_seconds``. Train sessions are numbered from 0 per user over
+  the user's train events; test sessions get their own numbering from 0 over the test events.
+- An item's artist (album) is the one on its LAST mapping row in file order; unmapped items get 0.
+- Anchors are listens whose user-local index among the user's train-span events (all five
+  types) is >= ``min_history``. Windows start at t_min = the earliest anchor's timestamp:
+  window = (ts - t_min) // window_seconds, N = ceil((t_last - t_min + 1) / window_seconds)
+  windows with t_last the latest anchor's timestamp; windows 0..N-2 train, window N-1 (usually
+  a partial day) is the eval holdout. ``num_train_days`` sets only the train span. Inside a
+  window, anchors are in ascending train event index (user-major).
 """
 
 from __future__ import annotations
@@ -47,7 +58,7 @@ class SplitBounds:
     t_end: int
     test_start: int
     train_end: int
-    train_start: int  # may be negative: windows are anchored to train_end, not to the data's start
+    train_start: int  # may be negative: the span is anchored to train_end, not to the data's start
 
     @staticmethod
     def from_config(t_end: int, cfg: PreprocessConfig) -> "SplitBounds":
@@ -60,6 +71,7 @@ class SplitBounds:
 @dataclass
 class _Counts:
     raw_events: int = 0
+    null_ratio_listens: int = 0
     dropped_null_ratio_listens: int = 0
     dropped_before_train_start: int = 0
     dropped_in_gap: int = 0
@@ -69,7 +81,7 @@ class _Counts:
 
 
 class _SplitWriter:
-    """Appends one split's CSR columns into upper-bound-sized memmaps."""
+    """Appends one split's CSR columns into upper-bound-sized files."""
 
     def __init__(self, root: Path, split: str, capacity: int) -> None:
         self.root, self.split = root, split
@@ -101,43 +113,84 @@ class _SplitWriter:
         return len(uids), self.size
 
 
-class _AnchorBuckets:
-    """Per-window side files of (event index, timestamp), sorted per window at the end."""
+@dataclass(frozen=True)
+class WindowLayout:
+    """The windows of the anchors: t_min = the earliest anchor's timestamp, N windows of ``seconds``."""
+    t_min: int | None
+    t_last: int | None
+    num_windows: int
 
-    def __init__(self, root: Path, num_windows: int) -> None:
+    @staticmethod
+    def of(t_min: int | None, t_last: int | None, seconds: int) -> "WindowLayout":
+        if t_min is None or t_last is None:
+            return WindowLayout(None, None, 0)
+        return WindowLayout(t_min, t_last, (t_last - t_min) // seconds + 1)  # ceil((t_last - t_min + 1) / W)
+
+
+class _AnchorBuckets:
+    """Anchors (train event index, timestamp) in per-day side files during the pass.
+
+    Days count from the train start; the final windows count from the earliest anchor, so a
+    window spans at most two days and is cut from them at the end. Anchors arrive in ascending
+    event index, which every side file keeps.
+    """
+
+    def __init__(self, root: Path, train_start: int, window_seconds: int, num_days: int) -> None:
         self.dir = root / "_anchor_buckets"
         self.dir.mkdir()
-        self.num_windows = num_windows
-        self.counts = np.zeros(num_windows, np.int64)
+        self.train_start, self.width, self.num_days = train_start, window_seconds, num_days
+        self.counts = np.zeros(num_days, np.int64)
+        self.t_min: int | None = None
+        self.t_last: int | None = None
 
-    def add(self, window: np.ndarray, event_index: np.ndarray, timestamp: np.ndarray) -> None:
-        order = np.argsort(window, kind="stable")
-        window, event_index, timestamp = window[order], event_index[order], timestamp[order]
-        bounds = np.searchsorted(window, np.arange(self.num_windows + 1))
-        for w in np.flatnonzero(np.diff(bounds)):
-            lo, hi = bounds[w], bounds[w + 1]
-            with open(self.dir / f"{w}.idx", "ab") as fh:
+    def add(self, event_index: np.ndarray, timestamp: np.ndarray) -> None:
+        if not len(timestamp):
+            return
+        lo, hi = int(timestamp.min()), int(timestamp.max())
+        self.t_min = lo if self.t_min is None else min(self.t_min, lo)
+        self.t_last = hi if self.t_last is None else max(self.t_last, hi)
+        day = (timestamp - self.train_start) // self.width
+        order = np.argsort(day, kind="stable")  # stable: index order inside a day
+        day, event_index, timestamp = day[order], event_index[order], timestamp[order]
+        bounds = np.searchsorted(day, np.arange(self.num_days + 1))
+        for d in np.flatnonzero(np.diff(bounds)):
+            lo, hi = bounds[d], bounds[d + 1]
+            with open(self.dir / f"{d}.idx", "ab") as fh:
                 fh.write(event_index[lo:hi].astype(np.int64).tobytes())
-            with open(self.dir / f"{w}.ts", "ab") as fh:
+            with open(self.dir / f"{d}.ts", "ab") as fh:
                 fh.write(timestamp[lo:hi].astype(np.uint32).tobytes())
-            self.counts[w] += hi - lo
+            self.counts[d] += hi - lo
 
-    def finish(self, root: Path) -> np.ndarray:
-        offsets = np.zeros(self.num_windows + 1, np.int64)
-        np.cumsum(self.counts, out=offsets[1:])
-        out = st.ArrayAppender(root / "anchors" / "event_index.npy", np.dtype(np.int64), int(offsets[-1]))
-        for w in range(self.num_windows):
-            if self.counts[w] == 0:
-                continue
-            idx = np.fromfile(self.dir / f"{w}.idx", dtype=np.int64)
-            ts = np.fromfile(self.dir / f"{w}.ts", dtype=np.uint32)
-            out.append(idx[np.lexsort((idx, ts))])  # time order, ties by index
+    def _day(self, d: int) -> tuple[np.ndarray, np.ndarray]:
+        if not 0 <= d < self.num_days or self.counts[d] == 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return (np.fromfile(self.dir / f"{d}.idx", dtype=np.int64),
+                np.fromfile(self.dir / f"{d}.ts", dtype=np.uint32).astype(np.int64))
+
+    def finish(self, root: Path) -> tuple[WindowLayout, np.ndarray]:
+        layout = WindowLayout.of(self.t_min, self.t_last, self.width)
+        offsets = np.zeros(layout.num_windows + 1, np.int64)
+        out = st.ArrayAppender(root / "anchors" / "event_index.npy", np.dtype(np.int64), int(self.counts.sum()))
+        if layout.num_windows:
+            first_day = (layout.t_min - self.train_start) // self.width
+            days = {first_day: self._day(first_day)}
+            for w in range(layout.num_windows):
+                # Window w lies inside days first_day + w and first_day + w + 1.
+                d = first_day + w
+                days = {k: v for k, v in days.items() if k >= d}
+                days.setdefault(d + 1, self._day(d + 1))
+                parts = [idx[(ts - layout.t_min) // self.width == w] for idx, ts in (days[d], days[d + 1])]
+                idx = np.sort(np.concatenate(parts))  # ascending event index: user-major
+                out.append(idx)
+                offsets[w + 1] = offsets[w] + len(idx)
         out.close()
+        if offsets[-1] != self.counts.sum():
+            raise AssertionError("anchors lost while cutting windows")  # a bug, not bad input
         st.save_array(root / "anchors" / "window_offsets.npy", offsets)
         for f in self.dir.iterdir():
             f.unlink()
         self.dir.rmdir()
-        return offsets
+        return layout, offsets
 
 
 def _decode_event_types(df: pl.DataFrame, path: Path, row_base: int) -> np.ndarray:
@@ -182,7 +235,18 @@ def _local_index(starts: np.ndarray, n: int) -> np.ndarray:
     return np.arange(n, dtype=np.int64) - np.repeat(starts[:-1], lengths)
 
 
+def session_numbers(starts: np.ndarray, ts: np.ndarray, gap_seconds: int) -> np.ndarray:
+    """Per-user session number from 0: a new session when the gap to the previous event is > the gap."""
+    if len(ts) == 0:
+        return np.zeros(0, np.uint32)
+    new = np.diff(ts.astype(np.int64), prepend=np.int64(ts[0])) > gap_seconds
+    new[starts[:-1]] = True
+    cum = np.cumsum(new, dtype=np.int64)
+    return (cum - np.repeat(cum[starts[:-1]], np.diff(starts))).astype(np.uint32)
+
+
 def resolve_t_end(path: Path, pf: pq.ParquetFile, cfg: PreprocessConfig) -> int:
+    """The exclusive split end: ``last_timestamp``, or when 0 the data's largest timestamp."""
     if cfg.last_timestamp:
         return cfg.last_timestamp
     # Row-group statistics give the maximum without a pass over the data.
@@ -194,22 +258,24 @@ def resolve_t_end(path: Path, pf: pq.ParquetFile, cfg: PreprocessConfig) -> int:
             best = int(pl.scan_parquet(path).select(pl.col("timestamp").max()).collect().item())
             break
         best = max(best, int(stats.max))
-    return best + 1
+    return best
 
 
 def _read_item_table(path: Path, id_column: str) -> tuple[np.ndarray, np.ndarray]:
+    """(item, id) pairs, one per item: the item's last row in file order (as the reference assigns)."""
     pf = open_parquet(path)
     check_mapping_schema(path, pf.schema_arrow, id_column)
     try:
         df = pl.read_parquet(path, columns=["item_id", id_column])
     except Exception as exc:  # polars raises several types for damaged files
         raise UserError(f"{path}: cannot read ({one_line(exc)})")
-    df = df.group_by("item_id").agg(pl.col(id_column).min())
     items = df.get_column("item_id").to_numpy().astype(np.int64)
     ids = df.get_column(id_column).to_numpy().astype(np.int64)
     if len(items) and (items.min() < 0 or ids.min() < 0):
         raise UserError(f"{path}: negative ids")
-    return items, ids
+    # np.unique keeps the first occurrence: over the reversed rows that is each item's last row.
+    last_items, first_rev = np.unique(items[::-1], return_index=True)
+    return last_items, ids[::-1][first_rev]
 
 
 def _item_table(items: np.ndarray, ids: np.ndarray, num_items: int) -> np.ndarray:
@@ -259,8 +325,10 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
         meta["constants"] = {k: getattr(cfg, k) for k in (
             "last_timestamp", "test_span_seconds", "split_gap_seconds", "num_train_days", "window_seconds",
             "session_gap_seconds", "listen_threshold_pct", "min_history", "null_ratio_policy")}
+        layout: WindowLayout = meta.pop("_layout")
         meta["split"] = {"t_end": bounds.t_end, "test_start": bounds.test_start, "train_end": bounds.train_end,
-                         "train_start": bounds.train_start}
+                         "train_start": bounds.train_start, "t_min": layout.t_min, "t_last": layout.t_last,
+                         "num_windows": layout.num_windows}
         st.write_json(tmp / st.META_FILE, meta)
         st.write_md5s(tmp)
     meta["seconds"] = time.perf_counter() - started
@@ -271,7 +339,7 @@ def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: S
             cfg: PreprocessConfig, progress: bool) -> dict[str, Any]:
     train = _SplitWriter(root, "train", num_rows)
     test = _SplitWriter(root, "test", num_rows)
-    anchors = _AnchorBuckets(root, cfg.num_train_days)
+    anchors = _AnchorBuckets(root, bounds.train_start, cfg.window_seconds, cfg.num_train_days)
     counts = _Counts()
     popularity = np.zeros(0, np.int64)
     max_item = -1
@@ -286,11 +354,12 @@ def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: S
         code = _decode_event_types(df, path, row_base)
         ratio_null = df.get_column("played_ratio_pct").is_null().to_numpy()
         null_listen = (code == LISTEN) & ratio_null
-        if null_listen.any():
-            if cfg.null_ratio_policy == "error":
-                row = row_base + int(np.flatnonzero(null_listen)[0])
-                raise UserError(f"{path}: listen with null played_ratio_pct at row {row} "
-                                "(use --null-ratio-policy drop to drop such rows)")
+        counts.null_ratio_listens += int(np.count_nonzero(null_listen))
+        if null_listen.any() and cfg.null_ratio_policy == "error":
+            row = row_base + int(np.flatnonzero(null_listen)[0])
+            raise UserError(f"{path}: listen with null played_ratio_pct at row {row} "
+                            "(--null-ratio-policy skip keeps such listens as skips, drop drops them)")
+        if null_listen.any() and cfg.null_ratio_policy == "drop":
             keep = ~null_listen
             counts.dropped_null_ratio_listens += int(null_listen.sum())
             df, code = df.filter(pl.Series(keep)), code[keep]
@@ -298,19 +367,10 @@ def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: S
         ts = df.get_column("timestamp").to_numpy().astype(np.int64)
         item = df.get_column("item_id").to_numpy()
         organic = df.get_column("is_organic").to_numpy()
-        ratio = df.get_column("played_ratio_pct").fill_null(0).to_numpy()
+        ratio = df.get_column("played_ratio_pct").fill_null(0).to_numpy()  # "skip": a null reads as 0
         for i, name in enumerate(EVENT_TYPES):
             counts.event_types[name] += int(np.count_nonzero(code == i))
         counts.raw_events += n_raw
-
-        # Sessions over all of the user's kept events (before the split).
-        starts = _user_starts(uid)
-        first = np.zeros(len(uid), bool)
-        first[starts[:-1]] = True
-        gap = np.diff(ts, prepend=ts[:1])
-        new_session = first | (gap >= cfg.session_gap_seconds)
-        cum = np.cumsum(new_session, dtype=np.int64)
-        session = cum - np.repeat(cum[starts[:-1]], np.diff(starts))
 
         is_listen = code == LISTEN
         plus = ratio >= cfg.listen_threshold_pct
@@ -324,11 +384,14 @@ def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: S
         counts.dropped_at_or_after_end += int(np.count_nonzero(ts >= bounds.t_end))
 
         cols = {"item_id": item, "timestamp": ts.astype(np.uint32), "event_code": code, "action": action,
-                "is_organic": organic, "session_id": session.astype(np.uint32)}
+                "is_organic": organic}
         tr_uid = uid[in_train]
         tr_starts = _user_starts(tr_uid)
         tr_users = tr_uid[tr_starts[:-1]]
-        base = train.append(tr_users, np.diff(tr_starts), {k: v[in_train] for k, v in cols.items()})
+        tr_ts = ts[in_train]
+        tr_cols = {k: v[in_train] for k, v in cols.items()}
+        tr_cols["session_id"] = session_numbers(tr_starts, tr_ts, cfg.session_gap_seconds)
+        base = train.append(tr_users, np.diff(tr_starts), tr_cols)
         if len(tr_uid):
             tr_item = item[in_train].astype(np.int64)
             max_item = max(max_item, int(tr_item.max()))
@@ -337,11 +400,8 @@ def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: S
                 popularity = np.concatenate([popularity, np.zeros(len(hist) - len(popularity), np.int64)])
             popularity[:len(hist)] += hist
             local = _local_index(tr_starts, len(tr_uid))
-            tr_ts = ts[in_train]
-            is_anchor = (code[in_train] == LISTEN) & (local >= cfg.min_history)
-            pos = np.flatnonzero(is_anchor)
-            window = (tr_ts[pos] - bounds.train_start) // cfg.window_seconds
-            anchors.add(window, base + pos, tr_ts[pos])
+            pos = np.flatnonzero((code[in_train] == LISTEN) & (local >= cfg.min_history))
+            anchors.add(base + pos, tr_ts[pos])
 
         # Test keeps only users seen in train; users are whole inside a chunk.
         seen = np.isin(uid, tr_users, assume_unique=False) & in_test
@@ -350,7 +410,9 @@ def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: S
         if len(te_uid):
             max_item = max(max_item, int(item[seen].max()))
         te_starts = _user_starts(te_uid)
-        test.append(te_uid[te_starts[:-1]], np.diff(te_starts), {k: v[seen] for k, v in cols.items()})
+        te_cols = {k: v[seen] for k, v in cols.items()}
+        te_cols["session_id"] = session_numbers(te_starts, ts[seen], cfg.session_gap_seconds)
+        test.append(te_uid[te_starts[:-1]], np.diff(te_starts), te_cols)
 
     for chunk in _iter_chunks(pf, path, cfg.rows_per_chunk):
         uid_np = chunk.get_column("uid").to_numpy()
@@ -377,18 +439,24 @@ def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: S
     if train_events == 0:
         raise UserError(f"{path}: no events fall in the train span [{bounds.train_start}, {bounds.train_end}); "
                         "check last_timestamp / num_train_days against the data's timestamps")
-    window_offsets = anchors.finish(root)
+    layout, window_offsets = anchors.finish(root)
+    per_window = np.diff(window_offsets)
     return {
         "counts": {"raw_events": counts.raw_events, "train_events": train_events, "test_events": test_events,
                    "train_users": train_users, "test_users": test_users,
+                   "null_ratio_listens": counts.null_ratio_listens,
                    "dropped_null_ratio_listens": counts.dropped_null_ratio_listens,
                    "dropped_before_train_start": counts.dropped_before_train_start,
                    "dropped_in_gap": counts.dropped_in_gap,
                    "dropped_at_or_after_end": counts.dropped_at_or_after_end,
                    "dropped_test_unseen_user": counts.dropped_test_unseen_user,
                    "anchors": int(window_offsets[-1]),
-                   "anchors_per_window": np.diff(window_offsets).tolist()},
+                   "anchors_per_window": per_window.tolist(),
+                   # What the MLPerf log states: windows 0..N-2 train, window N-1 is the holdout.
+                   "train_samples": int(per_window[:-1].sum()),
+                   "eval_samples": int(per_window[-1]) if len(per_window) else 0},
         "event_type_counts": counts.event_types,
         "_num_items": max_item + 1,
         "_popularity": popularity,
+        "_layout": layout,
     }

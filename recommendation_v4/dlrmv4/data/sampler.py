@@ -5,7 +5,9 @@ For an anchor at global train event index g of user u (CSR row u: events
 ``[max(user_offsets[u], g - scan_window), g)``: the last ``per_pool_length`` events of each pool
 (action bit 1 listen_plus, 2 like, 4 skip; action 0 never enters), merged back into time order.
 A batch is built with one loop over samples that only finds positions inside the window, then
-one concatenated gather per column for the whole batch.
+one concatenated gather per column for the whole batch. The contextual features are
+``hashing.contextual_ids`` of the anchor (the reference's xxh64 crosses; the raw uid is its row, so
+a batch with a uid at or beyond ``sampler.uid_rows`` is refused with a ``UserError``).
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def build_batch(store: Store, anchor_indices: np.ndarray, cfg: SamplerConfig,
     query_time = cand_ts.copy()
     has_history = lengths > 0
     query_time[has_history] = hist_ts[hist_offsets[1:][has_history] - 1]
-    uid = np.asarray(train.user_ids)[user]
+    uid = np.asarray(train.user_ids)[user]  # checked against uid_rows by contextual_ids, once per batch
     ctx = contextual_ids(uid, cand_item, cand_artist, cand_album, cand_ts, np.asarray(train.is_organic)[anchors], cfg)
 
     return JaggedBatch(

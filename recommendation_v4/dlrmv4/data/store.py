@@ -2,7 +2,7 @@
 
 Layout of one store directory (every array is a plain ``.npy`` opened with ``mmap_mode='r'``)::
 
-    meta.json                 schema version, source + revision, constants, counts
+    meta.json                 schema version, source + revision, constants, split, counts
     md5sums                   "<md5>  <relative path>" for every other file
     train/user_offsets.npy    int64[U+1]   CSR offsets of each user's train-span events
     train/user_ids.npy        uint32[U]    raw uid of each CSR row (ascending)
@@ -11,16 +11,23 @@ Layout of one store directory (every array is a plain ``.npy`` opened with ``mma
     train/event_code.npy      uint8[E]     listen 0, like 1, dislike 2, unlike 3, undislike 4
     train/action.npy          uint8[E]     history pool bit: 1 listen_plus, 2 like, 4 skip, 0 none
     train/is_organic.npy      uint8[E]
-    train/session_id.npy      uint32[E]    per-user session number (new after the session gap)
-    test/...                  the same columns for the test day (users seen in train only)
-    items/artist_id.npy       uint32[I]    per item_id (0 = unknown)
+    train/session_id.npy      uint32[E]    per-user session number from 0 over the user's train
+                                           events; a new one after a gap > session_gap_seconds
+    test/...                  the same columns for the test day (users seen in train only); its
+                              session_id numbers the user's test events on their own, from 0
+    items/artist_id.npy       uint32[I]    per item_id: the last mapping row's id (0 = unmapped)
     items/album_id.npy        uint32[I]
     items/popularity.npy      int64[I]     train-span event count per item
     anchors/event_index.npy   int64[A]     global train event index of each anchor
-    anchors/window_offsets.npy int64[W+1]  anchors of window w: event_index[offsets[w]:offsets[w+1]]
+    anchors/window_offsets.npy int64[N+1]  anchors of window w: event_index[offsets[w]:offsets[w+1]]
 
 Anchors are listen events whose user-local index (position among the user's train-span
-events) is at least ``min_history``; inside a window they are ordered by (timestamp, index).
+events) is at least ``min_history``. Windows count from t_min = the earliest anchor's timestamp:
+window w holds the anchors with (timestamp - t_min) // window_seconds == w, in ascending event
+index (user-major); N = ceil((t_last - t_min + 1) / window_seconds) with t_last the latest
+anchor's timestamp. Windows 0..N-2 train, window N-1 is the eval holdout. meta.json records
+``split.t_min``, ``split.t_last``, ``split.num_windows`` and ``counts.train_samples`` /
+``counts.eval_samples`` (the anchors of windows 0..N-2 / of window N-1).
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ import numpy as np
 
 from dlrmv4.errors import UserError, one_line
 
-STORE_SCHEMA_VERSION = 1
+# 2: the reference's split end, windows from the earliest anchor, sessions over train events only.
+STORE_SCHEMA_VERSION = 2
 META_FILE = "meta.json"
 MD5_FILE = "md5sums"
 
@@ -102,7 +110,9 @@ class Store:
 
     @property
     def window_start_ts(self) -> int:
-        return int(self.meta["split"]["train_start"])
+        """t_min: window w starts at t_min + w * window_seconds (the train start when there are no anchors)."""
+        split = self.meta["split"]
+        return int(split["train_start"] if split.get("t_min") is None else split["t_min"])
 
     @property
     def window_seconds(self) -> int:
@@ -147,9 +157,12 @@ def read_meta(path: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as exc:
         raise UserError(f"{meta_path}: not valid JSON: {one_line(exc)}")
-    if meta.get("schema_version") != STORE_SCHEMA_VERSION:
-        raise UserError(f"{meta_path}: store schema version {meta.get('schema_version')}, this code reads "
-                        f"{STORE_SCHEMA_VERSION}; re-run preprocessing")
+    version = meta.get("schema_version")
+    if version != STORE_SCHEMA_VERSION:
+        made_by = "an older" if isinstance(version, int) and version < STORE_SCHEMA_VERSION else "another"
+        raise UserError(f"{meta_path}: store schema version {version} was written by {made_by} preprocessing, this "
+                        f"code reads version {STORE_SCHEMA_VERSION}; re-run the preprocessing (python -m dlrmv4 "
+                        "prepare with the same dataset flags, or download_dataset.sh)")
     return meta
 
 

@@ -4,22 +4,28 @@ The generative story (docs/synthetic_data.md says it in full):
 
 * Catalog. Items belong to one album, albums to one artist (ids start at 0; 0 is a real id).
   Item popularity is Zipf over a random ranking; each item has a hidden quality and a track
-  length. About 1 % of items get no row in each mapping file ("missing -> 0" path).
-* Users. A lognormal number of listens (heavy tail); a few affine artists with Dirichlet
+  length. About 1 % of items get no row in each mapping file ("missing -> 0" path), and about
+  3 % get two earlier rows with other ids (one smaller, one larger): the last row in file order
+  is the item's real artist/album, as the reference reads it.
+* Users. Sparse uids in [0, uid_rows) with 0 and uid_rows - 1 always present (the uid table's
+  edges). A lognormal number of listens (heavy tail); a few affine artists with Dirichlet
   weights; an exploration rate; a skip bias. Each user starts at a random time and listens in
-  sessions: events every 5-60 s, sessions separated by at least an hour.
+  sessions: events every 5-60 s (some in the same 5-s bin), sessions at least an hour apart.
+  A launch ramp runs the first days of the span slowly, so users need days to build up a
+  history after the train start.
 * A listen picks its item from a mixture of: a repeat of one of the user's recent listens, an
   item of an affine artist (by popularity within the artist), or global popularity.
   Recommendation-driven listens (is_organic = 0) come mostly from the popularity branch.
 * listen_plus (played_ratio_pct >= 50) follows a logistic model: much more likely for affine
   artists and repeats, more likely for organic listens, shifted by item quality and user bias.
-  Full listens sit at 100, some replays go up to 300; skips are skewed towards 0.
+  Full listens sit at 100, some replays go up to 300; skips are skewed towards 0. About 0.5 % of
+  listens have a null played_ratio_pct (the reference reads them as skips).
 * Likes follow some listen_plus (same or next 5-s bin), dislikes follow some skips, and a few
   likes/dislikes are undone later (unlike/undislike at a later listen of the same user).
 
-Randomness: one ``SeedSequence`` per user (spawn key ``(_USER_STREAM, uid)``) and one for the
-catalog, so the output depends on the seed only, never on the block size. The work is
-vectorized per block of users; blocks stream into a ``ParquetWriter`` with ~1M-row groups.
+Randomness: one ``SeedSequence`` per user (spawn key ``(_USER_STREAM, user index)``), one for the
+catalog and one for the uids, so the output depends on the seed only, never on the block size. The
+work is vectorized per block of users; blocks stream into a ``ParquetWriter`` with ~1M-row groups.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class SyntheticSpec:
     albums: int
     mean_listens: int  # per user, before the cap that keeps a user's sessions inside the span
     days: int
+    uid_rows: int = 100_000  # the preset's sampler.uid_rows: uids lie in [0, uid_rows), both ends used
 
 
 SPECS: dict[str, SyntheticSpec] = {
@@ -63,9 +70,16 @@ assert tuple(SPECS) == SYNTHETIC_SIZES
 ROW_GROUP_ROWS = 1 << 20
 BLOCK_LISTENS = 500_000  # listens per user block: bounds memory, not the output
 
-_CATALOG_STREAM, _USER_STREAM = 0, 1
+_CATALOG_STREAM, _USER_STREAM, _UID_STREAM = 0, 1, 2
 _ZIPF_EXPONENT = 1.0
 _UNMAPPED_FRACTION = 0.01
+_MULTI_MAPPED_FRACTION = 0.03  # of mapped items: two earlier rows with other ids before the real one
+_P_NULL_RATIO = 0.005  # listens whose played_ratio_pct is null
+_P_SAME_BIN = 0.03  # a listen in the same 5-s bin as the previous one (a timestamp tie)
+# Launch ramp: the span's first days run this many times slower (every gap is stretched). A day of it
+# holds half an hour of listening, far fewer than 100 events, so no user builds up a tiny-preset
+# history within a day of the train start (which lies inside the ramp).
+_RAMP_DAYS, _RAMP_STRETCH = 3, 48
 _LISTENS_SIGMA = 1.0  # lognormal sigma: Yambda's per-user p95/median ~ 5.5
 _MIN_LISTENS = 5
 _MAX_AFFINE = 8
@@ -86,8 +100,9 @@ _UNDO_MEAN_LISTENS = 200
 _P_FULL, _P_REPLAY = 0.55, 0.08  # of listen_plus: exactly 100 %, or a replay 101..300 %
 
 # Per-listen uniform columns, one row each in the (N_COLS, n) matrix a user draws.
+# New columns go last: a user's earlier columns then keep their values.
 (_C_CHOICE, _C_PICK_A, _C_PICK_B, _C_ORGANIC, _C_PLUS, _C_RATIO_A, _C_RATIO_B, _C_FEEDBACK,
- _C_FEEDBACK_BIN, _C_UNDO, _C_UNDO_DELAY, _C_BREAK, _C_INTRA, _C_INTER, _N_COLS) = range(15)
+ _C_FEEDBACK_BIN, _C_UNDO, _C_UNDO_DELAY, _C_BREAK, _C_INTRA, _C_INTER, _C_TIE, _C_NULL_RATIO, _N_COLS) = range(17)
 
 
 def spec_for(size: str) -> SyntheticSpec:
@@ -110,8 +125,8 @@ class _Catalog:
     cum_artist_pref: np.ndarray  # how likely an artist is to be someone's favourite
     quality: np.ndarray
     track_length: np.ndarray
-    artist_rows: np.ndarray    # items with an artist mapping row
-    album_rows: np.ndarray
+    artist_map: tuple[np.ndarray, np.ndarray]  # (artist_id, item_id) rows in file order
+    album_map: tuple[np.ndarray, np.ndarray]
 
 
 def _catalog(spec: SyntheticSpec, seed: int) -> _Catalog:
@@ -140,8 +155,35 @@ def _catalog(spec: SyntheticSpec, seed: int) -> _Catalog:
     track_length = np.clip(rng.lognormal(np.log(200.0), 0.35, n_items), 30, 900).astype(np.uint32)
     keep = [np.flatnonzero((rng.random(n_items) >= _UNMAPPED_FRACTION) | (np.arange(n_items) == 0))
             for _ in range(2)]
+    artist_map = _mapping_rows(rng, item_artist, keep[0], n_artists)
+    album_map = _mapping_rows(rng, item_album, keep[1], n_albums)
     return _Catalog(item_artist, item_album, np.cumsum(pop), by_artist, cum_by_artist, artist_lo, artist_hi,
-                    artist_first, artist_last, cum_pref, quality, track_length, keep[0], keep[1])
+                    artist_first, artist_last, cum_pref, quality, track_length, artist_map, album_map)
+
+
+def _mapping_rows(rng: np.random.Generator, item_ids: np.ndarray, kept: np.ndarray,
+                  n_ids: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, items) of one mapping file in file order: the kept items ascending, one row each, except a
+    few items that first get two rows with other ids, one smaller and one larger in random order.
+
+    The item's real id comes last, so only the reference's rule (the last row wins) reads it back;
+    the first row, the smallest and the largest id all differ from it.
+    """
+    real = item_ids[kept]
+    n = len(kept)
+    multi = (rng.random(n) < _MULTI_MAPPED_FRACTION) & (real > 0) & (real < n_ids - 1)
+    lower = (rng.random(n) * real).astype(np.int64)  # in [0, real)
+    upper = real + 1 + (rng.random(n) * (n_ids - 1 - real)).astype(np.int64)  # in (real, n_ids)
+    upper_first = rng.random(n) < 0.5
+    rows = 1 + 2 * multi
+    items = np.repeat(kept, rows)
+    ids = np.empty(len(items), np.int64)
+    last = np.cumsum(rows) - 1
+    ids[last] = real
+    m = np.flatnonzero(multi)
+    ids[last[m] - 2] = np.where(upper_first, upper, lower)[m]
+    ids[last[m] - 1] = np.where(upper_first, lower, upper)[m]
+    return ids, items
 
 
 def _sample(cum: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -161,23 +203,23 @@ class _UserDraws:
     u: np.ndarray          # (_N_COLS, total listens)
 
 
-def _draw_users(uids: range, seed: int, cat: _Catalog, max_listens: int, mean_listens: int) -> _UserDraws:
-    m = len(uids)
+def _draw_users(users: range, seed: int, cat: _Catalog, max_listens: int, mean_listens: int) -> _UserDraws:
+    m = len(users)
     n = np.empty(m, np.int64)
     affine = np.full((m, _MAX_AFFINE), -1, np.int64)
     cum_weight = np.full((m, _MAX_AFFINE), 2.0)
     explore, bias, start_frac, tail_weight = (np.empty(m) for _ in range(4))
     mu = np.log(mean_listens) - _LISTENS_SIGMA ** 2 / 2
     cols = []
-    for j, uid in enumerate(uids):
-        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_USER_STREAM, uid)))
+    for j, index in enumerate(users):
+        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_USER_STREAM, index)))
         n[j] = int(np.clip(rng.lognormal(mu, _LISTENS_SIGMA), _MIN_LISTENS, max_listens))
         k = int(rng.integers(1, _MAX_AFFINE + 1))
         affine[j, :k] = _sample(cat.cum_artist_pref, rng.random(k))
         cum_weight[j, :k - 1] = np.cumsum(rng.dirichlet(np.ones(k)))[:-1]
         explore[j] = rng.beta(2.0, 5.0)
         bias[j] = rng.normal(0.0, _USER_BIAS_SD)
-        start_frac[j] = 0.0 if uid == 0 else rng.random() ** 2  # uid 0 starts the dataset at t = 0
+        start_frac[j] = 0.0 if index == 0 else rng.random() ** 2  # user 0 starts the dataset at t = 0
         tail_weight[j] = rng.exponential()
         cols.append(rng.random((_N_COLS, n[j])))
     return _UserDraws(n, affine, cum_weight, explore, bias, start_frac, tail_weight, np.concatenate(cols, axis=1))
@@ -192,12 +234,40 @@ def _resolve_repeats(src: np.ndarray) -> np.ndarray:
         src = nxt
 
 
-def _block_events(uids: range, seed: int, cat: _Catalog, span_bins: int, max_listens: int,
-                  mean_listens: int) -> pa.Table:
-    d = _draw_users(uids, seed, cat, max_listens, mean_listens)
+def user_ids(spec: SyntheticSpec, seed: int) -> np.ndarray:
+    """uid of each user index, ascending: sparse in [0, uid_rows), with 0 and uid_rows - 1 present."""
+    top = spec.uid_rows - 1
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_UID_STREAM,)))
+    inner = np.sort(rng.choice(top - 1, size=spec.users - 2, replace=False)) + 1  # in [1, top)
+    return np.concatenate([[0], inner, [top]]).astype(np.int64)
+
+
+def ramp_bins(span_bins: int) -> int:
+    """Virtual bins of the launch ramp; it fills ``ramp_bins * _RAMP_STRETCH`` real bins (at most a quarter
+    of the span)."""
+    return min(_RAMP_DAYS * 86_400 // TIMESTAMP_BIN_SECONDS, span_bins // 4) // _RAMP_STRETCH
+
+
+def launch_ramp_seconds(days: int) -> int:
+    """Real length of the launch ramp of a span of ``days`` days."""
+    return ramp_bins(days * 86_400 // TIMESTAMP_BIN_SECONDS) * _RAMP_STRETCH * TIMESTAMP_BIN_SECONDS
+
+
+def _launch_time(ts: np.ndarray, ramp: int) -> np.ndarray:
+    """Real bins of virtual bins ``ts``: the first ``ramp`` virtual bins are stretched ``_RAMP_STRETCH`` times.
+
+    Monotone with slope >= 1, so no gap shrinks: ties stay ties and sessions stay an hour apart.
+    """
+    return np.where(ts < ramp, ts * _RAMP_STRETCH, ts + ramp * (_RAMP_STRETCH - 1))
+
+
+def _block_events(users: range, uid_of: np.ndarray, seed: int, cat: _Catalog, span_bins: int, ramp: int,
+                  max_listens: int, mean_listens: int) -> pa.Table:
+    """Events of the users ``users`` (indices); ``span_bins`` is the virtual span (the ramp compressed)."""
+    d = _draw_users(users, seed, cat, max_listens, mean_listens)
     u = d.u
     total = int(d.n.sum())
-    user = np.repeat(np.arange(len(uids)), d.n)
+    user = np.repeat(np.arange(len(users)), d.n)
     first = np.cumsum(d.n) - d.n
     pos = np.arange(total) - first[user]
 
@@ -226,19 +296,20 @@ def _block_events(uids: range, seed: int, cat: _Catalog, span_bins: int, max_lis
                      np.where(ra < _P_REPLAY + _P_FULL, 100, 50 + (50 * rb).astype(np.int64)))
     ratio = np.where(plus, ratio, np.minimum(49, (50 * ra ** 1.5).astype(np.int64)))
 
-    # Time: sessions of 5-60 s steps; the user's slack is spread over the session gaps.
+    # Time: sessions of 5-60 s steps (a few 0: ties); the user's slack is spread over the session gaps,
+    # in virtual time that the launch ramp then stretches.
     brk = (u[_C_BREAK] < 1.0 / _SESSION_MEAN_LISTENS) & (pos > 0)
-    intra = 1 + (u[_C_INTRA] * _INTRA_GAP_BINS).astype(np.int64)
+    intra = np.where(u[_C_TIE] < _P_SAME_BIN, 0, 1 + (u[_C_INTRA] * _INTRA_GAP_BINS).astype(np.int64))
     gap = np.where(brk, _MIN_SESSION_GAP_BINS, np.where(pos > 0, intra, 0))
     weight = np.where(brk, -np.log1p(-u[_C_INTER]), 0.0)
-    needed = np.bincount(user, weights=gap, minlength=len(uids))
+    needed = np.bincount(user, weights=gap, minlength=len(users))
     slack = np.maximum(span_bins - 1 - needed, 0)
     start = np.floor(slack * d.start_frac)
-    spread = (slack - start) / (np.bincount(user, weights=weight, minlength=len(uids)) + d.tail_weight)
+    spread = (slack - start) / (np.bincount(user, weights=weight, minlength=len(users)) + d.tail_weight)
     gap = gap + np.floor(weight * spread[user]).astype(np.int64)
     gap[first] = start.astype(np.int64)
     cs = np.cumsum(gap)
-    ts = cs - (cs[first] - gap[first])[user]
+    ts = _launch_time(cs - (cs[first] - gap[first])[user], ramp)
 
     # Feedback: likes after some listen_plus, dislikes after some skips, rare undo later on.
     fb = u[_C_FEEDBACK]
@@ -266,12 +337,12 @@ def _block_events(uids: range, seed: int, cat: _Catalog, span_bins: int, max_lis
     is_listen = etype == LISTEN
     row_item = item[src_idx]
     return pa.Table.from_arrays([
-        pa.array((uids.start + row_user).astype(np.uint32)),
+        pa.array(uid_of[users.start + row_user].astype(np.uint32)),
         pa.array(row_item.astype(np.uint32)),
         pa.array((row_ts * TIMESTAMP_BIN_SECONDS).astype(np.uint32)),
         pa.array(organic[src_idx].astype(np.uint8)),
         pa.DictionaryArray.from_arrays(pa.array(etype.astype(np.int8)), pa.array(EVENT_TYPES, pa.string())),
-        pa.array(ratio[src_idx].astype(np.uint16), mask=~is_listen),
+        pa.array(ratio[src_idx].astype(np.uint16), mask=~is_listen | (u[_C_NULL_RATIO][src_idx] < _P_NULL_RATIO)),
         pa.array(cat.track_length[row_item], mask=~is_listen),
     ], schema=MULTI_EVENT_SCHEMA)
 
@@ -336,15 +407,18 @@ def generate(root: Path, size: str, seed: int, *, num_days: int | None = None, p
     except OSError as exc:
         raise UserError(f"cannot write synthetic data under {files.multi_event.parent}: {exc.strerror or exc}")
     cat = _catalog(spec, seed)
-    _write_mapping(files.artist_mapping, "artist_id", cat.item_artist[cat.artist_rows], cat.artist_rows)
-    _write_mapping(files.album_mapping, "album_id", cat.item_album[cat.album_rows], cat.album_rows)
+    _write_mapping(files.artist_mapping, "artist_id", *cat.artist_map)
+    _write_mapping(files.album_mapping, "album_id", *cat.album_map)
 
     span_bins = days * 86_400 // TIMESTAMP_BIN_SECONDS
+    ramp = ramp_bins(span_bins)
+    span_bins -= ramp * (_RAMP_STRETCH - 1)  # users live in virtual time; the ramp stretches it back
     per_listen = (1 + _INTRA_GAP_BINS) / 2 + _MIN_SESSION_GAP_BINS / _SESSION_MEAN_LISTENS
     max_listens = max(_MIN_LISTENS, int(_SPAN_FILL * span_bins / per_listen))
+    uid_of = user_ids(spec, seed)
     step = max(1, BLOCK_LISTENS // spec.mean_listens)
     starts = range(0, spec.users, step)
-    blocks = (_block_events(range(s, min(s + step, spec.users)), seed, cat, span_bins, max_listens,
+    blocks = (_block_events(range(s, min(s + step, spec.users)), uid_of, seed, cat, span_bins, ramp, max_listens,
                             spec.mean_listens) for s in starts)
     with tqdm(total=len(starts), desc=f"synthetic {size}", unit="block", disable=not progress) as bar:
         _write_atomic(files.multi_event, lambda tmp: _write_events(tmp, blocks, bar))

@@ -35,7 +35,7 @@ def check_md5s(path: Path, progress: bool = True) -> list[str]:
     return problems
 
 
-def _check_split(name: str, split: st.EventSplit, lo: int, hi: int, problems: list[str]) -> None:
+def _check_split(name: str, split: st.EventSplit, lo: int, hi: int, session_gap: int, problems: list[str]) -> None:
     off = np.asarray(split.user_offsets)
     if len(off) != split.num_users + 1 or off[0] != 0 or np.any(np.diff(off) <= 0):
         problems.append(f"{name}: user_offsets must start at 0 and rise strictly (no empty users)")
@@ -64,19 +64,41 @@ def _check_split(name: str, split: st.EventSplit, lo: int, hi: int, problems: li
         drops = np.flatnonzero(np.diff(ts) < 0) + start + 1
         if len(drops) and not np.all(np.isin(drops, user_starts)):
             problems.append(f"{name}: timestamps decrease inside a user near event {drops[0]}")
+        bad_session = _session_breaks(split, user_starts, start, stop, ts, session_gap)
+        if bad_session is not None:
+            problems.append(f"{name}: session_id does not follow the {session_gap} s gap rule at event {bad_session}")
         if problems:
             return
+
+
+def _session_breaks(split: st.EventSplit, user_starts: np.ndarray, start: int, stop: int, ts: np.ndarray,
+                    gap: int) -> int | None:
+    """First event of [start, stop) whose session_id is not 0 at a user's start, else the previous
+    event's plus (gap to it > ``gap``); None when all agree."""
+    session = np.asarray(split.session_id[start:stop]).astype(np.int64)
+    first = np.zeros(stop - start, bool)
+    first[user_starts[(user_starts >= start) & (user_starts < stop)] - start] = True
+    # The event before the chunk joins it, so the chunk's first step is checked too.
+    prev_ts = np.concatenate([[int(split.timestamp[start - 1])] if start else [0], ts[:-1]])
+    prev_session = np.concatenate([[int(split.session_id[start - 1])] if start else [0], session[:-1]])
+    expected = np.where(first, 0, prev_session + ((ts - prev_ts) > gap))
+    bad = np.flatnonzero(session != expected)
+    return int(start + bad[0]) if len(bad) else None
 
 
 def check_invariants(store: st.Store) -> list[str]:
     problems: list[str] = []
     meta, split = store.meta, store.meta["split"]
-    _check_split("train", store.train, split["train_start"], split["train_end"], problems)
-    _check_split("test", store.test, split["test_start"], split["t_end"], problems)
+    gap = meta["constants"]["session_gap_seconds"]
+    _check_split("train", store.train, split["train_start"], split["train_end"], gap, problems)
+    _check_split("test", store.test, split["test_start"], split["t_end"], gap, problems)
     counts = meta["counts"]
+    per_window = np.diff(np.asarray(store.window_offsets))
     for key, value in (("train_events", store.train.num_events), ("test_events", store.test.num_events),
                        ("train_users", store.train.num_users), ("test_users", store.test.num_users),
-                       ("anchors", len(store.anchor_event_index)), ("num_items", len(store.artist_id))):
+                       ("anchors", len(store.anchor_event_index)), ("num_items", len(store.artist_id)),
+                       ("train_samples", int(per_window[:-1].sum())),
+                       ("eval_samples", int(per_window[-1]) if len(per_window) else 0)):
         if counts.get(key) != value:
             problems.append(f"meta.json counts.{key}={counts.get(key)} but the arrays hold {value}")
     if not np.all(np.isin(store.test.user_ids, store.train.user_ids)):
@@ -91,9 +113,9 @@ def check_invariants(store: st.Store) -> list[str]:
 
 def _check_anchors(store: st.Store) -> list[str]:
     offs = np.asarray(store.window_offsets)
-    meta = store.meta
-    if len(offs) != meta["constants"]["num_train_days"] + 1 or offs[0] != 0 or np.any(np.diff(offs) < 0):
-        return ["anchors/window_offsets: wrong length or not rising from 0"]
+    meta, split = store.meta, store.meta["split"]
+    if len(offs) != split["num_windows"] + 1 or offs[0] != 0 or np.any(np.diff(offs) < 0):
+        return ["anchors/window_offsets: wrong length (meta.json split.num_windows + 1) or not rising from 0"]
     if offs[-1] != len(store.anchor_event_index):
         return ["anchors/window_offsets[-1] differs from the number of anchors"]
     min_history = meta["constants"]["min_history"]
@@ -103,6 +125,7 @@ def _check_anchors(store: st.Store) -> list[str]:
     if expected != len(store.anchor_event_index):
         return [f"anchors: {len(store.anchor_event_index)} stored but {expected} listens have at least "
                 f"{min_history} earlier events"]
+    t_min = t_last = None
     for w in range(store.num_windows):
         idx = np.asarray(store.window_anchors(w))
         if len(idx) == 0:
@@ -110,15 +133,23 @@ def _check_anchors(store: st.Store) -> list[str]:
         if idx.min() < 0 or idx.max() >= store.train.num_events:
             return [f"anchors: window {w} points outside the train events"]
         ts = np.asarray(store.train.timestamp[idx]).astype(np.int64)
+        t_min = int(ts.min()) if t_min is None else min(t_min, int(ts.min()))
+        t_last = int(ts.max()) if t_last is None else max(t_last, int(ts.max()))
         if np.any((ts - start) // width != w):
             return [f"anchors: window {w} holds anchors from another window"]
-        if len(idx) > 1 and np.any((np.diff(ts) < 0) | ((np.diff(ts) == 0) & (np.diff(idx) <= 0))):
-            return [f"anchors: window {w} is not in (timestamp, index) order"]
+        if len(idx) > 1 and np.any(np.diff(idx) <= 0):
+            return [f"anchors: window {w} is not in ascending event index order"]
         if np.any(store.train.event_code[idx] != LISTEN):
             return [f"anchors: window {w} holds an anchor that is not a listen"]
         user = np.searchsorted(user_offsets, idx, side="right") - 1
         if np.any(idx - user_offsets[user] < min_history):
             return [f"anchors: window {w} holds an anchor with fewer than {min_history} earlier events"]
+    if (split["t_min"], split["t_last"]) != (t_min, t_last):
+        return [f"meta.json split t_min/t_last = {split['t_min']}/{split['t_last']} but the anchors span "
+                f"{t_min}/{t_last}"]
+    spanned = 0 if t_min is None else (t_last - t_min) // width + 1
+    if store.num_windows != spanned:
+        return [f"anchors: {store.num_windows} windows but the anchors span {spanned}"]
     return []
 
 

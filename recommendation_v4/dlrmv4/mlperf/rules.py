@@ -17,6 +17,11 @@ enqueues ``<division>_dlrmv4.yaml``; the relays wait those two hops so that rela
 before the official benchmark file and replaces it. (Overriding its keys from a later file is
 not enough: a failed at-least-one check, like the 0.75 target, cannot be overridden.) Every key
 of common.yaml and ``<division>_common.yaml`` stays checked by the official files.
+
+A closed-division run on Yambda-5B (``dataset.source = "yambda"``, ``dataset.size = "5b"``) must
+log the pinned counts, and the log states the store's own counts: ``check_closed_division`` (before
+the run) and ``check-log`` refuse it, naming both numbers, when the store's counts differ from
+the pins (a store made by other preprocessing rules), so no log claims counts its data did not give.
 """
 
 from __future__ import annotations
@@ -137,6 +142,29 @@ def is_reference_dataset(train_samples: int, eval_samples: int) -> bool:
     return (train_samples, eval_samples) == (REFERENCE_TRAIN_SAMPLES, REFERENCE_EVAL_SAMPLES)
 
 
+def is_reference_config(cfg: BenchmarkConfig) -> bool:
+    """The dataset the closed division pins: Yambda-5B."""
+    return cfg.dataset.source == "yambda" and cfg.dataset.size == "5b"
+
+
+def count_mismatches(train_samples: int, eval_samples: int) -> list[str]:
+    """Each count that differs from the closed division's pin, naming both numbers."""
+    return [f"{name} {got:,} from the store, the closed division pins {pinned:,}"
+            for name, got, pinned in (("train_samples", train_samples, REFERENCE_TRAIN_SAMPLES),
+                                      ("eval_samples", eval_samples, REFERENCE_EVAL_SAMPLES)) if got != pinned]
+
+
+def check_reference_counts(cfg: BenchmarkConfig, train_samples: int, eval_samples: int) -> None:
+    """Refuse a closed-division Yambda-5B run or log whose store's sample counts are not the pinned ones."""
+    if cfg.mlperf.division != "closed" or not is_reference_config(cfg):
+        return
+    mismatches = count_mismatches(train_samples, eval_samples)
+    if mismatches:
+        raise UserError(f"the closed division refuses this Yambda-5B store: {'; '.join(mismatches)} (re-run the "
+                        "preprocessing with the reference's defaults: python -m dlrmv4 prepare --source yambda "
+                        "--size 5b, or download_dataset.sh --size 5b)")
+
+
 def write_dataset_rules(out_dir: Path, cfg: BenchmarkConfig, train_samples: int, eval_samples: int,
                         interval: int, first_eval: int, world_size: int = 1) -> Path:
     """Write main/relay/checks.yaml for this dataset and config into ``out_dir``; returns main.yaml."""
@@ -193,9 +221,11 @@ def closed_division_problems(cfg: BenchmarkConfig, world_size: int = 1) -> list[
 
 
 def check_closed_division(cfg: BenchmarkConfig, train_samples: int, eval_samples: int, world_size: int = 1) -> None:
-    """Refuse a closed-division run on the reference dataset whose settings the rules forbid."""
-    if cfg.mlperf.division != "closed" or not is_reference_dataset(train_samples, eval_samples):
+    """Refuse a closed-division run on the reference dataset (Yambda-5B) whose store's sample counts
+    differ from the pins or whose settings the rules forbid; other datasets follow the project rules."""
+    if cfg.mlperf.division != "closed" or not is_reference_config(cfg):
         return
+    check_reference_counts(cfg, train_samples, eval_samples)
     problems = closed_division_problems(cfg, world_size)
     if problems:
         raise UserError(f"the closed division forbids this run: {problems[0]}"

@@ -2,7 +2,7 @@
 on the fixed holdout window (or on window T+1 after window T), stop at the first eval that reaches
 the target, checkpoint on the configured cadences and resume from the newest complete checkpoint.
 
-Windows 0..W-2 train; window W-1 (the last day of the train span) is the holdout. One DataLoader
+Windows 0..W-2 train; window W-1 (the last, a partial day on Yambda-5B) is the holdout. One DataLoader
 streams every train window (its workers live for the whole run); batches never span windows and a
 window's last partial batch is dropped, so every step has the global batch size, eval points land
 on multiples of the eval interval, and the loader position is just the step number.
@@ -25,7 +25,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from dlrmv4.config import BenchmarkConfig
-from dlrmv4.data.loader import make_window_loader, rank_bounds
+from dlrmv4.data.loader import make_window_loader, rank_share
 from dlrmv4.data.store import Store
 from dlrmv4.mlperf.runlog import RunFacts, RunLog
 from dlrmv4.model.hstu import DlrmHSTU
@@ -73,7 +73,10 @@ class RunHistory:
 
 
 def split_windows(store: Store) -> tuple[list[int], int]:
-    """Train windows (all but the last) and the holdout window."""
+    """Train windows (all but the last) and the holdout window (the last: a partial day on Yambda)."""
+    if store.num_windows < 2:
+        raise UserError(f"the store at {store.path} has {store.num_windows} window(s) of anchors; training needs at "
+                        "least two (train windows and the holdout): use more data or a smaller --min-history")
     return list(range(store.num_windows - 1)), store.num_windows - 1
 
 
@@ -111,8 +114,6 @@ class StreamingTrainer:
         self.config_filename = config_filename
         self.progress: TrainProgress | None = None
         self.windows, self.holdout = split_windows(store)
-        if not self.windows:
-            raise ValueError("the store has fewer than two windows: nothing to train on")
         self.train_samples, self.eval_samples = sample_counts(store)
         self.evals = EvalSchedule(self.train_samples, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
         self.cadence = CheckpointCadence(cfg.train)
@@ -202,15 +203,16 @@ class StreamingTrainer:
         rank, world = self.cluster.rank, self.cluster.world_size
         loader = make_window_loader(self.store, [window], self.cfg, rank=rank, world_size=world)
         plan = loader.dataset.plan
+        slicing = self.cfg.loader.rank_slicing
         for batch, part in zip(loader, plan):
-            lo, hi = rank_bounds(part, rank, world)
+            mine = len(rank_share(part, rank, world, slicing))
             batch = batch.to(self.device)
             logits = chunked_logits(self.model, batch, self.embeddings(batch), self.step.chunks)
-            acc.update(logits[: hi - lo], batch.label[: hi - lo])  # a stand-in slice (empty) adds nothing
+            acc.update(logits[:mine], batch.label[:mine])  # a stand-in sample (no share) adds nothing
         self.model.train()
         if world == 1:
             return acc.compute()
-        sizes = [sum(hi - lo for lo, hi in (rank_bounds(p, r, world) for p in plan)) for r in range(world)]
+        sizes = [sum(len(rank_share(p, r, world, slicing)) for p in plan) for r in range(world)]
         state = acc.state_dict()
         return exact_auc(self.cluster.all_gather_rows(state["scores"], sizes),
                          self.cluster.all_gather_rows(state["labels"], sizes))
