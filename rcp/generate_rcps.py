@@ -25,33 +25,42 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def first_converged_samples(log: Path) -> int | None:
-    """samples_count of the eval before a successful RUN_STOP (the checker's reading), else None."""
-    samples, status = None, None
+def read_result(log: Path) -> tuple[int | None, float] | None:
+    """(samples_count of the eval before a successful RUN_STOP, else None; seconds from INIT_START to
+    RUN_STOP), or None when the log has no RUN_STOP (the run did not finish)."""
+    samples, status, first_ms, stop_ms = None, None, None, None
     for line in log.read_text().splitlines():
         if not line.startswith(":::MLLOG "):
             continue
         record = json.loads(line[len(":::MLLOG "):])
+        first_ms = record["time_ms"] if first_ms is None else first_ms
         if record["key"] == "eval_accuracy":
             samples = int(record["metadata"]["samples_count"])
         elif record["key"] == "run_stop":
-            status = record["metadata"]["status"]
-    return samples if status == "success" else None
+            status, stop_ms = record["metadata"]["status"], record["time_ms"]
+    if stop_ms is None:
+        return None
+    return (samples if status == "success" else None), (stop_ms - first_ms) / 1000
 
 
 def run_one(args: argparse.Namespace, gbs: int, seed: int) -> tuple[int, int, int | None, float]:
     out = Path(args.out) / str(gbs)
     out.mkdir(parents=True, exist_ok=True)
+    log = out / f"result_{seed}.txt"
+    if args.reuse and log.exists() and (finished := read_result(log)) is not None:
+        return gbs, seed, *finished
     lr = args.lr_per_128 * gbs / 128
     cmd = [sys.executable, "-m", "dlrmv4", "train", "--restart", "--no-progress", "--preset", args.preset,
            "--data-path", args.data_path, "--batch-size", str(gbs), "--learning-rate", repr(lr),
            "--seed", str(seed), "--run-dir", str(Path(args.work) / f"{gbs}_{seed}"),
-           "--log-file", str(out / f"result_{seed}.txt"), *args.extra]
-    started = time.perf_counter()
+           "--log-file", str(log), *args.extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=args.env)
     if proc.returncode != 0:
         raise RuntimeError(f"run gbs={gbs} seed={seed} failed: {proc.stderr.strip()[-2000:]}")
-    return gbs, seed, first_converged_samples(out / f"result_{seed}.txt"), time.perf_counter() - started
+    finished = read_result(log)
+    if finished is None:
+        raise RuntimeError(f"run gbs={gbs} seed={seed} exited 0 but its log {log} has no run_stop")
+    return gbs, seed, *finished
 
 
 def main() -> None:
@@ -68,6 +77,8 @@ def main() -> None:
     parser.add_argument("--work", default="runs/rcp", help="run directories (checkpoints)")
     parser.add_argument("--platform", default="", help="where the runs ran (recorded in the RCP JSON)")
     parser.add_argument("--no-json", action="store_true", help="only the result files (a fresh set to check)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep result files that already end in run_stop (resume an interrupted generation)")
     parser.add_argument("extra", nargs="*", help="more trainer flags, after --")
     args = parser.parse_args()
     import os
@@ -76,13 +87,15 @@ def main() -> None:
     jobs = [(gbs, seed) for gbs in args.batch_sizes for seed in range(args.first_seed, args.first_seed + args.seeds)]
     started = time.perf_counter()
     results: dict[int, dict[int, int | None]] = {gbs: {} for gbs in args.batch_sizes}
+    run_seconds = 0.0
     with ThreadPoolExecutor(args.parallel) as pool:
         for gbs, seed, samples, seconds in pool.map(lambda job: run_one(args, *job), jobs):
             results[gbs][seed] = samples
+            run_seconds += seconds
             print(f"gbs {gbs} seed {seed}: {'did not converge' if samples is None else f'{samples:,} samples'} "
                   f"({seconds:.0f} s)", flush=True)
-    total = time.perf_counter() - started
-    print(f"{len(jobs)} runs in {total / 60:.1f} min with {args.parallel} at once", flush=True)
+    print(f"{len(jobs)} runs, {run_seconds / 60:.1f} run-minutes, {(time.perf_counter() - started) / 60:.1f} min "
+          f"now with {args.parallel} at once", flush=True)
     if args.no_json:
         return
     rcps = {}
@@ -95,7 +108,7 @@ def main() -> None:
                             "gradient_accumulation_steps": 1},
             "Epochs to converge": converged,
             "Runs": len(by_seed), "Not converged": len(by_seed) - len(converged),
-            "Generation minutes (all batch sizes)": round(total / 60, 1)}
+            "Run minutes, summed over runs (all batch sizes)": round(run_seconds / 60, 1)}
     path = Path(args.out) / f"rcps_dlrmv4_{args.preset}.json"
     path.write_text(json.dumps(rcps, indent=2) + "\n")
     print(f"wrote {path}")

@@ -52,7 +52,7 @@ RESULTS = Path(__file__).parent / "results"
 WARM_STEPS = 6  # the first is the cold start; all are untimed
 # Device-time categories, first match wins (kernel names of PyTorch, Triton and cuBLAS).
 CATEGORIES = [
-    ("attention", r"hstu_attention"),
+    ("attention", r"hstu_attention|candidate_attention"),
     ("dense optimizer", r"adam|multi_tensor|foreach|clip|norm_kernel|l2norm"),
     ("embedding lookup + update", r"adagrad|index|embedding|sort|segment|scatter|gather|radix|unique|cumsum"),
     ("GEMMs", r"gemm|sm90|cutlass|cublas|matmul|nvjet|xmma|splitk"),
@@ -89,13 +89,13 @@ def random_batch(cfg: BenchmarkConfig, lengths: np.ndarray, rows: int | dict[str
 
 
 def reference_config(table_rows: int, smoke: bool, backend: str = "plain", chunks: int = 1,
-                     recompute: str = "none") -> BenchmarkConfig:
+                     recompute: str = "none", last_layer: str = "candidates") -> BenchmarkConfig:
     cfg = load_config("yambda-5b")
     emb = dataclasses.replace(cfg.embeddings, embedding_backend=backend, item_rows=table_rows, artist_rows=table_rows,
                               album_rows=table_rows)
     sampler = dataclasses.replace(cfg.sampler, **{f"{name}_rows": table_rows for name in CONTEXTUAL_FEATURES})
     cfg = dataclasses.replace(cfg, embeddings=emb, sampler=sampler,
-                              model=dataclasses.replace(cfg.model, recompute=recompute),
+                              model=dataclasses.replace(cfg.model, recompute=recompute, last_layer=last_layer),
                               train=dataclasses.replace(cfg.train, warmup_steps=100, learning_rate=1e-4, chunks=chunks))
     if smoke:
         model = dataclasses.replace(cfg.model, embedding_dim=16, d_model=16, num_layers=1, num_heads=1, qk_dim=16,
@@ -160,8 +160,10 @@ def measure(cfg: BenchmarkConfig, batch_size: int, steps: int, device: torch.dev
     seconds = time.perf_counter() - started
     step.finite.check()
     flops = sum(batch_flops(cfg.model, n).stu for n in lengths[WARM_STEPS:])
+    executed = sum(batch_flops(cfg.model, n, executed=True).stu for n in lengths[WARM_STEPS:])
     row = {"batch": batch_size, "steps": steps, "seconds": seconds, "samples_per_s": steps * batch_size / seconds,
-           "step_ms": 1e3 * seconds / steps, "stu_tflops": flops / seconds / 1e12, "cold_start_s": cold,
+           "step_ms": 1e3 * seconds / steps, "stu_tflops": flops / seconds / 1e12,
+           "stu_tflops_executed": executed / seconds / 1e12, "cold_start_s": cold,
            "mean_tokens": float(np.mean(np.concatenate(lengths[WARM_STEPS:]))),
            "backend": embeddings.backend, "chunks": step.chunks, "recompute": cfg.model.recompute,
            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
@@ -236,6 +238,8 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[1], help="chunks per step to measure")
     parser.add_argument("--recompute", nargs="+", default=["none"], choices=("none", "cheap", "layer"),
                         help="recompute modes to measure")
+    parser.add_argument("--last-layer", nargs="+", default=["candidates"], choices=("candidates", "all"),
+                        help="last STU layer: candidate rows only (the default) or all rows")
     parser.add_argument("--label", default="", help="suffix of the results file names")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU; nothing saved")
     args = parser.parse_args()
@@ -244,24 +248,29 @@ def main() -> None:
         start_single_process_group(device)
     peak = matmul_peak_tflops(device, n=8192 if device.type == "cuda" else 256, reps=10)
     rows = []
-    for backend, recompute, chunks in itertools.product(args.backends, args.recompute, args.chunks):
-        cfg = reference_config(args.table_rows, args.smoke, backend, chunks, recompute)
+    for backend, recompute, chunks, last_layer in itertools.product(args.backends, args.recompute, args.chunks,
+                                                                    args.last_layer):
+        cfg = reference_config(args.table_rows, args.smoke, backend, chunks, recompute, last_layer)
         for batch in args.batches:
             try:
                 row = measure(cfg, batch, args.steps, device, args.table_rows, profile=True, top=args.top,
                               skew=args.id_skew)
             except torch.OutOfMemoryError:
-                print(f"{backend}, {recompute}, {chunks} chunk(s), batch {batch}: out of memory", flush=True)
+                print(f"{backend}, {recompute}, {chunks} chunk(s), last layer {last_layer}, batch {batch}: "
+                      "out of memory", flush=True)
                 rows.append({"batch": batch, "backend": backend, "chunks": chunks, "recompute": recompute,
-                             "oom": True})
+                             "last_layer": last_layer, "oom": True})
                 gc.collect()
                 torch.cuda.empty_cache()
                 break
+            row["last_layer"] = last_layer
             row["mfu_datasheet"] = row["stu_tflops"] / DATASHEET_BF16_TFLOPS
             row["mfu_measured"] = row["stu_tflops"] / peak
+            row["mfu_executed"] = row["stu_tflops_executed"] / peak
             rows.append(row)
-            print(f"{backend}, {recompute}, {chunks} chunk(s), batch {batch}: {row['samples_per_s']:,.0f} samples/s, "
-                  f"{row['step_ms']:.1f} ms/step, {row['stu_tflops']:.0f} TFLOP/s", flush=True)
+            print(f"{backend}, {recompute}, {chunks} chunk(s), last layer {last_layer}, batch {batch}: "
+                  f"{row['samples_per_s']:,.0f} samples/s, {row['step_ms']:.1f} ms/step, {row['stu_tflops']:.0f} "
+                  f"TFLOP/s (yardstick), {row['stu_tflops_executed']:.0f} executed", flush=True)
             for k in row["top_kernels"]:
                 print(f"  {k['ms_per_step']:8.2f} ms x{k['calls_per_step']:<4.0f} {k['category']:<26} {k['name']}",
                       flush=True)
@@ -292,12 +301,12 @@ def _table(result: dict) -> str:
              "per token: the step's peak over the resting tables, weights and optimizer state, per token of its "
              "largest batch. Kept KiB per token: what one forward keeps for the backward (saved-tensor hooks; the "
              "tables' rows and the weights left out), against the memory plan's analytic inventory.", "",
-             "| backend | recompute | chunks | batch | mean tokens | samples/s | ms/step | STU TFLOP/s | MFU datasheet | "
-             "MFU measured | peak GiB | step KiB/token | kept KiB/token | plan's kept KiB/token | cold start s | "
+             "| backend | recompute | chunks | last layer | batch | mean tokens | samples/s | ms/step | STU TFLOP/s | "
+             "MFU datasheet | MFU measured | MFU executed | peak GiB | step KiB/token | kept KiB/token | plan's kept KiB/token | cold start s | "
              + " | ".join(cats) + " |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(cats)]
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(cats)]
     for r in result["rows"]:
-        head = f"| {r['backend']} | {r['recompute']} | {r['chunks']} | {r['batch']} |"
+        head = f"| {r['backend']} | {r['recompute']} | {r['chunks']} | {r.get('last_layer', 'all')} | {r['batch']} |"
         if r.get("oom"):
             lines.append(head + " out of memory |")
             continue
@@ -305,7 +314,8 @@ def _table(result: dict) -> str:
         per_token = f"{r['step_kib_per_token']:.1f}" if r["step_kib_per_token"] is not None else "-"
         shares = " | ".join(f"{r['breakdown'][c]:.0%}" for c in cats)
         lines.append(f"{head} {r['mean_tokens']:,.0f} | {r['samples_per_s']:,.0f} | {r['step_ms']:.1f} | "
-                     f"{r['stu_tflops']:.0f} | {r['mfu_datasheet']:.1%} | {r['mfu_measured']:.1%} | {peak} | "
+                     f"{r['stu_tflops']:.0f} | {r['mfu_datasheet']:.1%} | {r['mfu_measured']:.1%} | "
+                     f"{r['mfu_executed']:.1%} | {peak} | "
                      f"{per_token} | {r['kept_kib_per_token']:.2f} | {r['plan_kept_kib_per_token']:.2f} | "
                      f"{r['cold_start_s']:.1f} | {shares} |")
     measured = [r for r in result["rows"] if not r.get("oom")]

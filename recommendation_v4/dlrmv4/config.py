@@ -132,6 +132,9 @@ class ModelConfig:
                             "cheap (the normed input, uvqk and the output block's y), layer (everything but the "
                             "layer's input), or auto (the memory plan picks)",
                             choices=("auto", "none", "cheap", "layer"))
+    last_layer: str = _field("candidates", "rows the last STU layer computes: candidates (U, Q, attention and the "
+                             "output block for each sequence's candidate row only, K and V for all rows; the "
+                             "reference's, the same function) or all", choices=("candidates", "all"))
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,6 @@ from dlrmv4.model.embeddings import SequenceEmbeddings
 from dlrmv4.model.heads import ItemTower, LogitHead, Postprocessor
 from dlrmv4.model.preprocessor import Preprocessor
 from dlrmv4.model.stu import STUStack
-from dlrmv4.ops.jagged import take_last
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SEED_LIMIT = 2**31 - 1
@@ -88,8 +87,7 @@ class DlrmHSTU(nn.Module):
             x, seq_offsets = self.preprocessor(
                 emb, batch.history_offsets, batch.history_action, batch.history_timestamp, batch.query_time,
                 batch.max_history_length, context.dropout_seeds[0], context.row_offset)
-            x = self.stu(x, seq_offsets, context.max_seq_len, context.dropout_seeds[1:], context.row_offset)
-            return take_last(x, seq_offsets, kernels=self.cfg.kernels)
+            return self.stu(x, seq_offsets, context.max_seq_len, context.dropout_seeds[1:], context.row_offset)
 
     def forward(self, batch: TorchJaggedBatch, emb: SequenceEmbeddings,
                 context: SliceContext | None = None) -> ModelOutput:

@@ -25,17 +25,24 @@ def draw_keep_mask(t: int, hd: int, dropout_p: float, seed: int, device: torch.d
     row_offset .. row_offset + t - 1 (see the module docstring)."""
     seed, row_offset = check_dropout("output_block_keep_mask", dropout_p, seed, row_offset)
     device = torch.device(device)
-    threshold, pairs = dropout_threshold(dropout_p), (hd + 1) // 2
-    if threshold == 0 or t == 0 or hd == 0:
+    if dropout_threshold(dropout_p) == 0 or t == 0 or hd == 0:
         return torch.ones((t, 3 * hd), dtype=torch.bool, device=device)
     out = torch.empty((t, 3 * hd), dtype=torch.bool, device=device)
-    step = max(1, _COUNTERS_PER_CHUNK // pairs)
-    cols = torch.arange(pairs, device=device)
+    step = max(1, _COUNTERS_PER_CHUNK // ((hd + 1) // 2))
     for r0 in range(0, t, step):
         rows = torch.arange(row_offset + r0, row_offset + min(t, r0 + step), device=device)
-        numbers = philox_randint4x(seed, rows[:, None] * pairs + cols)
-        out[r0:r0 + rows.numel()] = torch.cat([split16(n)[:, :hd] for n in numbers[:3]], dim=1) >= threshold
+        out[r0:r0 + rows.numel()] = keep_mask_of_rows(rows, hd, dropout_p, seed)
     return out
+
+
+def keep_mask_of_rows(rows: torch.Tensor, hd: int, dropout_p: float, seed: int) -> torch.Tensor:
+    """bool [len(rows), 3·hd]: the keep decisions of the global rows ``rows`` (int64, any order, on
+    the device the mask is wanted on): what the kernel draws for those rows in a call over all rows."""
+    threshold, pairs = dropout_threshold(dropout_p), (hd + 1) // 2
+    if threshold == 0:
+        return torch.ones((rows.numel(), 3 * hd), dtype=torch.bool, device=rows.device)
+    numbers = philox_randint4x(seed, rows.to(torch.int64)[:, None] * pairs + torch.arange(pairs, device=rows.device))
+    return torch.cat([split16(n)[:, :hd] for n in numbers[:3]], dim=1) >= threshold
 
 
 def output_block(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,

@@ -1,0 +1,111 @@
+"""Triton kernels for candidate attention (``ops/reference/candidate_attention.py``): one query per
+sequence, its last row, over all of the sequence's keys.
+
+One query row gives a matrix-vector product, not a matrix product: the kernels are bound by
+reading K and V once (no tensor cores; fp32 accumulation in registers). Grid (B, H): each program
+walks its sequence's rows in blocks. The backward recomputes the scores and writes dK and dV of
+every row (each row belongs to one sequence, so there are no atomics) and dq of the candidate,
+straight into one gradient buffer shaped like vk. Plain Triton (no inline PTX): the same on CUDA,
+ROCm and the interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dispatch import interpreting
+
+
+@triton.jit
+def _candidate_attention_fwd(Q, VK, OUT, SEQ_OFFSETS, alpha, inv_n,
+                   s_qb, s_qh, s_vk, s_ob, s_oh, v_cols,
+                   DQK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(SEQ_OFFSETS + b).to(tl.int64)
+    seq_len = (tl.load(SEQ_OFFSETS + b + 1) - start).to(tl.int32)
+    dq_cols = tl.arange(0, DQK)
+    dv_cols = tl.arange(0, DV)
+    q = tl.load(Q + b * s_qb + h * s_qh + dq_cols).to(tl.float32)
+    acc = tl.zeros([DV], dtype=tl.float32)
+    for row0 in range(0, seq_len, BLOCK):
+        local = row0 + tl.arange(0, BLOCK)
+        live = local < seq_len
+        rows = start + local
+        k = tl.load(VK + rows[:, None] * s_vk + v_cols + h * DQK + dq_cols[None, :], mask=live[:, None], other=0.0)
+        x = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * alpha
+        a = x * tl.sigmoid(x)
+        v = tl.load(VK + rows[:, None] * s_vk + h * DV + dv_cols[None, :], mask=live[:, None], other=0.0)
+        acc += tl.sum(a[:, None] * v.to(tl.float32), axis=0)
+    tl.store(OUT + b * s_ob + h * s_oh + dv_cols, (acc * inv_n).to(OUT.dtype.element_ty))
+
+
+@triton.jit
+def _candidate_attention_bwd(Q, VK, DOUT, DQ, DVK, SEQ_OFFSETS, alpha, inv_n,
+                   s_qb, s_qh, s_vk, s_db, s_dh, s_dqb, s_dqh, s_dvk, v_cols,
+                   DQK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(SEQ_OFFSETS + b).to(tl.int64)
+    seq_len = (tl.load(SEQ_OFFSETS + b + 1) - start).to(tl.int32)
+    dq_cols = tl.arange(0, DQK)
+    dv_cols = tl.arange(0, DV)
+    q = tl.load(Q + b * s_qb + h * s_qh + dq_cols).to(tl.float32)
+    dout = tl.load(DOUT + b * s_db + h * s_dh + dv_cols).to(tl.float32) * inv_n   # d(sum_j A_j v_j) with 1/N
+    dq = tl.zeros([DQK], dtype=tl.float32)
+    for row0 in range(0, seq_len, BLOCK):
+        local = row0 + tl.arange(0, BLOCK)
+        live = local < seq_len
+        rows = start + local
+        k = tl.load(VK + rows[:, None] * s_vk + v_cols + h * DQK + dq_cols[None, :], mask=live[:, None],
+                    other=0.0).to(tl.float32)
+        v = tl.load(VK + rows[:, None] * s_vk + h * DV + dv_cols[None, :], mask=live[:, None],
+                    other=0.0).to(tl.float32)
+        x = tl.sum(k * q[None, :], axis=1) * alpha
+        sig = tl.sigmoid(x)
+        a = x * sig
+        da = tl.sum(v * dout[None, :], axis=1)
+        ds = da * sig * (1.0 + x * (1.0 - sig)) * alpha     # SiLU'(x) = sig (1 + x (1 - sig))
+        tl.store(DVK + rows[:, None] * s_dvk + h * DV + dv_cols[None, :],
+                 (a[:, None] * dout[None, :]).to(DVK.dtype.element_ty), mask=live[:, None])
+        tl.store(DVK + rows[:, None] * s_dvk + v_cols + h * DQK + dq_cols[None, :],
+                 (ds[:, None] * q[None, :]).to(DVK.dtype.element_ty), mask=live[:, None])
+        dq += tl.sum(ds[:, None] * k, axis=0)
+    tl.store(DQ + b * s_dqb + h * s_dqh + dq_cols, dq.to(DQ.dtype.element_ty))
+
+
+def _block(dqk: int, dv: int) -> int:
+    # Registers: two [BLOCK, D] fp32 tiles in flight; 32 rows keeps them small at D = 128-256.
+    return 16 if interpreting() else (64 if max(dqk, dv) <= 64 else 32)
+
+
+def forward(q: torch.Tensor, vk: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, num_heads: int,
+            qk_dim: int, v_dim: int, alpha: float) -> torch.Tensor:
+    """q [B, H, Dqk] (unit column stride), vk [T, H·Dv + H·Dqk] (unit column stride) -> [B, H, Dv]."""
+    batch = q.shape[0]
+    out = torch.empty((batch, num_heads, v_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    _candidate_attention_fwd[(batch, num_heads)](q, vk, out, seq_offsets, float(alpha), 1.0 / max(int(max_seq_len), 1),
+                                       q.stride(0), q.stride(1), vk.stride(0), out.stride(0), out.stride(1),
+                                       num_heads * v_dim, DQK=qk_dim, DV=v_dim, BLOCK=_block(qk_dim, v_dim))
+    return out
+
+
+def backward(dout: torch.Tensor, q: torch.Tensor, vk: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
+             num_heads: int, qk_dim: int, v_dim: int, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq [B, H, Dqk], dvk [T, H·Dv + H·Dqk]); every row of vk must lie in a sequence
+    (seq_offsets runs from 0 to T), since each is written once and never zeroed."""
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dvk = torch.empty_like(vk, memory_format=torch.contiguous_format)
+    batch = q.shape[0]
+    if batch == 0:
+        return dq, dvk.zero_()
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    _candidate_attention_bwd[(batch, num_heads)](q, vk, dout, dq, dvk, seq_offsets, float(alpha),
+                                       1.0 / max(int(max_seq_len), 1), q.stride(0), q.stride(1), vk.stride(0),
+                                       dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), dvk.stride(0),
+                                       num_heads * v_dim, DQK=qk_dim, DV=v_dim, BLOCK=_block(qk_dim, v_dim))
+    return dq, dvk
