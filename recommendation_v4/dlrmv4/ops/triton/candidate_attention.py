@@ -76,6 +76,11 @@ def _candidate_attention_bwd(Q, VK, DOUT, DQ, DVK, SEQ_OFFSETS, alpha, inv_n,
     tl.store(DQ + b * s_dqb + h * s_dqh + dq_cols, dq.to(DQ.dtype.element_ty))
 
 
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Output buffers (tests fill them with NaN to see that every element is written)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _block(dqk: int, dv: int) -> int:
     # Registers: two [BLOCK, D] fp32 tiles in flight; 32 rows keeps them small at D = 128-256.
     return 16 if interpreting() else (64 if max(dqk, dv) <= 64 else 32)
@@ -85,7 +90,7 @@ def forward(q: torch.Tensor, vk: torch.Tensor, seq_offsets: torch.Tensor, max_se
             qk_dim: int, v_dim: int, alpha: float) -> torch.Tensor:
     """q [B, H, Dqk] (unit column stride), vk [T, H·Dv + H·Dqk] (unit column stride) -> [B, H, Dv]."""
     batch = q.shape[0]
-    out = torch.empty((batch, num_heads, v_dim), dtype=q.dtype, device=q.device)
+    out = _empty((batch, num_heads, v_dim), q.dtype, q.device)
     if batch == 0:
         return out
     _candidate_attention_fwd[(batch, num_heads)](q, vk, out, seq_offsets, float(alpha), 1.0 / max(int(max_seq_len), 1),
@@ -98,8 +103,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, vk: torch.Tensor, seq_offsets:
              num_heads: int, qk_dim: int, v_dim: int, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq [B, H, Dqk], dvk [T, H·Dv + H·Dqk]); every row of vk must lie in a sequence
     (seq_offsets runs from 0 to T), since each is written once and never zeroed."""
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dvk = torch.empty_like(vk, memory_format=torch.contiguous_format)
+    dq = _empty(q.shape, q.dtype, q.device)
+    dvk = _empty(vk.shape, vk.dtype, vk.device)
     batch = q.shape[0]
     if batch == 0:
         return dq, dvk.zero_()
