@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_stu import DATASHEET_BF16_TFLOPS, matmul_peak_tflops
+from bench_stu import DATASHEET_BF16_TFLOPS, git_commit, matmul_peak_tflops
 from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.batch import JaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
@@ -114,17 +114,6 @@ def start_single_process_group(device: torch.device) -> None:
     store = Path(tempfile.mkdtemp()) / "store"
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=0,
                             world_size=1)
-
-
-def git_commit() -> str:
-    """The commit measured: DLRMV4_COMMIT where the checkout has no .git (a copied tree), else git's."""
-    if os.environ.get("DLRMV4_COMMIT"):
-        return os.environ["DLRMV4_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def sync(device: torch.device) -> None:

@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_end_to_end import git_commit, random_batch, start_single_process_group, sync
+from bench_end_to_end import random_batch, start_single_process_group, sync
+from bench_stu import git_commit
 from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.model.hstu import DlrmHSTU

@@ -35,6 +35,17 @@ RESULTS = Path(__file__).parent / "results"
 DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 
 
+def git_commit() -> str:
+    """The commit measured: DLRMV4_COMMIT where the checkout has no .git (a copied tree), else git's."""
+    if os.environ.get("DLRMV4_COMMIT"):
+        return os.environ["DLRMV4_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -191,7 +202,7 @@ def main() -> None:
         extra["model_parity"] = model_parity(device)
         extra["cold_start_s"] = cold_start(256)
     lines = [f"Device: {torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}; "
-             f"torch {torch.__version__}; measured bf16 matmul peak {peak:.0f} TFLOP/s; datasheet {DATASHEET_BF16_TFLOPS:.0f}",
+             f"commit {git_commit()}; torch {torch.__version__}; measured bf16 matmul peak {peak:.0f} TFLOP/s; datasheet {DATASHEET_BF16_TFLOPS:.0f}",
              "",
              "| ops | last layer | samples/step | mean tokens | step ms | samples/s | STU TFLOP/s (yardstick) "
              "| executed | MFU datasheet | MFU measured peak | peak GiB | vs PyTorch ops | vs full last layer |",
@@ -218,7 +229,7 @@ def main() -> None:
     print(text)
     if not args.smoke:
         info = {"command": "python benchmarks/bench_stu.py " + " ".join(sys.argv[1:]), "matmul_peak_tflops": peak,
-                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "commit": git_commit(),
                 "torch": torch.__version__, "rows": rows, **extra}
         Path(args.out + ".json").write_text(json.dumps(info, indent=2) + "\n")
         Path(args.out + ".md").write_text(f"`{info['command']}`\n\n{text}\n")

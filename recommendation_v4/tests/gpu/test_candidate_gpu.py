@@ -47,7 +47,7 @@ def test_candidate_attention_matches_the_float64_reference(monkeypatch, gen):
     dout = randn((batch, HEADS, V), gen, torch.bfloat16, CUDA)
     results = {}
     for kernels, dtype in (("triton", torch.bfloat16), ("pytorch", torch.float64)):
-        q_leaf, vk_leaf = q.to(dtype).requires_grad_(), vk.to(dtype).requires_grad_()
+        q_leaf, vk_leaf = q.detach().to(dtype).requires_grad_(), vk.detach().to(dtype).requires_grad_()
         out = candidate_attention(q_leaf, vk_leaf, offsets, MAX_LEN, num_heads=HEADS, qk_dim=QK, v_dim=V,
                                   alpha=1 / math.sqrt(QK), kernels=kernels)
         out.backward(dout.to(dtype))
