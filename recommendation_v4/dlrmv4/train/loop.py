@@ -55,6 +55,7 @@ class EvalRecord:
     eval_window: int  # the window scored
     auc: float
     seconds: float    # since the run (first start) began
+    eval_seconds: float = 0.0  # this eval's own time (scoring the window and the AUC)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class RunHistory:
     window_losses: list[tuple[int, int, float]] = field(default_factory=list)  # (window, samples, mean loss)
     throughput: list[tuple[float, float]] = field(default_factory=list)       # (seconds, samples/s) per window
     seconds: float = 0.0
+    checkpoint_seconds: float = 0.0  # spent writing checkpoints (this process)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -219,10 +221,12 @@ class StreamingTrainer:
 
     def _eval(self, history: RunHistory, window: int, eval_window: int, started: float) -> bool:
         self.finite.check()
+        eval_started = time.perf_counter()
         auc = self.runlog.evaluation(history.samples, self.train_samples, lambda: self.evaluate(eval_window))
         history.evals.append(EvalRecord(samples_count=history.samples, step=history.steps, window=window,
                                         eval_window=eval_window, auc=auc,
-                                        seconds=history.seconds + time.perf_counter() - started))
+                                        seconds=history.seconds + time.perf_counter() - started,
+                                        eval_seconds=time.perf_counter() - eval_started))
         self.log(f"eval at {history.samples:,} samples (window {window}, scored window {eval_window}): AUC {auc:.4f}")
         if self.progress is not None:
             self.progress.record_auc(auc)
@@ -306,6 +310,7 @@ class StreamingTrainer:
                 history.seconds += time.perf_counter() - started
                 started = time.perf_counter()
                 self.save(history, window, paused_log)
+                history.checkpoint_seconds += time.perf_counter() - started
             if finished:
                 break
             tick = time.perf_counter()

@@ -1,0 +1,280 @@
+"""What users run: ``python -m dlrmv4 train`` itself at the reference model on a synthetic store at the
+reference shape, against the bare training step on the same store's batches, in one call.
+
+The store is ``synthetic-50m`` (about 48 M events over 300 days, min history 4,086, sequences up to
+4,096 tokens: the real length mix at the reference budget), its last ``--train-days`` days as the
+train windows. The run is the real command: the loader
+with its worker processes, the device prefetcher, TorchRec (or plain) embeddings, evals on the
+holdout window at a cadence that gives ``--evals`` of them, checkpoints every ``--checkpoint-every``
+steps and at every window's end, and a profiler window. Its contextual tables are
+``--table-rows`` rows each (the full 278 M rows do not fit one GPU); item, artist and album come
+from the store. Reported:
+
+- training samples/s of the loop (the run's own per-window clock: waiting for batches plus steps,
+  evals and checkpoints left out), over the windows after the first (compilation, autotuning);
+- the bare step (``TrainStep`` on batches of the same store already in device memory, same
+  config) and the ratio loop / bare;
+- eval samples/s (the holdout window over each eval's own time) and its ratio to the per-sample
+  training rate;
+- where the wall time went: training, evals, checkpoints, the rest (start-up inside the timed
+  region); the GPU's busy share in the profiled steps (union of kernel time over the window);
+- MFU by the reference's yardstick (every layer in full) and by the FLOPs executed.
+
+    python benchmarks/bench_train.py --data-path /tmp/bench50m            # on the lent GPU
+    python benchmarks/bench_train.py --smoke --data-path /tmp/benchtiny    # tiny shapes on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench_end_to_end import start_single_process_group, sync
+from bench_stu import DATASHEET_BF16_TFLOPS, git_commit, matmul_peak_tflops
+from dlrmv4.config import config_from_args
+from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
+from dlrmv4.data.loader import make_window_loader
+from dlrmv4.data.paths import store_dir
+from dlrmv4.data.store import open_store
+from dlrmv4.model.flops import batch_flops
+from dlrmv4.model.hstu import DlrmHSTU
+from dlrmv4.train.embeddings import make_embeddings, store_table_counts, table_specs
+from dlrmv4.train.loop import split_windows
+from dlrmv4.train.optim import FiniteMonitor
+from dlrmv4.train.schedule import EvalSchedule
+from dlrmv4.train.step import TrainStep
+
+RESULTS = Path(__file__).parent / "results"
+WARM_STEPS = 5
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    """The flags both the run and the bare step use (the bare step reads them back through load_config)."""
+    flags = ["--num-train-days", str(args.train_days), "--batch-size", str(args.batch_size), "--embedding-backend", args.backend, "--chunks", "1",
+             "--recompute", args.recompute, "--last-layer", args.last_layer, "--seed", "1"]
+    for name in CONTEXTUAL_FEATURES:
+        if name != "uid":
+            flags += [f"--{name.replace('_', '-')}-rows", str(args.table_rows)]
+    if args.smoke:
+        flags += ["--d-model", "32", "--embedding-dim", "32", "--num-heads", "2", "--qk-dim", "16", "--v-dim", "16",
+                  "--num-layers", "2", "--sequence-dtype", "float32", "--input-dropout", "0", "--linear-dropout", "0"]
+    return flags
+
+
+def cli(args: argparse.Namespace, command: str, *flags: str) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "dlrmv4", command, "--preset", args.preset, "--data-path",
+                           args.data_path, "--no-progress", *flags], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"dlrmv4 {command} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc, time.perf_counter() - started
+
+
+def run_config(args: argparse.Namespace):
+    """The run's config as the CLI resolves it (preset + the shared flags)."""
+    from dlrmv4.cli import build_parser
+
+    parsed = build_parser().parse_args(["train", "--preset", args.preset, "--data-path", args.data_path,
+                                        *overrides(args)])
+    return config_from_args(parsed)
+
+
+def eval_cadence(train_samples: int, batch_size: int, steps: int, evals: int) -> float:
+    """The largest eval_every_data_pct (down in steps of 10 %) whose grid (the checker's, with its
+    skipped start) puts ``evals`` evals within ``steps``."""
+    total = steps * batch_size
+    pct = min(1.0, total / evals / train_samples)
+    for _ in range(100):
+        schedule = EvalSchedule(train_samples, batch_size, pct)
+        if len(range(schedule.first, total + 1, schedule.interval)) >= evals:
+            return pct
+        pct *= 0.9
+    raise SystemExit(f"no eval cadence gives {evals} evals in {steps} steps of {batch_size}: run more steps")
+
+
+def loop_rates(report: dict) -> tuple[float, int]:
+    """Samples/s of the loop over every window after the first, weighted by the window's samples,
+    and the samples it covers."""
+    history = report["history"]
+    samples = np.diff([0] + [s for _, s, _ in history["window_losses"]])
+    rates = np.array([r for _, r in history["throughput"]])
+    if len(rates) < 2:
+        return float(rates[0]) if len(rates) else float("nan"), int(samples.sum())
+    seconds = samples[1:] / rates[1:]
+    return float(samples[1:].sum() / seconds.sum()), int(samples[1:].sum())
+
+
+def gpu_busy_share(trace: Path) -> float | None:
+    """Union of GPU kernel time over the profiled window's span (first kernel start to last end)."""
+    if not trace.exists():
+        return None
+    events = json.loads(trace.read_text()).get("traceEvents", [])
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("cat") == "kernel" and "dur" in e)
+    if not spans:
+        return None
+    busy, (start, end) = 0.0, spans[0]
+    first = start
+    for s, e in spans[1:]:
+        if s > end:
+            busy += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    return busy / (max(e for _, e in spans) - first)
+
+
+def model_extra_tokens(cfg) -> int:
+    """Tokens of a sequence besides its history: the contextual ones and the candidate."""
+    return len(CONTEXTUAL_FEATURES) + 1
+
+
+def bare_step(args: argparse.Namespace, device: torch.device) -> dict:
+    """TrainStep alone on batches of the same store (the run's first windows), in device memory."""
+    cfg = run_config(args)
+    store = open_store(store_dir(cfg.dataset))
+    windows, _ = split_windows(store)
+    loader = make_window_loader(store, windows, dataclasses.replace(
+        cfg, loader=dataclasses.replace(cfg.loader, num_workers=min(cfg.loader.num_workers, 4))), drop_last=True)
+    batches = []
+    for batch in loader:
+        batches.append(batch)
+        if len(batches) == args.bare_steps + WARM_STEPS:
+            break
+    lengths = [b.host_history_lengths.astype(np.int64) + model_extra_tokens(cfg) for b in batches]
+    batches = [b.to(device) for b in batches]
+    if cfg.embeddings.embedding_backend == "torchrec":
+        start_single_process_group(device)
+    torch.manual_seed(0)
+    model = DlrmHSTU(cfg.model, seed=0).to(device)
+    embeddings = make_embeddings(table_specs(cfg, *store_table_counts(store)), cfg, device, seed=0)
+    step = TrainStep(model, embeddings, cfg.train, FiniteMonitor(device))
+    for i in range(WARM_STEPS):
+        step(batches[i], i, 0)
+    sync(device)
+    started = time.perf_counter()
+    for i in range(WARM_STEPS, len(batches)):
+        step(batches[i], i, 0)
+    sync(device)
+    seconds = time.perf_counter() - started
+    step.finite.check()
+    timed = lengths[WARM_STEPS:]
+    return {"steps": len(timed), "samples_per_s": len(timed) * cfg.loader.batch_size / seconds,
+            "step_ms": 1e3 * seconds / len(timed),
+            "mean_tokens": float(np.mean(np.concatenate(timed))),
+            "stu_tflops": sum(batch_flops(cfg.model, n).stu for n in timed) / seconds / 1e12,
+            "stu_tflops_executed": sum(batch_flops(cfg.model, n, executed=True).stu for n in timed) / seconds / 1e12,
+            "backend": embeddings.backend}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-path", required=True, help="where the synthetic store is (made when missing)")
+    parser.add_argument("--preset", default="synthetic-50m")
+    parser.add_argument("--train-days", type=int, default=30,
+                        help="train windows of the store: the eval cadence skips the first 2 %% of the train "
+                             "samples (the checker's rule), so fewer days reach evals in fewer steps")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=400, help="training steps of the run")
+    parser.add_argument("--evals", type=int, default=3, help="evals the cadence should give within the steps")
+    parser.add_argument("--checkpoint-every", type=int, default=200, help="checkpoint cadence in steps")
+    parser.add_argument("--workers", type=int, default=8, help="loader worker processes")
+    parser.add_argument("--backend", default="torchrec", choices=("torchrec", "plain"))
+    parser.add_argument("--recompute", default="none", choices=("none", "cheap", "layer"))
+    parser.add_argument("--last-layer", default="candidates", choices=("candidates", "all"))
+    parser.add_argument("--table-rows", type=int, default=1_000_000, help="rows of each contextual table")
+    parser.add_argument("--bare-steps", type=int, default=30)
+    parser.add_argument("--label", default="", help="suffix of the results file names")
+    parser.add_argument("--smoke", action="store_true", help="synthetic-tiny and a tiny model on the CPU")
+    args = parser.parse_args()
+    if args.smoke:
+        args.preset, args.batch_size, args.steps, args.workers, args.train_days = "synthetic-tiny", 32, 160, 1, 18
+        args.backend, args.table_rows, args.bare_steps, args.checkpoint_every = "plain", 1000, 5, 20
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    _, prepare_s = cli(args, "prepare", "--if-missing", "--num-train-days", str(args.train_days))
+    cfg = run_config(args)
+    meta = json.loads((store_dir(cfg.dataset) / "meta.json").read_text())
+    train_samples = meta["counts"]["train_samples"]
+    eval_pct = eval_cadence(train_samples, args.batch_size, args.steps, args.evals)
+    run_dir = Path(args.data_path) / "bench_train_run"
+    profile = f"{args.steps // 2}-{args.steps // 2 + 5}"
+    proc, run_s = cli(args, "train", *overrides(args), "--restart", "--run-dir", str(run_dir),
+                      "--num-workers", str(args.workers), "--max-steps", str(args.steps),
+                      "--eval-every-data-pct", repr(eval_pct), "--checkpoint-every-steps", str(args.checkpoint_every),
+                      "--target-auc", "1.0", "--profile-steps", profile)
+    report = json.loads((run_dir / "report.json").read_text())
+    history = report["history"]
+    loop, loop_samples = loop_rates(report)
+    evals = history["evals"]
+    eval_seconds = [e["eval_seconds"] for e in evals]
+    eval_rate = report["eval_samples"] / float(np.median(eval_seconds)) if evals else float("nan")
+    train_seconds = sum(s / r for s, r in zip(np.diff([0] + [s for _, s, _ in history["window_losses"]]),
+                                               [r for _, r in history["throughput"]]))
+    a, b = profile.split("-")
+    busy = gpu_busy_share(run_dir / "traces" / f"steps-{a}-{b}.rank0.json")
+    bare = bare_step(args, device)
+    peak = matmul_peak_tflops(device, n=8192 if device.type == "cuda" else 256, reps=10)
+    mfu_scale = loop / bare["samples_per_s"]
+    result = {
+        "command": "python benchmarks/bench_train.py " + " ".join(a for a in sys.argv[1:]),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.machine(),
+        "commit": git_commit(), "torch": torch.__version__, "preset": args.preset, "batch_size": args.batch_size,
+        "backend": args.backend, "workers": args.workers, "recompute": args.recompute, "last_layer": args.last_layer,
+        "table_rows": args.table_rows, "train_samples_in_store": train_samples,
+        "eval_samples": report["eval_samples"], "prepare_s": prepare_s, "run_wall_s": run_s,
+        "steps": history["steps"], "loop_samples_per_s": loop, "loop_samples_measured": loop_samples,
+        "bare": bare, "loop_vs_bare": mfu_scale, "evals": len(evals), "eval_seconds": eval_seconds,
+        "eval_samples_per_s": eval_rate, "eval_vs_train_rate": eval_rate / loop,
+        "train_seconds": train_seconds, "eval_seconds_total": float(sum(eval_seconds)),
+        "checkpoint_seconds": history.get("checkpoint_seconds", 0.0), "run_seconds": history["seconds"],
+        "gpu_busy_in_profiled_steps": busy, "matmul_peak_tflops": peak,
+        "mfu_yardstick": bare["stu_tflops"] * mfu_scale / peak, "mfu_executed": bare["stu_tflops_executed"] * mfu_scale / peak,
+        "mfu_yardstick_datasheet": bare["stu_tflops"] * mfu_scale / DATASHEET_BF16_TFLOPS,
+        "checkpoint_every": args.checkpoint_every}
+    text = table(result)
+    print(text)
+    if not args.smoke:
+        name = "train" + (f"_{args.label}" if args.label else "")
+        (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (RESULTS / f"{name}.md").write_text(text + f"\n\nCommand: `{result['command']}`\n")
+
+
+def table(r: dict) -> str:
+    other = r["run_seconds"] - r["train_seconds"] - r["eval_seconds_total"] - r["checkpoint_seconds"]
+    busy = "-" if r["gpu_busy_in_profiled_steps"] is None else f"{r['gpu_busy_in_profiled_steps']:.0%}"
+    return "\n".join([
+        f"`python -m dlrmv4 train` on one {r['device']} (commit {r['commit']}): preset {r['preset']}, batch "
+        f"{r['batch_size']}, {r['backend']} embeddings (contextual tables {r['table_rows']:,} rows each), "
+        f"{r['workers']} loader workers, recompute {r['recompute']}, last layer {r['last_layer']}, {r['steps']} steps, "
+        f"{r['evals']} evals of {r['eval_samples']:,} samples, checkpoints every window and every "
+        f"{r.get('checkpoint_every', '-')} steps; matmul peak measured in the same run "
+        f"{r['matmul_peak_tflops']:.0f} TFLOP/s.", "",
+        "| measure | value |", "|---|---:|",
+        f"| training loop samples/s (windows after the first, {r['loop_samples_measured']:,} samples) | "
+        f"{r['loop_samples_per_s']:,.0f} |",
+        f"| bare step samples/s (same store's batches in device memory, {r['bare']['mean_tokens']:,.0f} mean tokens) | "
+        f"{r['bare']['samples_per_s']:,.0f} |",
+        f"| loop / bare step | {r['loop_vs_bare']:.2f} |",
+        f"| eval samples/s (median of {r['evals']}) | {r['eval_samples_per_s']:,.0f} |",
+        f"| eval rate / training rate (goal >= 3) | {r['eval_vs_train_rate']:.2f} |",
+        f"| MFU, yardstick (every layer in full) / executed FLOPs, vs measured peak | {r['mfu_yardstick']:.1%} / "
+        f"{r['mfu_executed']:.1%} |",
+        f"| GPU busy in the profiled steps | {busy} |",
+        f"| run seconds: training / evals / checkpoints / rest (start-up, compilation) | {r['train_seconds']:.1f} / "
+        f"{r['eval_seconds_total']:.1f} / {r['checkpoint_seconds']:.1f} / {other:.1f} |",
+        f"| data preparation (generate + preprocess + verify; not in the run) s | {r['prepare_s']:.1f} |"])
+
+
+if __name__ == "__main__":
+    main()
