@@ -105,6 +105,10 @@ def test_run_streams_windows_and_evaluates(data_path, tmp_path):
     windows = [w for w, _, _ in hist["window_losses"]]
     assert windows == sorted(windows), "windows must stream in time order"
     assert len(hist["throughput"]) == len(windows) and all(rate > 0 for _, rate in hist["throughput"])
+    # Each eval's own time and the time spent writing checkpoints (one at every window's end here)
+    # are recorded apart from the training clock, and both fit inside the run's time.
+    assert all(0 < e["eval_seconds"] < e["seconds"] for e in hist["evals"])
+    assert 0 < hist["checkpoint_seconds"] and sum(e["eval_seconds"] for e in hist["evals"]) < hist["seconds"]
     for plot in ("auc_vs_samples.png", "throughput_vs_time.png"):
         data = (tmp_path / "run" / plot).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5_000, plot

@@ -1,0 +1,136 @@
+"""Project the time to AUC 0.75 on 8, 16 and 32 GPUs from measured parts, next to the reference's
+2 h 39 min on 8 MI350X.
+
+Measured (files in benchmarks/results/, each naming its device and commit):
+- the per-GPU training rate at the reference recipe: ``rehearsal_<gpu>.json`` (1,024 samples per
+  GPU in the memory plan's chunks, Yambda-5B's per-rank tables, Zipf ids) for 8 GPUs; for 16 and
+  32 GPUs (512 and 256 samples per GPU) the fastest single-chunk rate the same rehearsal measured
+  at 256 samples;
+- the eval rate: ``train.json`` (the holdout scored by ``python -m dlrmv4 train``, samples/s per GPU);
+- the set-up inside the timed region: ``stu.json``'s cold start (a fresh process with an empty
+  Triton cache to the end of its first step: compilation and autotuning happen after RUN_START);
+- a checkpoint's write speed: ``train.json`` (seconds per GiB of tables), applied to a rank's
+  share of the 559 GiB of tables once per window reached (the trainer's default cadence).
+
+Modelled, not measured (no multi-GPU machine was lent for it): the embedding all-to-all. Per step
+each rank receives the rows its samples look up, 1,024 x (mean tokens x 3 item-side tables + 8
+contextual) rows of D = 512 in fp16 (the reference's qcomm), (W - 1)/W of them from other ranks,
+and sends as many gradients back. Within a node at ``--nvlink-gbs`` GB/s per GPU and direction,
+across nodes (8 GPUs each) at ``--network-gbs``; shown both not overlapped with compute (an upper
+bound) and fully overlapped (a lower bound).
+
+    python benchmarks/project_time_to_train.py                 # H200 parts
+    python benchmarks/project_time_to_train.py --gpu h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dlrmv4.mlperf.rules import REFERENCE_EVAL_SAMPLES, REFERENCE_TRAIN_SAMPLES  # noqa: E402
+from dlrmv4.train.schedule import EvalSchedule  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+GLOBAL_BATCH = 8_192
+SAMPLES_TO_TARGET = 69_300_000       # the reference's mean convergence point (SPEC)
+REFERENCE_MINUTES = 2 * 60 + 39      # 8 MI350X
+EVAL_EVERY = 0.001
+TABLE_GIB = 559.0
+SAMPLES_PER_WINDOW = REFERENCE_TRAIN_SAMPLES / 299
+GPUS_PER_NODE = 8
+ITEM_SIDE_TABLES, CONTEXTUAL, D, FP16 = 3, 8, 512, 2
+
+
+def load(name: str) -> dict:
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        raise SystemExit(f"missing {path}: run the benchmark that writes it first")
+    return json.loads(path.read_text())
+
+
+def alltoall_seconds(world: int, per_gpu: int, mean_tokens: float, nvlink_gbs: float, network_gbs: float) -> float:
+    """One step's forward rows plus backward gradients through the all-to-all, per rank."""
+    rows = per_gpu * (mean_tokens * ITEM_SIDE_TABLES + CONTEXTUAL)
+    remote = rows * D * FP16 * (world - 1) / world
+    off_node = max(0, world - GPUS_PER_NODE) / world  # the share of a rank's peers on other nodes
+    per_direction = remote * (1 - off_node) / (nvlink_gbs * 1e9) + remote * off_node / (network_gbs * 1e9)
+    return 2 * per_direction
+
+
+def project(gpu: str, nvlink_gbs: float, network_gbs: float) -> dict:
+    rehearsal, train, stu = load(f"rehearsal_{gpu}"), load("train"), load("stu")
+    steps = SAMPLES_TO_TARGET / GLOBAL_BATCH
+    schedule = EvalSchedule(REFERENCE_TRAIN_SAMPLES, GLOBAL_BATCH, EVAL_EVERY)
+    evals = len(range(schedule.first, SAMPLES_TO_TARGET + schedule.interval, schedule.interval))
+    gib_per_s = train["table_gib"] * train["checkpoints"] / train["checkpoint_seconds"]
+    windows = SAMPLES_TO_TARGET / SAMPLES_PER_WINDOW
+    mean_tokens = rehearsal["rehearsal"]["mean_tokens"]
+    rows = []
+    for world in (8, 16, 32):
+        per_gpu = GLOBAL_BATCH // world
+        rate = rehearsal["rehearsal"]["samples_per_s"] if per_gpu >= 1_024 else max(
+            r["samples_per_s"] for r in rehearsal["baseline"])
+        train_s = steps * per_gpu / rate
+        comm_s = steps * alltoall_seconds(world, per_gpu, mean_tokens, nvlink_gbs, network_gbs)
+        eval_s = evals * REFERENCE_EVAL_SAMPLES / (world * train["eval_samples_per_s"])
+        setup_s = stu["cold_start_s"]
+        checkpoint_s = windows * (TABLE_GIB / world) / gib_per_s
+        upper = train_s + comm_s + eval_s + setup_s
+        lower = train_s + eval_s + setup_s
+        rows.append({"gpus": world, "per_gpu_batch": per_gpu, "per_gpu_samples_per_s": rate,
+                     "train_min": train_s / 60, "alltoall_min": comm_s / 60, "eval_min": eval_s / 60,
+                     "setup_min": setup_s / 60, "checkpoint_min": checkpoint_s / 60,
+                     "total_min_overlapped": lower / 60, "total_min_not_overlapped": upper / 60,
+                     "total_min_with_checkpoints": (upper + checkpoint_s) / 60})
+    return {"gpu": rehearsal["device"], "commits": {"rehearsal": rehearsal["commit"], "train": train["commit"],
+                                                     "stu": stu["commit"]},
+            "steps": steps, "evals": evals, "eval_rate_per_gpu": train["eval_samples_per_s"],
+            "checkpoint_gib_per_s": gib_per_s, "windows": windows, "nvlink_gbs": nvlink_gbs,
+            "network_gbs": network_gbs, "mean_tokens": mean_tokens, "rows": rows,
+            "reference_minutes": REFERENCE_MINUTES}
+
+
+def table(p: dict) -> str:
+    lines = [f"Projected time to AUC 0.75 ({SAMPLES_TO_TARGET / 1e6:.1f} M samples at GBS {GLOBAL_BATCH:,}: "
+             f"{p['steps']:,.0f} steps, {p['evals']} evals of {REFERENCE_EVAL_SAMPLES:,} samples, "
+             f"{p['windows']:.1f} windows) on {p['gpu']} GPUs, from the parts measured at commits "
+             f"{', '.join(f'{k} {v}' for k, v in p['commits'].items())}; all-to-all modelled at "
+             f"{p['nvlink_gbs']:g} GB/s per GPU and direction in a node, {p['network_gbs']:g} GB/s across nodes "
+             f"(fp16 rows, mean {p['mean_tokens']:,.0f} tokens). Reference: {p['reference_minutes'] // 60} h "
+             f"{p['reference_minutes'] % 60} min on 8 MI350X.", "",
+             "| GPUs | per GPU batch | per GPU samples/s | train min | all-to-all min | eval min | set-up min | "
+             "total min, all-to-all overlapped | not overlapped | + a checkpoint per window | vs reference "
+             "(not overlapped) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in p["rows"]:
+        lines.append(f"| {r['gpus']} | {r['per_gpu_batch']:,} | {r['per_gpu_samples_per_s']:,.0f} | "
+                     f"{r['train_min']:.1f} | {r['alltoall_min']:.1f} | {r['eval_min']:.1f} | {r['setup_min']:.1f} | "
+                     f"{r['total_min_overlapped']:.1f} | {r['total_min_not_overlapped']:.1f} | "
+                     f"{r['total_min_with_checkpoints']:.1f} | "
+                     f"{p['reference_minutes'] / r['total_min_not_overlapped']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", default="h200", choices=("h200", "h100"), help="whose rehearsal to use")
+    parser.add_argument("--nvlink-gbs", type=float, default=350.0,
+                        help="all-to-all GB/s per GPU and direction within a node (NVLink 4: 450 peak)")
+    parser.add_argument("--network-gbs", type=float, default=45.0,
+                        help="GB/s per GPU and direction across nodes (400 Gb/s NDR: 50 peak)")
+    args = parser.parse_args()
+    p = project(args.gpu, args.nvlink_gbs, args.network_gbs)
+    p["command"] = "python benchmarks/project_time_to_train.py " + " ".join(sys.argv[1:])
+    text = table(p)
+    print(text)
+    name = f"time_to_train_{args.gpu}"
+    (RESULTS / f"{name}.json").write_text(json.dumps(p, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(text + f"\n\nCommand: `{p['command']}`\n")
+
+
+if __name__ == "__main__":
+    main()
