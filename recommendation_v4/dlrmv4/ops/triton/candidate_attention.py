@@ -19,57 +19,63 @@ from ..dispatch import interpreting
 
 
 @triton.jit
-def _candidate_attention_fwd(Q, VK, OUT, SEQ_OFFSETS, alpha, inv_n,
-                   s_qb, s_qh, s_vk, s_ob, s_oh, v_cols,
-                   DQK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+def _query(Q, SEQ_OFFSETS, s_qb, s_qh, DQK: tl.constexpr):
+    """(first row, length, fp32 query [DQK]) of this program's sequence b and head h."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.load(SEQ_OFFSETS + b).to(tl.int64)
     seq_len = (tl.load(SEQ_OFFSETS + b + 1) - start).to(tl.int32)
-    dq_cols = tl.arange(0, DQK)
-    dv_cols = tl.arange(0, DV)
-    q = tl.load(Q + b * s_qb + h * s_qh + dq_cols).to(tl.float32)
-    acc = tl.zeros([DV], dtype=tl.float32)
-    for row0 in range(0, seq_len, BLOCK):
-        local = row0 + tl.arange(0, BLOCK)
-        live = local < seq_len
-        rows = start + local
-        k = tl.load(VK + rows[:, None] * s_vk + v_cols + h * DQK + dq_cols[None, :], mask=live[:, None], other=0.0)
-        x = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * alpha
-        a = x * tl.sigmoid(x)
-        v = tl.load(VK + rows[:, None] * s_vk + h * DV + dv_cols[None, :], mask=live[:, None], other=0.0)
-        acc += tl.sum(a[:, None] * v.to(tl.float32), axis=0)
-    tl.store(OUT + b * s_ob + h * s_oh + dv_cols, (acc * inv_n).to(OUT.dtype.element_ty))
+    q = tl.load(Q + b * s_qb + h * s_qh + tl.arange(0, DQK)).to(tl.float32)
+    return start, seq_len, q
 
 
 @triton.jit
-def _candidate_attention_bwd(Q, VK, DOUT, DQ, DVK, SEQ_OFFSETS, alpha, inv_n,
-                   s_qb, s_qh, s_vk, s_db, s_dh, s_dqb, s_dqh, s_dvk, v_cols,
-                   DQK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+def _keys_values(VK, start, row0, seq_len, s_vk, v_cols, h, DQK: tl.constexpr, DV: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Rows row0 .. row0 + BLOCK - 1 of the sequence: (row index, live mask, fp32 k [BLOCK, DQK],
+    fp32 v [BLOCK, DV]); rows past its end read as 0."""
+    local = row0 + tl.arange(0, BLOCK)
+    live = local < seq_len
+    rows = start + local
+    k = tl.load(VK + rows[:, None] * s_vk + v_cols + h * DQK + tl.arange(0, DQK)[None, :], mask=live[:, None],
+                other=0.0).to(tl.float32)
+    v = tl.load(VK + rows[:, None] * s_vk + h * DV + tl.arange(0, DV)[None, :], mask=live[:, None],
+                other=0.0).to(tl.float32)
+    return rows, live, k, v
+
+
+@triton.jit
+def _candidate_attention_fwd(Q, VK, OUT, SEQ_OFFSETS, alpha, inv_n, s_qb, s_qh, s_vk, s_ob, s_oh, v_cols,
+                             DQK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+    h = tl.program_id(1)
+    start, seq_len, q = _query(Q, SEQ_OFFSETS, s_qb, s_qh, DQK)
+    acc = tl.zeros([DV], dtype=tl.float32)
+    for row0 in range(0, seq_len, BLOCK):
+        _, _, k, v = _keys_values(VK, start, row0, seq_len, s_vk, v_cols, h, DQK, DV, BLOCK)
+        x = tl.sum(k * q[None, :], axis=1) * alpha
+        acc += tl.sum((x * tl.sigmoid(x))[:, None] * v, axis=0)
+    out = OUT + tl.program_id(0) * s_ob + h * s_oh + tl.arange(0, DV)
+    tl.store(out, (acc * inv_n).to(OUT.dtype.element_ty))
+
+
+@triton.jit
+def _candidate_attention_bwd(Q, VK, DOUT, DQ, DVK, SEQ_OFFSETS, alpha, inv_n, s_qb, s_qh, s_vk, s_db, s_dh, s_dqb,
+                             s_dqh, s_dvk, v_cols, DQK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    start = tl.load(SEQ_OFFSETS + b).to(tl.int64)
-    seq_len = (tl.load(SEQ_OFFSETS + b + 1) - start).to(tl.int32)
+    start, seq_len, q = _query(Q, SEQ_OFFSETS, s_qb, s_qh, DQK)
     dq_cols = tl.arange(0, DQK)
     dv_cols = tl.arange(0, DV)
-    q = tl.load(Q + b * s_qb + h * s_qh + dq_cols).to(tl.float32)
     dout = tl.load(DOUT + b * s_db + h * s_dh + dv_cols).to(tl.float32) * inv_n   # d(sum_j A_j v_j) with 1/N
     dq = tl.zeros([DQK], dtype=tl.float32)
     for row0 in range(0, seq_len, BLOCK):
-        local = row0 + tl.arange(0, BLOCK)
-        live = local < seq_len
-        rows = start + local
-        k = tl.load(VK + rows[:, None] * s_vk + v_cols + h * DQK + dq_cols[None, :], mask=live[:, None],
-                    other=0.0).to(tl.float32)
-        v = tl.load(VK + rows[:, None] * s_vk + h * DV + dv_cols[None, :], mask=live[:, None],
-                    other=0.0).to(tl.float32)
+        rows, live, k, v = _keys_values(VK, start, row0, seq_len, s_vk, v_cols, h, DQK, DV, BLOCK)
         x = tl.sum(k * q[None, :], axis=1) * alpha
         sig = tl.sigmoid(x)
-        a = x * sig
         da = tl.sum(v * dout[None, :], axis=1)
         ds = da * sig * (1.0 + x * (1.0 - sig)) * alpha     # SiLU'(x) = sig (1 + x (1 - sig))
         tl.store(DVK + rows[:, None] * s_dvk + h * DV + dv_cols[None, :],
-                 (a[:, None] * dout[None, :]).to(DVK.dtype.element_ty), mask=live[:, None])
+                 ((x * sig)[:, None] * dout[None, :]).to(DVK.dtype.element_ty), mask=live[:, None])
         tl.store(DVK + rows[:, None] * s_dvk + v_cols + h * DQK + dq_cols[None, :],
                  (ds[:, None] * q[None, :]).to(DVK.dtype.element_ty), mask=live[:, None])
         dq += tl.sum(ds[:, None] * k, axis=0)
