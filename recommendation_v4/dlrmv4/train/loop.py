@@ -206,9 +206,9 @@ class StreamingTrainer:
         loader = make_window_loader(self.store, [window], self.cfg, rank=rank, world_size=world)
         plan = loader.dataset.plan
         slicing = self.cfg.loader.rank_slicing
-        for batch, part in zip(loader, plan):
+        # The next batch's copy overlaps this one's forward, as in training.
+        for batch, part in zip(DevicePrefetcher(loader, self.device), plan):
             mine = len(rank_share(part, rank, world, slicing))
-            batch = batch.to(self.device)
             logits = chunked_logits(self.model, batch, self.embeddings(batch), self.step.chunks)
             acc.update(logits[:mine], batch.label[:mine])  # a stand-in sample (no share) adds nothing
         self.model.train()
