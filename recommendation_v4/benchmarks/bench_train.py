@@ -260,7 +260,10 @@ def main() -> None:
         "gpu_busy_in_profiled_steps": busy, "matmul_peak_tflops": peak,
         "mfu_yardstick": bare["stu_tflops"] * mfu_scale / peak, "mfu_executed": bare["stu_tflops_executed"] * mfu_scale / peak,
         "mfu_yardstick_datasheet": bare["stu_tflops"] * mfu_scale / DATASHEET_BF16_TFLOPS,
-        "checkpoint_every": args.checkpoint_every, "checkpoints": checkpoints, "table_gib": table_gib}
+        "checkpoint_every": args.checkpoint_every, "checkpoints": checkpoints, "table_gib": table_gib,
+        "window_rates": [{"window": w, "samples": int(n), "samples_per_s": rate} for (w, _, _), n, (_, rate) in zip(
+            history["window_losses"], np.diff([0] + [s for _, s, _ in history["window_losses"]]),
+            history["throughput"])]}
     text = table(result)
     print(text)
     if not args.smoke:
