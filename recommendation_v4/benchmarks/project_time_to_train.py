@@ -6,10 +6,10 @@ Measured (files in benchmarks/results/, each naming its device and commit):
   GPU in the memory plan's chunks, Yambda-5B's per-rank tables, Zipf ids) for 8 GPUs; for 16 and
   32 GPUs (512 and 256 samples per GPU) the fastest single-chunk rate the same rehearsal measured
   at 256 samples;
-- the eval rate: ``train.json`` (the holdout scored by ``python -m dlrmv4 train``, samples/s per GPU);
+- the eval rate: ``train_<gpu>.json`` (the holdout scored by ``python -m dlrmv4 train``, samples/s per GPU);
 - the set-up inside the timed region: ``stu.json``'s cold start (a fresh process with an empty
   Triton cache to the end of its first step: compilation and autotuning happen after RUN_START);
-- a checkpoint's write speed: ``train.json`` (seconds per GiB of tables), applied to a rank's
+- a checkpoint's write speed: ``train_<gpu>.json`` (seconds per GiB of tables), applied to a rank's
   share of the 559 GiB of tables once per window reached (the trainer's default cadence).
 
 Modelled, not measured (no multi-GPU machine was lent for it): the embedding all-to-all. Per step
@@ -63,7 +63,7 @@ def alltoall_seconds(world: int, per_gpu: int, mean_tokens: float, nvlink_gbs: f
 
 
 def project(gpu: str, nvlink_gbs: float, network_gbs: float) -> dict:
-    rehearsal, train, stu = load(f"rehearsal_{gpu}"), load("train"), load("stu")
+    rehearsal, train, stu = load(f"rehearsal_{gpu}"), load(f"train_{gpu}"), load("stu")
     steps = SAMPLES_TO_TARGET / GLOBAL_BATCH
     schedule = EvalSchedule(REFERENCE_TRAIN_SAMPLES, GLOBAL_BATCH, EVAL_EVERY)
     evals = len(range(schedule.first, SAMPLES_TO_TARGET + schedule.interval, schedule.interval))
