@@ -27,6 +27,9 @@ from dlrmv4.errors import UserError
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+FAILURE_KEY = "dlrmv4/failed_rank"  # the rendezvous store's key for a rank's own failure
+
+
 class RankLostError(UserError):
     """A collective failed: another rank exited, was killed, or stopped answering."""
 
@@ -125,6 +128,26 @@ class Cluster:
             dist.all_gather_into_tensor(out, padded)
         return torch.cat([out[r * longest: r * longest + n] for r, n in enumerate(sizes)])
 
+    # -- a rank's own failure ---------------------------------------------------------------
+    def post_failure(self, line: str) -> None:
+        """Leave this rank's one-line failure in the rendezvous store, where the other ranks look
+        when their next collective fails (best effort: the store may be gone too)."""
+        if self.world_size > 1:
+            try:
+                dist.distributed_c10d._get_default_store().set(FAILURE_KEY, line)
+            except Exception:  # noqa: BLE001 - reporting must never mask the failure itself
+                pass
+
+    def posted_failure(self) -> str | None:
+        """The line a failed rank posted, if any."""
+        if self.world_size == 1:
+            return None
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            return store.get(FAILURE_KEY).decode() if store.check([FAILURE_KEY]) else None
+        except Exception:  # noqa: BLE001 - the store may have gone with the failed rank
+            return None
+
     def shutdown(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -154,9 +177,23 @@ def is_comm_failure(exc: BaseException) -> bool:
 
 
 def lost_rank_error(cluster: Cluster, what: str, exc: BaseException) -> RankLostError:
+    posted = cluster.posted_failure()
+    if posted is not None:
+        return RankLostError(f"rank {cluster.rank} of {cluster.world_size}: {what} failed because {posted}")
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return RankLostError(f"rank {cluster.rank} of {cluster.world_size}: {what} failed, another rank exited or "
                          f"stopped answering (timeout {cluster.timeout_seconds:g} s): {first_line[:200]}")
+
+
+def own_failure_line(cluster: Cluster, exc: BaseException) -> str:
+    """One line for this rank's own failure: out of device memory, a UserError, or another error."""
+    text = str(exc).strip()
+    first = text.splitlines()[0][:300] if text else ""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return f"rank {cluster.rank} of {cluster.world_size} ran out of device memory: {first}"
+    if isinstance(exc, UserError):
+        return first
+    return f"rank {cluster.rank} of {cluster.world_size} failed: {type(exc).__name__}: {first}"
 
 
 def launched_world() -> tuple[int, int, int, int] | None:

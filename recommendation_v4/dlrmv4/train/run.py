@@ -20,7 +20,8 @@ from dlrmv4.mlperf.runlog import RunLog
 from dlrmv4.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
 from dlrmv4.train.embeddings import make_embeddings, store_table_counts, table_specs
 from dlrmv4.train.sharding import check_sharding_options, describe_plan, plan_rows
-from dlrmv4.train.distributed import Cluster, is_comm_failure, lost_rank_error, start_cluster
+from dlrmv4.train.distributed import (Cluster, RankLostError, is_comm_failure, lost_rank_error, own_failure_line,
+                                     start_cluster)
 from dlrmv4.train.memory_plan import plan_for_run
 from dlrmv4.train.loop import RUN_LOG_FILE, RunHistory, StreamingTrainer, rank_seed, sample_counts
 from dlrmv4.train.report import AUC_PLOT, REPORT_FILE, THROUGHPUT_PLOT, parameter_digest, write_report
@@ -73,9 +74,15 @@ def run_training(cfg: BenchmarkConfig, log: Callable[[str], None] = print, progr
     try:
         return _run(cfg, cluster, log if cluster.is_main else (lambda _: None), progress, restart, config_filename)
     except Exception as exc:
-        # DDP's and TorchRec's own collectives fail deep in the step when a peer is gone.
-        if cluster.world_size > 1 and not isinstance(exc, UserError) and is_comm_failure(exc):
-            raise lost_rank_error(cluster, "a collective of the training step", exc) from exc
+        if cluster.world_size > 1 and not isinstance(exc, RankLostError):
+            # DDP's and TorchRec's own collectives fail deep in the step when a peer is gone.
+            if not isinstance(exc, UserError) and is_comm_failure(exc):
+                raise lost_rank_error(cluster, "a collective of the training step", exc) from exc
+            # This rank's own failure: the others, waiting in a collective, name it when it fails.
+            line = own_failure_line(cluster, exc)
+            cluster.post_failure(line)
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise UserError(line) from exc
         raise
     finally:
         cluster.shutdown()
