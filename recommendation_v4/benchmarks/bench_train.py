@@ -23,8 +23,8 @@ from the store. Reported:
   region); the GPU's busy share in the profiled steps (union of kernel time over the window);
 - MFU by the reference's yardstick (every layer in full) and by the FLOPs executed.
 
-    python benchmarks/bench_train.py --data-path /tmp/bench50m            # on the lent GPU
-    python benchmarks/bench_train.py --smoke --data-path /tmp/benchtiny    # tiny shapes on the CPU
+    python benchmarks/bench_train.py                                      # on the lent GPU (store in data/bench50m)
+    python benchmarks/bench_train.py --smoke --data-path data/benchtiny     # tiny shapes on the CPU
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def bare_step(args: argparse.Namespace, device: torch.device) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-path", required=True, help="where the synthetic store is (made when missing)")
+    parser.add_argument("--data-path", default="data/bench50m", help="where the synthetic store is (made when missing)")
     parser.add_argument("--preset", default="synthetic-50m")
     parser.add_argument("--train-days", type=int, default=30,
                         help="train windows of the store: the eval cadence skips the first 2 %% of the train "
