@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -46,7 +45,7 @@ import torch
 from bench_end_to_end import start_single_process_group, sync
 from bench_stu import DATASHEET_BF16_TFLOPS, git_commit, matmul_peak_tflops
 from dlrmv4.config import config_from_args
-from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
+from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
 from dlrmv4.data.loader import make_window_loader
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
@@ -115,14 +114,20 @@ def eval_cadence(train_samples: int, batch_size: int, steps: int, evals: int) ->
     raise SystemExit(f"no eval cadence gives {evals} evals in {steps} steps of {batch_size}: run more steps")
 
 
-def loop_rates(report: dict, warmup_samples: int) -> tuple[float, int, float]:
+def window_rates(history: dict) -> list[dict]:
+    """Each window's samples and the loop's rate over it, as the run's history records them."""
+    ends = [s for _, s, _ in history["window_losses"]]
+    samples = np.diff([0] + ends)
+    return [{"window": w, "samples": int(n), "samples_per_s": rate}
+            for (w, _, _), n, (_, rate) in zip(history["window_losses"], samples, history["throughput"])]
+
+
+def loop_rates(windows: list[dict], warmup_samples: int) -> tuple[float, int, float]:
     """(samples/s of the loop over the windows that start after ``warmup_samples``, weighted by
     their samples; the samples those cover; samples/s over every window, warm-up included)."""
-    history = report["history"]
-    ends = np.array([s for _, s, _ in history["window_losses"]])
-    samples = np.diff(np.concatenate([[0], ends]))
-    seconds = samples / np.array([r for _, r in history["throughput"]])
-    steady = (ends - samples) >= warmup_samples
+    samples = np.array([w["samples"] for w in windows])
+    seconds = samples / np.array([w["samples_per_s"] for w in windows])
+    steady = (np.cumsum(samples) - samples) >= warmup_samples
     overall = float(samples.sum() / seconds.sum())
     if not steady.any():
         return float("nan"), 0, overall
@@ -150,11 +155,6 @@ def gpu_busy_share(trace: Path) -> float | None:
     return busy / (max(e for _, e in spans) - first)
 
 
-def model_extra_tokens(cfg) -> int:
-    """Tokens of a sequence besides its history: the contextual ones and the candidate."""
-    return len(CONTEXTUAL_FEATURES) + 1
-
-
 def bare_step(args: argparse.Namespace, device: torch.device) -> dict:
     """TrainStep alone on batches of the same store (the run's first windows), in device memory."""
     cfg = run_config(args)
@@ -167,7 +167,8 @@ def bare_step(args: argparse.Namespace, device: torch.device) -> dict:
         batches.append(batch)
         if len(batches) == args.bare_steps + WARM_STEPS:
             break
-    lengths = [b.host_history_lengths.astype(np.int64) + model_extra_tokens(cfg) for b in batches]
+    # Sequence lengths: the history, the contextual tokens and the candidate.
+    lengths = [b.host_history_lengths.astype(np.int64) + NUM_CONTEXTUAL + 1 for b in batches]
     batches = [b.to(device) for b in batches]
     if cfg.embeddings.embedding_backend == "torchrec":
         start_single_process_group(device)
@@ -239,12 +240,12 @@ def main() -> None:
     checkpoints = proc.stdout.count("[dlrmv4] checkpoint step-")
     table_gib = table_rows_total(cfg) * (cfg.model.embedding_dim + 1) * 4 / 2**30  # fp32 rows + Adagrad state
     history = report["history"]
-    loop, loop_samples, loop_all = loop_rates(report, args.warmup_samples)
+    windows = window_rates(history)
+    loop, loop_samples, loop_all = loop_rates(windows, args.warmup_samples)
     evals = history["evals"]
     eval_seconds = [e["eval_seconds"] for e in evals]
     eval_rate = report["eval_samples"] / float(np.median(eval_seconds)) if evals else float("nan")
-    train_seconds = sum(s / r for s, r in zip(np.diff([0] + [s for _, s, _ in history["window_losses"]]),
-                                               [r for _, r in history["throughput"]]))
+    train_seconds = sum(w["samples"] / w["samples_per_s"] for w in windows)
     a, b = profile.split("-")
     busy = gpu_busy_share(run_dir / "traces" / f"steps-{a}-{b}.rank0.json")
     shutil.rmtree(run_dir)
@@ -269,9 +270,7 @@ def main() -> None:
         "mfu_yardstick": bare["stu_tflops"] * mfu_scale / peak, "mfu_executed": bare["stu_tflops_executed"] * mfu_scale / peak,
         "mfu_yardstick_datasheet": bare["stu_tflops"] * mfu_scale / DATASHEET_BF16_TFLOPS,
         "checkpoint_every": args.checkpoint_every, "checkpoints": checkpoints, "table_gib": table_gib,
-        "window_rates": [{"window": w, "samples": int(n), "samples_per_s": rate} for (w, _, _), n, (_, rate) in zip(
-            history["window_losses"], np.diff([0] + [s for _, s, _ in history["window_losses"]]),
-            history["throughput"])]}
+        "window_rates": windows}
     text = table(result)
     print(text)
     if not args.smoke:

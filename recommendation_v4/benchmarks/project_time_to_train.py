@@ -30,10 +30,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dlrmv4.mlperf.rules import REFERENCE_EVAL_SAMPLES, REFERENCE_TRAIN_SAMPLES  # noqa: E402
-from dlrmv4.train.schedule import EvalSchedule  # noqa: E402
+from dlrmv4.mlperf.rules import REFERENCE_EVAL_SAMPLES, REFERENCE_TRAIN_SAMPLES
+from dlrmv4.train.schedule import EvalSchedule
 
 RESULTS = Path(__file__).parent / "results"
 GLOBAL_BATCH = 8_192
