@@ -32,9 +32,9 @@ from pathlib import Path
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.errors import UserError
+from dlrmv4.train.schedule import REFERENCE_TRAIN_SAMPLES  # the pinned train count, declared once
 
 RULESET = "6.1.0"
-REFERENCE_TRAIN_SAMPLES = 2_290_835_423
 REFERENCE_EVAL_SAMPLES = 2_058_204
 REFERENCE_MAX_SEQ_LEN = 4_096
 
