@@ -100,8 +100,9 @@ class LoaderConfig:
                                "the reference's) or time (ascending timestamp, ties by index)",
                                choices=("index", "time"))
     rank_slicing: str = _field("strided", "how the processes share a global batch: strided (rank r takes samples "
-                               "r, r + W, ..., the reference's) or contiguous (equal consecutive slices)",
-                               choices=("strided", "contiguous"))
+                               "r, r + W, ..., the reference's), contiguous (equal consecutive slices) or "
+                               "balanced (equal sample counts, token sums balanced)",
+                               choices=("strided", "contiguous", "balanced"))
     prefetch_batches: int = _field(2, "batches each worker prepares ahead", min=1, max=64)
 
 

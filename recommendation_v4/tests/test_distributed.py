@@ -99,13 +99,15 @@ def one_process(data_path, tmp_path_factory):
     return _train(1, data_path, run_dir, **{"train.max_steps": STEPS, "embeddings.embedding_backend": "torchrec"})
 
 
-@pytest.mark.parametrize("backend, sharding, qcomm", [("torchrec", "*=row_wise", "none"),
-                                                      ("torchrec", "*=table_wise", "none"),
-                                                      ("torchrec", "*=row_wise", "bf16"), ("plain", "", "none")])
-def test_two_processes_follow_the_one_process_trajectory(data_path, tmp_path, one_process, backend, sharding, qcomm):
+@pytest.mark.parametrize("backend, sharding, qcomm, slicing", [
+    ("torchrec", "*=row_wise", "none", "strided"), ("torchrec", "*=table_wise", "none", "strided"),
+    ("torchrec", "*=row_wise", "bf16", "strided"), ("torchrec", "*=row_wise", "none", "balanced"),
+    ("plain", "", "none", "strided")])
+def test_two_processes_follow_the_one_process_trajectory(data_path, tmp_path, one_process, backend, sharding, qcomm,
+                                                         slicing):
     report = _train(2, data_path, tmp_path / "run", **{
         "train.max_steps": STEPS, "embeddings.embedding_backend": backend, "embeddings.sharding_types": sharding,
-        "embeddings.qcomm": qcomm})
+        "embeddings.qcomm": qcomm, "loader.rank_slicing": slicing})
     assert report["world_size"] == 2 and report["embedding_backend"] == backend
     if backend == "torchrec":
         kinds = {row["sharding_type"] for row in report["sharding_plan"]}

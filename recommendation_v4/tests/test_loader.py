@@ -10,8 +10,9 @@ import torch
 
 from dlrmv4.config import BenchmarkConfig, LoaderConfig, SamplerConfig
 from dlrmv4.data.batch import BATCH_DTYPES, TorchJaggedBatch
-from dlrmv4.data.loader import BatchSlice, WindowDataset, make_window_loader, plan_batches, rank_share
-from dlrmv4.data.sampler import build_batch
+from dlrmv4.data.loader import (BatchSlice, WindowDataset, balanced_shares, make_window_loader, plan_batches,
+                                rank_share, share_size)
+from dlrmv4.data.sampler import build_batch, history_lengths
 from dlrmv4.data.store import open_store
 from store_factory import random_store
 
@@ -64,13 +65,20 @@ def test_time_order_is_a_switch(store):
         assert all((ts[a], a) <= (ts[b], b) for a, b in zip(got, got[1:]))  # time order, ties by index
 
 
-@pytest.mark.parametrize("slicing", ["strided", "contiguous"])
+@pytest.mark.parametrize("slicing", ["strided", "contiguous", "balanced"])
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 def test_rank_shares_split_a_batch(slicing, world):
     part = BatchSlice(window=0, start=5, stop=5 + 13)
-    shares = [rank_share(part, r, world, slicing).tolist() for r in range(world)]
+    tokens = np.random.default_rng(world).integers(0, 100, 13)
+    shares = [rank_share(part, r, world, slicing, tokens).tolist() for r in range(world)]
     assert sorted(x for share in shares for x in share) == list(range(5, 18))
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    assert [len(share) for share in shares] == [share_size(13, r, world, slicing) for r in range(world)]
+    if slicing == "balanced":
+        assert all(share == sorted(share) for share in shares)
+        with pytest.raises(ValueError, match="token count"):
+            rank_share(part, 0, world, slicing)
+        return
     if slicing == "strided":  # the reference's: rank r takes samples r, r + W, r + 2W, ...
         assert shares[0][:2] == [5, 5 + world] if world < 13 else shares[0] == [5]
         assert all(share == list(range(5 + r, 18, world)) for r, share in enumerate(shares))
@@ -78,6 +86,39 @@ def test_rank_shares_split_a_batch(slicing, world):
         assert all(share == sorted(share) and (not share or share[-1] - share[0] == len(share) - 1) for share in shares)
     with pytest.raises(ValueError, match="slicing"):
         rank_share(part, 0, world, "round")
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_balanced_shares_even_out_the_tokens(world):
+    """Skewed lengths (a few long histories among short ones): the token sums of the balanced
+    shares differ by at most the longest sample, and by far less than the strided shares' do."""
+    rng = np.random.default_rng(world)
+    spread = {"balanced": [], "strided": []}
+    for _ in range(20):
+        tokens = np.minimum(rng.pareto(1.0, 256) * 50, 4_000).astype(np.int64) + 9
+        balanced = balanced_shares(tokens, world)
+        assert [s.tolist() for s in balanced] == [s.tolist() for s in balanced_shares(tokens.copy(), world)]
+        sums = [int(tokens[s].sum()) for s in balanced]
+        assert max(sums) - min(sums) <= tokens.max()
+        spread["balanced"].append(max(sums) - min(sums))
+        strided = [int(tokens[r::world].sum()) for r in range(world)]
+        spread["strided"].append(max(strided) - min(strided))
+    assert np.mean(spread["balanced"]) * 5 < np.mean(spread["strided"])
+
+
+def test_balanced_loader_shares_partition_every_batch(store):
+    """Each rank's loader builds its balanced share of every global batch: together the ranks see
+    the global batch once, with token sums as balanced as ``balanced_shares`` makes them."""
+    cfg = dataclasses.replace(config(workers=2), loader=LoaderConfig(batch_size=BATCH, num_workers=2,
+                                                                    rank_slicing="balanced"))
+    world = 2
+    whole = anchors_of(make_window_loader(store, [1, 3], config()))
+    per_rank = [list(make_window_loader(store, [1, 3], cfg, rank=r, world_size=world)) for r in range(world)]
+    for i, anchors in enumerate(whole):
+        tokens = history_lengths(store, np.asarray(anchors), cfg.sampler)
+        want = balanced_shares(tokens, world)
+        for r in range(world):
+            assert per_rank[r][i].anchor_index.tolist() == np.asarray(anchors)[want[r]].tolist()
 
 
 def test_batches_equal_the_sampler_and_are_not_padded(store):

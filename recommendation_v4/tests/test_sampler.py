@@ -10,7 +10,7 @@ import torch
 
 from dlrmv4.config import SamplerConfig
 from dlrmv4.data.batch import BATCH_DTYPES, JaggedBatch, TorchJaggedBatch
-from dlrmv4.data.sampler import build_batch, pack_item_sides
+from dlrmv4.data.sampler import build_batch, history_lengths, pack_item_sides
 from dlrmv4.data.store import open_store
 from dlrmv4.errors import UserError
 from store_factory import random_store
@@ -103,6 +103,10 @@ def test_fast_equals_reference(tmp_path, case):
     batch = build_batch(store, anchors, cfg)
     assert (batch.history_lengths[np.isin(anchors, starts)] == 0).all()
     assert_matches_reference(store, batch, anchors, cfg)
+    # The counts alone (balanced rank slicing): equal to the batch's, for random and user-major runs.
+    assert history_lengths(store, anchors, cfg).tolist() == batch.history_lengths.tolist()
+    runs = np.arange(offsets[-1])[rng.integers(0, offsets[-1]):][:50]
+    assert history_lengths(store, runs, cfg).tolist() == build_batch(store, runs, cfg).history_lengths.tolist()
 
 
 def test_store_anchors_and_pool_caps(tmp_path):

@@ -10,12 +10,13 @@ copy); the main process pins them when a GPU is present.
 
 In a run of several processes the plan is the global one (the batch size is the global batch
 size) and each rank builds only its share of every batch (``rank_share``: samples r, r + W, ... as
-the reference does, or a contiguous slice), so the global batches, the step count and the eval
-points do not depend on the world size.
+the reference does, a contiguous slice, or token-balanced shares), so the global batches, the step
+count and the eval points do not depend on the world size.
 """
 
 from __future__ import annotations
 
+import heapq
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
 
@@ -25,7 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from dlrmv4.config import BenchmarkConfig, SamplerConfig
 from dlrmv4.data.batch import TorchJaggedBatch
-from dlrmv4.data.sampler import build_batch, pack_item_sides
+from dlrmv4.data.sampler import build_batch, history_lengths, pack_item_sides
 from dlrmv4.data.store import Store, open_store
 
 
@@ -36,19 +37,52 @@ class BatchSlice(NamedTuple):
     stop: int
 
 
-RANK_SLICINGS = ("strided", "contiguous")
+RANK_SLICINGS = ("strided", "contiguous", "balanced")
 
 
-def rank_share(part: BatchSlice, rank: int, world_size: int, slicing: str = "strided") -> np.ndarray:
+def share_size(num_samples: int, rank: int, world_size: int, slicing: str = "strided") -> int:
+    """How many of a batch's ``num_samples`` samples rank ``rank`` takes (known without the samples)."""
+    if slicing == "contiguous":
+        return num_samples * (rank + 1) // world_size - num_samples * rank // world_size
+    if slicing in ("strided", "balanced"):
+        return num_samples // world_size + (rank < num_samples % world_size)
+    raise ValueError(f"rank slicing {slicing!r} is not one of {', '.join(RANK_SLICINGS)}")
+
+
+def balanced_shares(tokens: np.ndarray, world_size: int) -> list[np.ndarray]:
+    """Every rank's positions (ascending) in a batch of samples with these token counts: rank r takes
+    ``share_size(n, r, W, "balanced")`` samples, and the token sums are balanced greedily (the
+    longest sample first, each to the rank with the fewest tokens that still has room; ties go to
+    the earlier sample and the lower rank), so the result depends on the batch alone."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    room = [share_size(len(tokens), r, world_size, "balanced") for r in range(world_size)]
+    heap = [(0, r) for r in range(world_size) if room[r]]
+    owner = np.empty(len(tokens), dtype=np.int64)
+    for position in np.argsort(-tokens, kind="stable").tolist():
+        total, r = heapq.heappop(heap)
+        owner[position] = r
+        room[r] -= 1
+        if room[r]:
+            heapq.heappush(heap, (total + int(tokens[position]), r))
+    return [np.flatnonzero(owner == r) for r in range(world_size)]
+
+
+def rank_share(part: BatchSlice, rank: int, world_size: int, slicing: str = "strided",
+               tokens: np.ndarray | None = None) -> np.ndarray:
     """Positions (into the window's order) of rank ``rank``'s samples of a batch: ``strided``
     takes samples r, r + W, r + 2W, ... (the reference's), ``contiguous`` an equal consecutive
-    slice; either way the shares' sizes differ by at most one."""
+    slice, ``balanced`` the ``balanced_shares`` of the batch's per-sample ``tokens``; either way the
+    shares' sizes differ by at most one."""
     if slicing == "strided":
         return np.arange(part.start + rank, part.stop, world_size, dtype=np.int64)
     if slicing == "contiguous":
         n = part.stop - part.start
         return np.arange(part.start + n * rank // world_size, part.start + n * (rank + 1) // world_size,
                          dtype=np.int64)
+    if slicing == "balanced":
+        if tokens is None or len(tokens) != part.stop - part.start:
+            raise ValueError("balanced rank slicing needs the token count of every sample of the batch")
+        return balanced_shares(tokens, world_size)[rank] + part.start
     raise ValueError(f"rank slicing {slicing!r} is not one of {', '.join(RANK_SLICINGS)}")
 
 
@@ -118,7 +152,10 @@ class WindowDataset(IterableDataset):
             if part.window != order_window:
                 order_window, order = part.window, window_order(store, part.window, self.order, self.shuffle,
                                                                  self.seed)
-            share = rank_share(part, self.rank, self.world_size, self.slicing)
+            tokens = None
+            if self.slicing == "balanced" and self.world_size > 1:  # the whole batch's lengths decide the shares
+                tokens = history_lengths(store, order[part.start:part.stop], self.cfg)
+            share = rank_share(part, self.rank, self.world_size, self.slicing, tokens)
             if not len(share):  # a tail batch smaller than the world: this rank scores a stand-in, ignored
                 share = np.array([part.start], dtype=np.int64)
             yield build_batch(store, order[share], self.cfg, item_sides).to_torch()

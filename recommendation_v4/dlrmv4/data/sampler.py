@@ -97,6 +97,45 @@ def history_positions(action: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     return local_all + np.repeat(lo, counts), counts
 
 
+def scan_ranges(store: Store, anchors: np.ndarray, scan_window: int) -> tuple[np.ndarray, np.ndarray]:
+    """(user row, first scanned event) of each anchor: its history comes from ``[lo, anchor)``."""
+    offsets = np.asarray(store.train.user_offsets)
+    user = user_of(offsets, anchors)
+    return user, np.maximum(offsets[user], anchors - scan_window)
+
+
+def history_lengths(store: Store, anchor_indices: np.ndarray, cfg: SamplerConfig) -> np.ndarray:
+    """int64 history length of each anchor's sample, equal to ``build_batch``'s, without gathering.
+
+    Each pool contributes min(its events in the scan range, per_pool_length). The ranges of a
+    user's anchors overlap (a batch holds runs of one user's anchors), so the counts come from
+    prefix sums over the union of the ranges: about one scan window per user, not per anchor.
+    """
+    anchors = np.asarray(anchor_indices, dtype=np.int64).reshape(-1)
+    if not anchors.size:
+        return np.zeros(0, dtype=np.int64)
+    _, lo = scan_ranges(store, anchors, cfg.scan_window)
+    by_start = np.argsort(lo, kind="stable")
+    starts, stops = lo[by_start], np.maximum.accumulate(anchors[by_start])
+    new_run = np.ones(len(starts), dtype=bool)
+    new_run[1:] = starts[1:] > stops[:-1]  # a range that begins after every earlier one ended
+    run_of = np.cumsum(new_run) - 1
+    run_start = starts[new_run]
+    run_stop = np.maximum.reduceat(stops, np.flatnonzero(new_run))
+    action = np.asarray(store.train.action)
+    scanned = np.concatenate([action[a:b] for a, b in zip(run_start.tolist(), run_stop.tolist())])
+    # Position of global event e (inside run k) in ``scanned``: e - run_start[k] + base[k].
+    base = np.concatenate([[0], np.cumsum(run_stop - run_start)[:-1]])
+    shift = np.empty(len(anchors), dtype=np.int64)
+    shift[by_start] = base[run_of] - run_start[run_of]
+    lengths = np.zeros(len(anchors), dtype=np.int64)
+    for bit in ACTION_BITS:
+        prefix = np.zeros(len(scanned) + 1, dtype=np.int64)
+        np.cumsum(scanned == bit, out=prefix[1:])
+        lengths += np.minimum(prefix[anchors + shift] - prefix[lo + shift], cfg.per_pool_length)
+    return lengths
+
+
 def build_batch(store: Store, anchor_indices: np.ndarray, cfg: SamplerConfig,
                 item_sides: np.ndarray | None = None) -> JaggedBatch:
     """The jagged batch of the given anchors (global train event indices), in the given order.
@@ -104,13 +143,12 @@ def build_batch(store: Store, anchor_indices: np.ndarray, cfg: SamplerConfig,
     ``item_sides`` (from ``pack_item_sides(store)``) is optional and only makes it faster.
     """
     train = store.train
-    offsets = np.asarray(train.user_offsets)
+    num_events = int(np.asarray(train.user_offsets)[-1])
     anchors = np.array(anchor_indices, dtype=np.int64).reshape(-1)  # a copy: callers pass mmap slices
-    if anchors.size and (anchors.min() < 0 or anchors.max() >= offsets[-1]):
-        raise ValueError(f"anchor indices must lie in [0, {int(offsets[-1])}), got "
+    if anchors.size and (anchors.min() < 0 or anchors.max() >= num_events):
+        raise ValueError(f"anchor indices must lie in [0, {num_events}), got "
                          f"[{int(anchors.min())}, {int(anchors.max())}]")
-    user = user_of(offsets, anchors)
-    lo = np.maximum(offsets[user], anchors - cfg.scan_window)
+    user, lo = scan_ranges(store, anchors, cfg.scan_window)
     positions, lengths = history_positions(np.asarray(train.action), lo, anchors, cfg.per_pool_length)
 
     item_id, timestamp, action = (np.asarray(c) for c in (train.item_id, train.timestamp, train.action))

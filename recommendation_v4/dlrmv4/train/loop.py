@@ -25,7 +25,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from dlrmv4.config import BenchmarkConfig
-from dlrmv4.data.loader import make_window_loader, rank_share
+from dlrmv4.data.loader import make_window_loader, share_size
 from dlrmv4.data.store import Store
 from dlrmv4.mlperf.runlog import RunFacts, RunLog
 from dlrmv4.model.hstu import DlrmHSTU
@@ -208,13 +208,13 @@ class StreamingTrainer:
         slicing = self.cfg.loader.rank_slicing
         # The next batch's copy overlaps this one's forward, as in training.
         for batch, part in zip(DevicePrefetcher(loader, self.device), plan):
-            mine = len(rank_share(part, rank, world, slicing))
+            mine = share_size(part.stop - part.start, rank, world, slicing)
             logits = chunked_logits(self.model, batch, self.embeddings(batch), self.step.chunks)
             acc.update(logits[:mine], batch.label[:mine])  # a stand-in sample (no share) adds nothing
         self.model.train()
         if world == 1:
             return acc.compute()
-        sizes = [sum(len(rank_share(p, r, world, slicing)) for p in plan) for r in range(world)]
+        sizes = [sum(share_size(p.stop - p.start, r, world, slicing) for p in plan) for r in range(world)]
         state = acc.state_dict()
         return exact_auc(self.cluster.all_gather_rows(state["scores"], sizes),
                          self.cluster.all_gather_rows(state["labels"], sizes))

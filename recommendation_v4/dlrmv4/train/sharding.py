@@ -239,11 +239,45 @@ def describe_plan(plan) -> str:
     return "\n".join(lines)
 
 
+def cast_then_clamp(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype`` with out-of-range values at the type's largest finite value: the same
+    numbers as FBGEMM's clamp-then-cast, whose clamp makes a full copy in the input's (fp32) dtype
+    first. Cast first and clamp the small copy in place: the encoder's only temporary is the half
+    precision result (a hot rank's all-to-all input can be most of its free memory)."""
+    finfo = torch.finfo(dtype)
+    if tensor.dtype == dtype:  # already in range or inf; never clamp the caller's tensor in place
+        return torch.clamp(tensor, finfo.min, finfo.max)
+    return tensor.to(dtype).clamp_(finfo.min, finfo.max)
+
+
+def _cast_then_clamp_codec_class():
+    from fbgemm_gpu.quantize_comm import QuantizedCommCodec
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
+    class CastThenClampCodec(QuantizedCommCodec):
+        """FBGEMM's fp16/bf16 all-to-all codec with a low-memory encoder (``cast_then_clamp``)."""
+
+        def encode(self, input_tensor: torch.Tensor, ctx=None) -> torch.Tensor:
+            if self._comm_precision not in (SparseType.FP16, SparseType.BF16) or self._loss_scale is not None:
+                return super().encode(input_tensor, ctx)
+            return cast_then_clamp(input_tensor, self._comm_precision.as_dtype())
+
+    return CastThenClampCodec
+
+
 def qcomm_registry(cfg: EmbeddingConfig):
-    """Codecs for quantized all-to-all (None: fp32)."""
+    """Codecs for quantized all-to-all (None: fp32): TorchRec's registry for the precision, each of
+    its codecs swapped for the same one with the low-memory encoder. The precision is kept on gloo
+    too (TorchRec's registry would turn bf16 into fp16 for a CPU device; gloo moves bf16 fine)."""
     if cfg.qcomm == "none":
         return None
     from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
 
     precision = {"fp16": CommType.FP16, "bf16": CommType.BF16}[cfg.qcomm]
-    return get_qcomm_codecs_registry(QCommsConfig(forward_precision=precision, backward_precision=precision))
+    registry = get_qcomm_codecs_registry(QCommsConfig(forward_precision=precision, backward_precision=precision))
+    codec_class = _cast_then_clamp_codec_class()
+    for codecs in registry.values():
+        for direction in ("forward", "backward"):
+            stock = getattr(codecs, direction)
+            setattr(codecs, direction, codec_class(stock._comm_precision, is_fwd=stock._is_fwd))
+    return registry
