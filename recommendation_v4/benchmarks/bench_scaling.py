@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,28 @@ def _replace(cfg: BenchmarkConfig, overrides: dict) -> BenchmarkConfig:
     return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in sections.items()})
 
 
+def real_table_rows(plan_world: int, world: int, store_counts: tuple[int, int, int]) -> dict:
+    """Overrides giving every table Yambda-5B's rows x world / plan_world: each of ``world`` ranks
+    then holds what one of ``plan_world`` ranks holds in the real job's row-wise plan (none: 0).
+    The uid table keeps its rows (the raw uid is the row), and the item, artist and album tables
+    at least the store's counts (its ids index them)."""
+    if not plan_world:
+        return {}
+    from dlrmv4.config import SamplerConfig
+    from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
+    from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS
+
+    def scaled(rows: int) -> int:
+        return -(-rows * world // plan_world)
+
+    real = SamplerConfig()
+    out = {("embeddings", f"{name}_rows"): max(scaled(rows), count)
+           for name, rows, count in zip(("item", "artist", "album"), YAMBDA_5B_COUNTS, store_counts)}
+    out.update({("sampler", f"{name}_rows"): scaled(getattr(real, f"{name}_rows"))
+                for name in CONTEXTUAL_FEATURES if name != "uid"})
+    return out
+
+
 def worker(args: argparse.Namespace) -> None:
     """One rank of one world size (started by torchrun from ``main``)."""
     from dlrmv4.data.loader import make_window_loader
@@ -54,10 +77,11 @@ def worker(args: argparse.Namespace) -> None:
     world = int(os.environ["WORLD_SIZE"])
     base = config_from_args(args)
     gbs = args.per_rank_batch * world if args.scaling == "weak" else args.per_rank_batch
-    cfg = _replace(base, {("loader", "batch_size"): gbs})
+    store = open_store(store_dir(base.dataset))
+    cfg = _replace(base, {("loader", "batch_size"): gbs,
+                          **real_table_rows(args.real_tables_of, world, store_table_counts(store))})
     cluster = start_cluster(cfg.distributed)
     device = cluster.device
-    store = open_store(store_dir(cfg.dataset))
     seed_everything(cfg.seed)
     model = DlrmHSTU(cfg.model, seed=rank_seed(cfg.seed, cluster.rank)).to(device)
     embeddings = make_embeddings(table_specs(cfg, *store_table_counts(store)), cfg, device, cfg.seed, cluster)
@@ -151,6 +175,10 @@ def main() -> None:
     parser.add_argument("--label", default=None, help="row name in results/scaling (default: the device)")
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print a profile of 10 bare steps per process count")
+    parser.add_argument("--real-tables-of", type=int, default=0, metavar="N",
+                        help="every table at Yambda-5B's rows x processes / N: each rank holds its share of the "
+                             "N-GPU row-wise plan (0: the config's tables)")
+    parser.add_argument("--repeats", type=int, default=1, help="times each world size runs, alternating")
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()
     if args.worker_out:
@@ -160,8 +188,8 @@ def main() -> None:
     passthrough = [a for a in sys.argv[1:]]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for world in args.worlds:
-            out = Path(tmp) / f"world{world}.json"
+        for repeat, world in ((r, w) for r in range(args.repeats) for w in args.worlds):
+            out = Path(tmp) / f"world{world}.{repeat}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                    __file__, *passthrough, "--worker-out", str(out)]
             env = dict(os.environ)
@@ -172,10 +200,10 @@ def main() -> None:
                 raise SystemExit(f"world size {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
             if args.profile:
                 print(proc.stdout[-20000:])
-            results.append(json.loads(out.read_text()))
-            print(f"world {world}: {results[-1]['samples_per_s']:,.0f} samples/s", flush=True)
-    base = results[0]
-    for r in results:
+            results.append({**json.loads(out.read_text()), "repeat": repeat})
+            print(f"world {world} (repeat {repeat}): {results[-1]['samples_per_s']:,.0f} samples/s", flush=True)
+    for r in results:  # against the baseline world size of the same repeat
+        base = next(b for b in results if b["repeat"] == r["repeat"] and b["world_size"] == args.worlds[0])
         for kind in ("", "bare_"):
             r[f"{kind}speedup"] = r[f"{kind}samples_per_s"] / base[f"{kind}samples_per_s"]
             r[f"{kind}efficiency"] = r[f"{kind}speedup"] / (r["world_size"] / base["world_size"])
@@ -183,7 +211,8 @@ def main() -> None:
     row = {"label": args.label or ("gpu" if torch.cuda.is_available() else "cpu"), "device": _device_name(),
            "torch": torch.__version__, "scaling": args.scaling, "d_model": cfg.model.d_model,
            "num_layers": cfg.model.num_layers, "max_seq_len": cfg.sampler.max_seq_len,
-           "num_workers": cfg.loader.num_workers, "results": results,
+           "num_workers": cfg.loader.num_workers, "real_tables_of": args.real_tables_of,
+           "qcomm": cfg.embeddings.qcomm, "rank_slicing": cfg.loader.rank_slicing, "results": results,
            "command": "python benchmarks/bench_scaling.py " + " ".join(sys.argv[1:])}
     print(_table([row]))
     if not args.no_save:
@@ -197,19 +226,34 @@ def _device_name() -> str:
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| row | device | scaling | model D x layers, max seq | backend | processes | batch / process | "
-             "global batch | mean history tokens | loop samples/s | loop speedup (efficiency) | bare step samples/s | "
-             "bare speedup (efficiency) | replicas identical |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| row | device | scaling | model D x layers, max seq | backend | tables, all-to-all, slicing | processes "
+             "| repeat | batch / process | global batch | mean history tokens | loop samples/s | loop speedup (efficiency) "
+             "| bare step samples/s | bare speedup (efficiency) | replicas identical |",
+             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row in rows:
+        tables = (f"1/{row['real_tables_of']} of Yambda-5B per rank" if row.get("real_tables_of") else "config's")
+        setup = f"{tables}, {row.get('qcomm', 'none')}, {row.get('rank_slicing', 'contiguous')}"
         for r in row["results"]:
             lines.append(f"| {row['label']} | {row['device']} | {row['scaling']} | {row['d_model']} x "
-                         f"{row['num_layers']}, {row['max_seq_len']} | {r['backend']} | {r['world_size']} | "
+                         f"{row['num_layers']}, {row['max_seq_len']} | {r['backend']} | {setup} | {r['world_size']} "
+                         f"| {r.get('repeat', 0)} | "
                          f"{r['per_rank_batch']} | {r['global_batch']} | {r['mean_history_tokens']:.0f} | "
                          f"{r['samples_per_s']:,.0f} | {r['speedup']:.2f}x ({r['efficiency']:.0%}) | "
                          f"{r['bare_samples_per_s']:,.0f} | {r['bare_speedup']:.2f}x ({r['bare_efficiency']:.0%}) | "
                          f"{'yes' if r['replicas_identical'] else 'NO'} |")
-    return "\n".join(lines)
+    spreads = [spread_line(row) for row in rows]
+    return "\n".join(lines + ([""] if any(spreads) else []) + [line for line in spreads if line])
+
+
+def spread_line(row: dict) -> str:
+    """The loop speedup's spread over the repeats, per world size (rows measured more than once)."""
+    parts = []
+    for world in sorted({r["world_size"] for r in row["results"]})[1:]:
+        speedups = sorted(r["speedup"] for r in row["results"] if r["world_size"] == world)
+        if len(speedups) > 1:
+            parts.append(f"{world} processes: {speedups[0]:.2f}x / {statistics.median(speedups):.2f}x / "
+                         f"{speedups[-1]:.2f}x over {len(speedups)} repeats")
+    return f"- {row['label']}: loop speedup min / median / max: " + "; ".join(parts) if parts else ""
 
 
 def _save(row: dict) -> None:

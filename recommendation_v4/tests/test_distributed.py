@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,87 +15,22 @@ from pathlib import Path
 
 import pytest
 
-from dlrmv4.config import load_config
-from dlrmv4.data.preprocess import preprocess
-from raw_factory import random_events, write_raw
+from multi_process import (PAUSE, QCOMM_LOSS_RTOL, REPO, STEPS, assert_same_trajectory, free_port,
+                           launch_env, make_data, run_flags, torchrun, train_report)
 
 pytest.importorskip("torchrec")
-
-REPO = Path(__file__).resolve().parents[2]
-# A small store and model (fp32, PyTorch kernels): a run of 70 steps takes seconds per process.
-OVERRIDES = {
-    "preprocess.last_timestamp": 0, "preprocess.num_train_days": 6, "preprocess.min_history": 20,
-    "sampler.max_seq_len": 48, "sampler.scan_window": 200,
-    **{f"sampler.{name}_rows": 1_000 for name in ("uid", "user_artist", "user_album", "user_hour", "item_hour",
-                                                  "artist_hour", "user_organic", "user_artist_hour")},
-    "loader.batch_size": 16, "loader.num_workers": 0,
-    "model.embedding_dim": 8, "model.d_model": 8, "model.num_layers": 1, "model.num_heads": 1,
-    "model.qk_dim": 16, "model.v_dim": 16, "model.preprocessor_hidden": 8, "model.action_dim": 2,
-    "model.item_tower_hidden": 8, "model.head_hidden": 8, "model.num_position_buckets": 64,
-    "model.num_time_buckets": 16, "model.sequence_dtype": "float32", "model.kernels": "pytorch",
-    "model.input_dropout": 0.0, "model.linear_dropout": 0.0,
-    "train.learning_rate": 0.01, "train.warmup_steps": 5, "train.eval_every_data_pct": 0.1,
-    "train.target_auc": 1.0, "train.checkpoint_every_window": False, "train.checkpoint_every_steps": 10,
-    "distributed.timeout_seconds": 60.0,
-}
-STEPS = 70  # two windows and a half; resumes split it at PAUSE
-PAUSE = 35
-# Same global batches, different reduction order: fp32 noise only. The holdout here has a few
-# hundred samples, so two near-equal logits trading places moves the AUC by about 2.4e-3.
-LOSS_RTOL = 2e-4
-AUC_ATOL = 1e-2
-QCOMM_LOSS_RTOL = 2e-3  # bf16 embedding all-to-all (8 mantissa bits)
 
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dist")
-    cfg = load_config(None, None, {tuple(k.split(".")): v for k, v in OVERRIDES.items()})
-    raw = write_raw(root / "raw", random_events(21, num_users=40, max_events=300, span_days=9))
-    preprocess(raw, root / "data" / "processed" / "synthetic-tiny", cfg.dataset, cfg.preprocess, progress=False)
-    return root / "data"
-
-
-def _flags(data_path: Path, run_dir: Path, **extra) -> list[str]:
-    values = {**OVERRIDES, "dataset.data_path": str(data_path), "train.run_dir": str(run_dir), **extra}
-    return ["--preset=", "--no-progress"] + [f"--{k.split('.')[1].replace('_', '-')}={v}" for k, v in values.items()]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO / "recommendation_v4"), OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
-def _torchrun(nproc: int, flags: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "dlrmv4", "train", *flags]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
-
-
-def _train(nproc: int, data_path: Path, run_dir: Path, **extra) -> dict:
-    proc = _torchrun(nproc, _flags(data_path, run_dir, **extra))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads((run_dir / "report.json").read_text())
-
-
-def _assert_same_trajectory(got: dict, want: dict, loss_rtol: float = LOSS_RTOL) -> None:
-    g, w = got["history"], want["history"]
-    assert (g["steps"], g["samples"], g["status"]) == (w["steps"], w["samples"], w["status"])
-    assert [(win, n) for win, n, _ in g["window_losses"]] == [(win, n) for win, n, _ in w["window_losses"]]
-    assert [loss for *_, loss in g["window_losses"]] == pytest.approx(
-        [loss for *_, loss in w["window_losses"]], rel=loss_rtol)
-    assert [e["samples_count"] for e in g["evals"]] == [e["samples_count"] for e in w["evals"]]
-    assert [e["auc"] for e in g["evals"]] == pytest.approx([e["auc"] for e in w["evals"]], abs=AUC_ATOL)
+    return make_data(tmp_path_factory.mktemp("dist"))
 
 
 @pytest.fixture(scope="module")
 def one_process(data_path, tmp_path_factory):
     """The reference: one process (TorchRec over a one-rank gloo group) on the whole global batches."""
     run_dir = tmp_path_factory.mktemp("one")
-    return _train(1, data_path, run_dir, **{"train.max_steps": STEPS, "embeddings.embedding_backend": "torchrec"})
+    return train_report(1, data_path, run_dir, **{"train.max_steps": STEPS, "embeddings.embedding_backend": "torchrec"})
 
 
 @pytest.mark.parametrize("backend, sharding, qcomm, slicing", [
@@ -105,7 +39,7 @@ def one_process(data_path, tmp_path_factory):
     ("plain", "", "none", "strided")])
 def test_two_processes_follow_the_one_process_trajectory(data_path, tmp_path, one_process, backend, sharding, qcomm,
                                                          slicing):
-    report = _train(2, data_path, tmp_path / "run", **{
+    report = train_report(2, data_path, tmp_path / "run", **{
         "train.max_steps": STEPS, "embeddings.embedding_backend": backend, "embeddings.sharding_types": sharding,
         "embeddings.qcomm": qcomm, "loader.rank_slicing": slicing})
     assert report["world_size"] == 2 and report["embedding_backend"] == backend
@@ -118,9 +52,9 @@ def test_two_processes_follow_the_one_process_trajectory(data_path, tmp_path, on
             assert all(row["ranks"] == [0, 1] for row in report["sharding_plan"])
     assert len(report["history"]["evals"]) >= 2 and len(report["history"]["window_losses"]) >= 2
     if qcomm == "none":
-        _assert_same_trajectory(report, one_process)
+        assert_same_trajectory(report, one_process)
     else:  # bf16 all-to-all: close to the fp32 trajectory, and visibly not it
-        _assert_same_trajectory(report, one_process, loss_rtol=QCOMM_LOSS_RTOL)
+        assert_same_trajectory(report, one_process, loss_rtol=QCOMM_LOSS_RTOL)
         got = [loss for *_, loss in report["history"]["window_losses"]]
         assert got != [loss for *_, loss in one_process["history"]["window_losses"]]
     log = (tmp_path / "run" / "mlperf_log.txt").read_text()
@@ -132,22 +66,22 @@ def test_two_processes_follow_the_one_process_trajectory(data_path, tmp_path, on
 def test_resume_on_another_world_size(data_path, tmp_path, one_process, first, second):
     run_dir = tmp_path / "run"
     torchrec = {"embeddings.embedding_backend": "torchrec", "embeddings.sharding_types": "*=row_wise"}
-    paused = _train(first, data_path, run_dir, **{"train.max_steps": PAUSE, **torchrec})
+    paused = train_report(first, data_path, run_dir, **{"train.max_steps": PAUSE, **torchrec})
     assert (paused["history"]["status"], paused["history"]["steps"]) == ("stopped", PAUSE)
-    proc = _torchrun(second, _flags(data_path, run_dir, **{"train.max_steps": STEPS, **torchrec}))
+    proc = torchrun(second, run_flags(data_path, run_dir, **{"train.max_steps": STEPS, **torchrec}))
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert f"checkpoint written by {first} process(es), resuming on {second}" in proc.stdout
     resumed = json.loads((run_dir / "report.json").read_text())
-    _assert_same_trajectory(resumed, one_process)
+    assert_same_trajectory(resumed, one_process)
     log = (run_dir / "mlperf_log.txt").read_text()
     assert log.count('"key": "run_start"') == 1 and log.count('"key": "run_stop"') == 1
 
 
 def test_resume_on_the_same_world_size_is_bit_exact(data_path, tmp_path):
     torchrec = {"embeddings.embedding_backend": "torchrec", "embeddings.sharding_types": "*=table_wise"}
-    whole = _train(2, data_path, tmp_path / "whole", **{"train.max_steps": STEPS, **torchrec})
-    _train(2, data_path, tmp_path / "split", **{"train.max_steps": PAUSE, **torchrec})
-    split = _train(2, data_path, tmp_path / "split", **{"train.max_steps": STEPS, **torchrec})
+    whole = train_report(2, data_path, tmp_path / "whole", **{"train.max_steps": STEPS, **torchrec})
+    train_report(2, data_path, tmp_path / "split", **{"train.max_steps": PAUSE, **torchrec})
+    split = train_report(2, data_path, tmp_path / "split", **{"train.max_steps": STEPS, **torchrec})
     assert split["history"]["window_losses"] == whole["history"]["window_losses"]
     assert [e["auc"] for e in split["history"]["evals"]] == [e["auc"] for e in whole["history"]["evals"]]
     assert split["parameters_sha256"] == whole["parameters_sha256"] is not None
@@ -186,8 +120,8 @@ def test_a_killed_rank_ends_the_torchrun_job(data_path, tmp_path):
     """SIGKILL one rank mid-run: the launcher stops the rest and exits non-zero, naming the rank."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "dlrmv4",
-           "train", *_flags(data_path, run_dir, **{"train.checkpoint_every_steps": 2})]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+           "train", *run_flags(data_path, run_dir, **{"train.checkpoint_every_steps": 2})]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
     deadline = time.time() + 300
     pids = _rank_pids(proc.pid, 2, deadline)
     _wait_for(run_dir / "checkpoints", deadline)  # training is under way
@@ -199,22 +133,16 @@ def test_a_killed_rank_ends_the_torchrun_job(data_path, tmp_path):
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_killed_rank_ends_the_others_without_a_launcher(data_path, tmp_path):
     """Ranks started like srun tasks (run_and_time.sh's SLURM path, no supervising launcher): when one
     is killed, the survivor fails its next collective and exits 1 with one line naming itself."""
     run_dir = tmp_path / "run"
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(_env(), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
+        env = dict(launch_env(), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
                    SLURM_NTASKS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DLRMV4_NO_VENV="1")
-        cmd = ["bash", str(REPO / "run_and_time.sh"), *_flags(data_path, run_dir, **{
+        cmd = ["bash", str(REPO / "run_and_time.sh"), *run_flags(data_path, run_dir, **{
             "train.checkpoint_every_steps": 2, "distributed.timeout_seconds": 20.0})]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     deadline = time.time() + 300
@@ -235,13 +163,13 @@ def test_a_rank_out_of_memory_ends_every_rank_naming_it(data_path, tmp_path):
     """Rank 1 runs out of device memory mid-run (injected: tests/failure_injection): it exits with one
     line saying so, and rank 0, waiting in the step's collective, exits within the collective timeout
     with one line naming rank 1 and the cause (no launcher: ranks started like srun tasks)."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+        env = dict(launch_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DLRMV4_TEST_OOM="1:5")
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "failure_injection"), env["PYTHONPATH"]])
-        cmd = [sys.executable, "-m", "dlrmv4", "train", *_flags(data_path, tmp_path / "run", **{
+        cmd = [sys.executable, "-m", "dlrmv4", "train", *run_flags(data_path, tmp_path / "run", **{
             "distributed.timeout_seconds": 20.0})]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     started = time.time()
@@ -261,13 +189,13 @@ def test_the_slurm_path_trains_checks_the_log_and_traces(data_path, tmp_path):
     """run_and_time.sh as two srun tasks: both train (recording a profiler window), task 0 checks
     the MLPerf log; merge-traces puts both ranks' traces in one file."""
     run_dir = tmp_path / "run"
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(_env(), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
+        env = dict(launch_env(), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
                    SLURM_NTASKS_PER_NODE="2(x1)", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    DLRMV4_NO_VENV="1")
-        cmd = ["bash", str(REPO / "run_and_time.sh"), *_flags(data_path, run_dir, **{
+        cmd = ["bash", str(REPO / "run_and_time.sh"), *run_flags(data_path, run_dir, **{
             "train.max_steps": 0, "train.target_auc": 0.0, "train.profile_steps": "2-4"})]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     outs = [p.communicate(timeout=600) for p in procs]
@@ -278,7 +206,7 @@ def test_the_slurm_path_trains_checks_the_log_and_traces(data_path, tmp_path):
     assert report["world_size"] == 2 and report["history"]["status"] == "success"
     assert sorted(p.name for p in (run_dir / "traces").iterdir()) == ["steps-2-4.rank0.json", "steps-2-4.rank1.json"]
     merge = subprocess.run([sys.executable, "-m", "dlrmv4", "merge-traces", "--preset=", f"--run-dir={run_dir}"],
-                           capture_output=True, text=True, env=_env())
+                           capture_output=True, text=True, env=launch_env())
     assert merge.returncode == 0, merge.stderr
     events = json.loads((run_dir / "traces" / "steps-2-4.merged.json").read_text())["traceEvents"]
     assert {e["pid"] >> 32 for e in events if isinstance(e.get("pid"), int)} == {0, 1}
@@ -288,8 +216,8 @@ def test_run_and_time_launches_torchrun_with_gpus_per_node(data_path, tmp_path):
     """GPUS_PER_NODE=2 on one node: run_and_time.sh prepares (here: finds the store), starts torchrun
     with two processes (gloo on the CPU) and checks the log."""
     run_dir = tmp_path / "run"
-    env = dict(_env(), GPUS_PER_NODE="2", DLRMV4_NO_VENV="1")
-    proc = subprocess.run(["bash", str(REPO / "run_and_time.sh"), *_flags(data_path, run_dir, **{
+    env = dict(launch_env(), GPUS_PER_NODE="2", DLRMV4_NO_VENV="1")
+    proc = subprocess.run(["bash", str(REPO / "run_and_time.sh"), *run_flags(data_path, run_dir, **{
         "train.target_auc": 0.0})], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "nothing to prepare" in proc.stdout and "training on 2 processes" in proc.stdout

@@ -80,6 +80,8 @@ def rank_share(part: BatchSlice, rank: int, world_size: int, slicing: str = "str
         return np.arange(part.start + n * rank // world_size, part.start + n * (rank + 1) // world_size,
                          dtype=np.int64)
     if slicing == "balanced":
+        if world_size == 1:
+            return np.arange(part.start, part.stop, dtype=np.int64)
         if tokens is None or len(tokens) != part.stop - part.start:
             raise ValueError("balanced rank slicing needs the token count of every sample of the batch")
         return balanced_shares(tokens, world_size)[rank] + part.start

@@ -1,5 +1,6 @@
-"""Test-only start-up hook (on PYTHONPATH in tests/test_distributed.py): ``DLRMV4_TEST_OOM=rank:step``
-makes that rank's training step raise torch's out-of-memory error at that step, as a GPU would."""
+"""Test-only start-up hook (on PYTHONPATH in the multi-process tests): ``DLRMV4_TEST_OOM=rank:step``
+makes that rank's training step run out of device memory at that step: on a GPU by allocating more
+than the device holds (the allocator's own error), on the CPU by raising the error a GPU would."""
 
 import os
 
@@ -15,6 +16,10 @@ if _spec:
 
         def _failing(self, batch, index, *args, **kwargs):
             if index == _step:
+                if torch.cuda.is_available():
+                    device = torch.cuda.current_device()
+                    torch.empty(2 * torch.cuda.get_device_properties(device).total_memory, dtype=torch.uint8,
+                                device=device)
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB (injected by the test)")
             return _original(self, batch, index, *args, **kwargs)
 

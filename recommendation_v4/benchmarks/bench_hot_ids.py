@@ -1,0 +1,191 @@
+"""Hot ids on row-wise sharded tables: each rank's peak device memory in the embedding lookup, its
+all-to-alls and the fused update, with uniform and Zipf-skewed ids, by all-to-all precision.
+
+With row-wise sharding the most popular rows of every table live on the first rank: with Zipf ids
+(1.2: the top id takes about a fifth of a batch's lookups) that rank looks up and sends back a far
+larger share of every rank's rows than the others, which is how the reference's hot rank ran out of
+memory. Every rank holds its real share of the tables (``--real-tables-of N``: Yambda-5B's rows x
+processes / N, as one of N ranks holds in the real job) and looks up ``--per-rank-batch`` samples
+at the real length mix (``length_mix.jagged``), then backpropagates a gradient through the lookup
+(the gradient all-to-all and FBGEMM's fused row-wise Adagrad). Reported per configuration: the
+top id's share of the lookups, the rows each rank served (looked up for all ranks), each rank's
+peak above its resting memory, and the time per lookup + backward. Launched by torchrun:
+
+    python benchmarks/bench_hot_ids.py --processes 2 --real-tables-of 8            # 2 GPUs (nvidia-h200-x2)
+    python benchmarks/bench_hot_ids.py --processes 2 --smoke                        # the CPU (gloo), tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def config(args: argparse.Namespace, qcomm: str, world: int):
+    """The reference model's tables at this rank's real share, TorchRec row-wise, the given all-to-all."""
+    from bench_scaling import real_table_rows
+    from dlrmv4.config import load_config
+    from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS
+
+    cfg = load_config("yambda-5b")
+    rows = real_table_rows(args.real_tables_of, world, YAMBDA_5B_COUNTS if not args.smoke else (1, 1, 1))
+    emb = dataclasses.replace(cfg.embeddings, embedding_backend="torchrec", sharding_types="*=row_wise", qcomm=qcomm,
+                              **{name: value for (section, name), value in rows.items() if section == "embeddings"})
+    sampler = dataclasses.replace(cfg.sampler, **{name: v for (section, name), v in rows.items() if section == "sampler"})
+    model = cfg.model if not args.smoke else dataclasses.replace(cfg.model, embedding_dim=16, sequence_dtype="float32")
+    return dataclasses.replace(cfg, embeddings=emb, sampler=sampler, model=model)
+
+
+def worker(args: argparse.Namespace) -> None:
+    from bench_end_to_end import random_batch
+    from length_mix import jagged_lengths
+    from dlrmv4.config import DistributedConfig
+    from dlrmv4.train.distributed import start_cluster
+    from dlrmv4.train.embeddings import make_embeddings, table_specs
+    from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS
+
+    world = int(os.environ["WORLD_SIZE"])
+    cluster = start_cluster(DistributedConfig(), need_group=True)  # TorchRec needs a group, even of one
+    device = cluster.device
+    rows_out = []
+    for qcomm in args.qcomms:
+        cfg = config(args, qcomm, world)
+        counts = YAMBDA_5B_COUNTS if not args.smoke else (1, 1, 1)
+        specs = table_specs(cfg, *(max(c, getattr(cfg.embeddings, f"{n}_rows")) for c, n in
+                                   zip(counts, ("item", "artist", "album"))))
+        embeddings = make_embeddings(specs, cfg, device, seed=0, cluster=cluster)
+        table_rows = {s.name: s.rows for s in specs}
+        for skew in args.skews:
+            rng = np.random.default_rng([cluster.rank, int(skew * 100)])
+            max_len = cfg.sampler.max_seq_len if not args.smoke else 64
+            lengths = jagged_lengths("jagged", args.per_rank_batch, rng, max_len)
+            batches = [random_batch(cfg, lengths, table_rows, rng, skew).to(device) for _ in range(args.steps + 1)]
+            ids = batches[0].history_item_id
+            top_share = float((ids == 0).float().mean()) if skew else float(
+                torch.bincount(ids).max().float() / len(ids))
+            served = rows_served(batches[0], specs, world)
+            sync(device)
+            resting = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            seconds = []
+            for i, batch in enumerate(batches):
+                sync(device)
+                cluster.barrier()
+                started = time.perf_counter()
+                out = embeddings(batch)
+                loss = sum(t.float().sum() for t in (out.item, out.artist, out.album, out.contextual))
+                loss.backward()
+                sync(device)
+                if i:  # the first one warms up
+                    seconds.append(time.perf_counter() - started)
+                del out, loss
+            peak = (torch.cuda.max_memory_allocated(device) - resting) / 2**30 if device.type == "cuda" else None
+            gathered = cluster.gather({"rank": cluster.rank, "peak_gib": peak, "served": served,
+                                       "ms": 1e3 * float(np.mean(seconds))})
+            if cluster.is_main:
+                rows_out.append({"qcomm": qcomm, "skew": skew, "top_id_share": top_share, "ranks": gathered})
+                print(json.dumps(rows_out[-1]), flush=True)
+        del embeddings
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if cluster.is_main:
+        Path(args.worker_out).write_text(json.dumps(rows_out))
+    cluster.shutdown()
+
+
+def rows_served(batch, specs, world: int) -> list[int]:
+    """Rows of this rank's batch each rank looks up (row-wise: table rows split into equal blocks)."""
+    from dlrmv4.train.embeddings import _feature_ids, _table_features
+
+    ids = _feature_ids(batch)
+    served = np.zeros(world, np.int64)
+    for spec in specs:
+        block = -(-spec.rows // world)
+        for feature in _table_features(spec.name):
+            served += np.bincount((ids[feature].cpu().numpy() // block), minlength=world)[:world]
+    return served.tolist()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--real-tables-of", type=int, default=8, metavar="N")
+    parser.add_argument("--per-rank-batch", type=int, default=1_024)
+    parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 1.2], help="Zipf exponents; 0 = uniform")
+    parser.add_argument("--qcomms", nargs="+", default=["fp16", "bf16", "none"], choices=("none", "fp16", "bf16"))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="tiny tables and batches (the script runs on the CPU)")
+    parser.add_argument("--label", default="")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker_out:
+        worker(args)
+        return
+    if args.smoke:
+        args.real_tables_of, args.per_rank_batch = max(args.real_tables_of, 100_000), min(args.per_rank_batch, 32)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.processes}",
+               __file__, *sys.argv[1:], "--worker-out", str(out)]
+        env = dict(os.environ)
+        if not torch.cuda.is_available():
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.processes))
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"the benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        rows = json.loads(out.read_text())
+    device = (f"{args.processes}x {torch.cuda.get_device_name()}" if torch.cuda.is_available()
+              else f"{platform.machine()} CPU, {args.processes} processes")
+    from bench_stu import git_commit
+
+    result = {"commit": git_commit(), "device": device, "processes": args.processes,
+              "real_tables_of": args.real_tables_of, "per_rank_batch": args.per_rank_batch, "smoke": args.smoke,
+              "command": "python benchmarks/bench_hot_ids.py " + " ".join(sys.argv[1:]), "rows": rows}
+    print(table(result))
+    if not args.smoke:
+        name = "hot_ids" + (f"_{args.label}" if args.label else "")
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (args.out / f"{name}.md").write_text(table(result) + "\n")
+
+
+def table(r: dict) -> str:
+    lines = [f"Hot ids on {r['device']} (commit {r['commit']}): TorchRec row-wise, every rank holding 1/"
+             f"{r['real_tables_of']} of Yambda-5B's tables, {r['per_rank_batch']:,} samples per rank at the real "
+             "length mix; lookup + backward (gradient all-to-all, fused row-wise Adagrad). Peak: device memory "
+             "above the rank's resting memory. Rows served: the lookups a rank makes for all ranks, over the mean.",
+             "", "| ids | all-to-all | top id's share | rank | rows served (x mean) | peak GiB | ms / lookup + backward |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for row in r["rows"]:
+        totals = np.sum([rank["served"] for rank in row["ranks"]], axis=0)
+        ids = f"Zipf({row['skew']:g})" if row["skew"] else "uniform"
+        for rank in row["ranks"]:
+            peak = f"{rank['peak_gib']:.2f}" if rank["peak_gib"] is not None else "n/a (CPU)"
+            lines.append(f"| {ids} | {row['qcomm']} | {100 * row['top_id_share']:.1f}% | {rank['rank']} | "
+                         f"{totals[rank['rank']] / totals.mean():.2f} | {peak} | {rank['ms']:.1f} |")
+    lines += ["", f"Command: `{r['command']}`"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Runs of ``python -m dlrmv4 train`` under torchrun on a small store: the flags, the environment,
+and the comparison of two runs' trajectories (the CPU tests in test_distributed.py and the 2-GPU
+tests in gpu/test_two_gpus.py share them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dlrmv4.config import load_config
+from dlrmv4.data.preprocess import preprocess
+from raw_factory import random_events, write_raw
+
+REPO = Path(__file__).resolve().parents[2]
+# A small store and model (fp32, PyTorch kernels): a run of 70 steps takes seconds per process.
+OVERRIDES = {
+    "preprocess.last_timestamp": 0, "preprocess.num_train_days": 6, "preprocess.min_history": 20,
+    "sampler.max_seq_len": 48, "sampler.scan_window": 200,
+    **{f"sampler.{name}_rows": 1_000 for name in ("uid", "user_artist", "user_album", "user_hour", "item_hour",
+                                                  "artist_hour", "user_organic", "user_artist_hour")},
+    "loader.batch_size": 16, "loader.num_workers": 0,
+    "model.embedding_dim": 8, "model.d_model": 8, "model.num_layers": 1, "model.num_heads": 1,
+    "model.qk_dim": 16, "model.v_dim": 16, "model.preprocessor_hidden": 8, "model.action_dim": 2,
+    "model.item_tower_hidden": 8, "model.head_hidden": 8, "model.num_position_buckets": 64,
+    "model.num_time_buckets": 16, "model.sequence_dtype": "float32", "model.kernels": "pytorch",
+    "model.input_dropout": 0.0, "model.linear_dropout": 0.0,
+    "train.learning_rate": 0.01, "train.warmup_steps": 5, "train.eval_every_data_pct": 0.1,
+    "train.target_auc": 1.0, "train.checkpoint_every_window": False, "train.checkpoint_every_steps": 10,
+    "distributed.timeout_seconds": 60.0,
+}
+STEPS = 70  # two windows and a half; resumes split it at PAUSE
+PAUSE = 35
+# Same global batches, different reduction order: fp32 noise only. The holdout here has a few
+# hundred samples, so two near-equal logits trading places moves the AUC by about 2.4e-3.
+LOSS_RTOL = 2e-4
+AUC_ATOL = 1e-2
+QCOMM_LOSS_RTOL = 2e-3  # bf16 embedding all-to-all (8 mantissa bits)
+
+
+def run_flags(data_path: Path, run_dir: Path, **extra) -> list[str]:
+    values = {**OVERRIDES, "dataset.data_path": str(data_path), "train.run_dir": str(run_dir), **extra}
+    return ["--preset=", "--no-progress"] + [f"--{k.split('.')[1].replace('_', '-')}={v}" for k, v in values.items()]
+
+
+def launch_env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "recommendation_v4"), OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def torchrun(nproc: int, flags: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "dlrmv4", "train", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=launch_env())
+
+
+def train_report(nproc: int, data_path: Path, run_dir: Path, **extra) -> dict:
+    proc = torchrun(nproc, run_flags(data_path, run_dir, **extra))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads((run_dir / "report.json").read_text())
+
+
+def assert_same_trajectory(got: dict, want: dict, loss_rtol: float = LOSS_RTOL, auc_atol: float = AUC_ATOL) -> None:
+    g, w = got["history"], want["history"]
+    assert (g["steps"], g["samples"], g["status"]) == (w["steps"], w["samples"], w["status"])
+    assert [(win, n) for win, n, _ in g["window_losses"]] == [(win, n) for win, n, _ in w["window_losses"]]
+    assert [loss for *_, loss in g["window_losses"]] == pytest.approx(
+        [loss for *_, loss in w["window_losses"]], rel=loss_rtol)
+    assert [e["samples_count"] for e in g["evals"]] == [e["samples_count"] for e in w["evals"]]
+    assert [e["auc"] for e in g["evals"]] == pytest.approx([e["auc"] for e in w["evals"]], abs=auc_atol)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+
+def make_data(root: Path) -> Path:
+    """The small store every run here trains on (9 days of 40 users); returns its data path."""
+    cfg = load_config(None, None, {tuple(k.split(".")): v for k, v in OVERRIDES.items()})
+    raw = write_raw(root / "raw", random_events(21, num_users=40, max_events=300, span_days=9))
+    preprocess(raw, root / "data" / "processed" / "synthetic-tiny", cfg.dataset, cfg.preprocess, progress=False)
+    return root / "data"
