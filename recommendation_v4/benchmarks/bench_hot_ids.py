@@ -100,11 +100,9 @@ def worker(args: argparse.Namespace) -> None:
             if cluster.is_main:
                 rows_out.append({"qcomm": qcomm, "skew": skew, "top_id_share": top_share, "ranks": gathered})
                 print(json.dumps(rows_out[-1]), flush=True)
-        del embeddings
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     if cluster.is_main:
         Path(args.worker_out).write_text(json.dumps(rows_out))
+    cluster.barrier()  # no rank tears its group down while another is still in a collective
     cluster.shutdown()
 
 
@@ -144,17 +142,20 @@ def main() -> None:
         return
     if args.smoke:
         args.real_tables_of, args.per_rank_batch = max(args.real_tables_of, 100_000), min(args.per_rank_batch, 32)
+    rows = []
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.processes))
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rows.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.processes}",
-               __file__, *sys.argv[1:], "--worker-out", str(out)]
-        env = dict(os.environ)
-        if not torch.cuda.is_available():
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.processes))
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"the benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-        rows = json.loads(out.read_text())
+        for qcomm in args.qcomms:  # fresh processes per precision: each builds its own full-size tables
+            out = Path(tmp) / f"{qcomm}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.processes}",
+                   __file__, *sys.argv[1:], "--qcomms", qcomm, "--worker-out", str(out)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"the benchmark failed ({qcomm} all-to-all):\n{proc.stdout[-3000:]}\n"
+                                 f"{proc.stderr[-5000:]}")
+            rows += json.loads(out.read_text())
     device = (f"{args.processes}x {torch.cuda.get_device_name()}" if torch.cuda.is_available()
               else f"{platform.machine()} CPU, {args.processes} processes")
     from bench_stu import git_commit
