@@ -1,4 +1,4 @@
-"""What the streaming loop and the loader cost: samples/s of ``StreamingTrainer.run`` against the
+"""What the streaming loop and the loader cost: samples/s of ``Trainer.run`` against the
 bare training step on the same batches, already in device memory (goal: loop within 5 %).
 
 The loop run is the real one (loader workers, pinned host-to-device copies, LR schedule,
@@ -32,16 +32,13 @@ from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_arg
 from dlrmv4.data.loader import make_window_loader
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
-from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.train.embeddings import make_embeddings, store_table_counts, table_specs
-from dlrmv4.train.loop import StreamingTrainer
+from dlrmv4.train.distributed import Cluster
 from dlrmv4.train.run import clear_run_dir, seed_everything
+from dlrmv4.train.trainer import Trainer, build_trainer
 
-def make_trainer(cfg: BenchmarkConfig, store, device: torch.device) -> StreamingTrainer:
+def make_trainer(cfg: BenchmarkConfig, store, device: torch.device) -> Trainer:
     seed_everything(cfg.seed)
-    model = DlrmHSTU(cfg.model, seed=cfg.seed).to(device)
-    embeddings = make_embeddings(table_specs(cfg, *store_table_counts(store)), cfg, device, cfg.seed)
-    return StreamingTrainer(cfg, store, model, embeddings, device, log=lambda _: None)
+    return build_trainer(cfg, store, Cluster(0, 1, 0, 1, device), log=lambda _: None)
 
 
 def sync(device: torch.device) -> None:

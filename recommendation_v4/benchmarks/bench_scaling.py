@@ -68,11 +68,10 @@ def worker(args: argparse.Namespace) -> None:
     from dlrmv4.data.loader import make_window_loader
     from dlrmv4.data.paths import store_dir
     from dlrmv4.data.store import open_store
-    from dlrmv4.model.hstu import DlrmHSTU
     from dlrmv4.train.distributed import start_cluster
-    from dlrmv4.train.embeddings import make_embeddings, store_table_counts, table_specs
-    from dlrmv4.train.loop import StreamingTrainer, rank_seed
+    from dlrmv4.train.embeddings import store_table_counts
     from dlrmv4.train.run import seed_everything
+    from dlrmv4.train.trainer import build_trainer
 
     world = int(os.environ["WORLD_SIZE"])
     base = config_from_args(args)
@@ -83,9 +82,8 @@ def worker(args: argparse.Namespace) -> None:
     cluster = start_cluster(cfg.distributed)
     device = cluster.device
     seed_everything(cfg.seed)
-    model = DlrmHSTU(cfg.model, seed=rank_seed(cfg.seed, cluster.rank)).to(device)
-    embeddings = make_embeddings(table_specs(cfg, *store_table_counts(store)), cfg, device, cfg.seed, cluster)
-    trainer = StreamingTrainer(cfg, store, model, embeddings, device, log=lambda _: None, cluster=cluster)
+    trainer = build_trainer(cfg, store, cluster, log=lambda _: None)
+    model, embeddings = trainer.model, trainer.embeddings
     loader = make_window_loader(store, trainer.windows, cfg, drop_last=True, rank=cluster.rank, world_size=world)
     plan = loader.dataset.plan
     warmup, steps = args.warmup_samples // gbs, args.samples // gbs

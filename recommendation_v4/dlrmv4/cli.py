@@ -20,6 +20,11 @@ def _say(msg: str) -> None:
     print(f"[dlrmv4] {msg}", flush=True)
 
 
+def _show_progress(args: argparse.Namespace) -> bool:
+    """Bars only on a terminal: redirected to a file, their carriage-return redraws would fill the log."""
+    return not args.no_progress and sys.stderr.isatty()
+
+
 def _raw_files(cfg: BenchmarkConfig, progress: bool):
     """The raw parquet of the configured source: generated once, or fetched from the hub."""
     from dlrmv4.data.paths import synthetic_raw_root
@@ -44,7 +49,7 @@ def _raw_files(cfg: BenchmarkConfig, progress: bool):
 
 
 def cmd_download(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
-    files, revision = _raw_files(cfg, not args.no_progress)
+    files, revision = _raw_files(cfg, _show_progress(args))
     for p in files.all():
         _say(f"raw file {p}")
     if revision:
@@ -55,11 +60,11 @@ def cmd_preprocess(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     from dlrmv4.data.paths import store_dir
     from dlrmv4.data.preprocess import preprocess
 
-    files, revision = _raw_files(cfg, not args.no_progress)
+    files, revision = _raw_files(cfg, _show_progress(args))
     out = store_dir(cfg.dataset)
     _say(f"preprocessing into {out}")
     meta = preprocess(files, out, cfg.dataset, cfg.preprocess, resolved_revision=revision,
-                      progress=not args.no_progress)
+                      progress=_show_progress(args))
     c = meta["counts"]
     n = meta["split"]["num_windows"]
     _say(f"store ready: {c['train_events']:,} train events of {c['train_users']:,} users, "
@@ -105,7 +110,7 @@ def cmd_verify(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     else:
         path = Path(args.store) if getattr(args, "store", None) else store_dir(cfg.dataset)
     name = _store_dataset_name(path, cfg.dataset.name)
-    problems = verify_store(path, progress=not args.no_progress, on_step=_say)
+    problems = verify_store(path, progress=_show_progress(args), on_step=_say)
     reference_file = getattr(args, "reference_md5s", None)
     if not problems and reference_file:
         reference = read_reference_md5s(Path(reference_file), name)
@@ -190,7 +195,7 @@ def cmd_train(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not _store_current(cfg):
         cmd_prepare(cfg, args)
     config_filename = Path(args.config).name if args.config else f"{args.preset or 'defaults'}.toml"
-    history, report = run_training(cfg, log=_say, progress=not args.no_progress, restart=args.restart,
+    history, report = run_training(cfg, log=_say, progress=_show_progress(args), restart=args.restart,
                                    config_filename=config_filename)
     if os.environ.get("RANK", "0") != "0":
         return  # rank 0 speaks for the run
@@ -215,7 +220,7 @@ def cmd_check_log(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     from dlrmv4.data.store import open_store
     from dlrmv4.mlperf.rules import (RULESET, check_reference_counts, is_reference_dataset, run_checker, run_seconds,
                                      write_dataset_rules)
-    from dlrmv4.train.loop import sample_counts
+    from dlrmv4.data.windows import sample_counts
     from dlrmv4.train.run import run_log_path
     from dlrmv4.train.schedule import EvalSchedule
 
@@ -275,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_config_arguments(p)
-        p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        p.add_argument("--no-progress", action="store_true",
+                       help="no progress bars (they are off anyway when stderr is not a terminal)")
         if name in ("verify", "prepare", "pipeline", "train"):
             p.add_argument("--reference-md5s", default=None,
                            help="published checksum file (the repository's md5sums) to compare the store with")

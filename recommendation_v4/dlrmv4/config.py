@@ -186,6 +186,9 @@ class TrainConfig:
     keep_last_checkpoints: int = _field(2, "complete checkpoints kept on disk", min=1)
     profile_steps: str = _field("", "step windows to record with the torch profiler on every rank, 'start-end,...' "
                                 "(half-open; Chrome traces in <run_dir>/traces, merge with merge-traces)")
+    allow_changed_settings: bool = _field(False, "resume a checkpoint even when settings that shape the run (the "
+                                          "seed, data, model, optimizers, schedule) differ from the ones it was "
+                                          "written with (they are named in the log); without it such a resume stops")
 
 
 @dataclass(frozen=True)

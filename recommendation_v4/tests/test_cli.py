@@ -107,3 +107,13 @@ def test_verify_dataset_script_finds_the_store_under_a_data_path(tiny, tmp_path)
     proc = subprocess.run([*script, "--data-path", str(tmp_path / "none")], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 1 and "no processed store under" in proc.stderr
+
+
+def test_no_bar_redraws_in_a_redirected_log(tmp_path):
+    """Progress bars are on by default, but only on a terminal: with stderr redirected (a log file,
+    here a pipe) the output has no carriage-return redraws."""
+    proc = subprocess.run([sys.executable, "-m", "dlrmv4", "prepare", "--data-path", str(tmp_path / "data")],
+                          capture_output=True, timeout=600)  # bytes: text mode would turn "\r" into "\n"
+    assert proc.returncode == 0, proc.stderr
+    assert b"store ready:" in proc.stdout and b"\r" not in proc.stderr + proc.stdout
+    assert b"preprocess:" not in proc.stderr  # no bar at all

@@ -1,11 +1,11 @@
-"""Exact and binned ROC AUC against a plain pairwise reference."""
+"""Exact ROC AUC against a plain pairwise reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dlrmv4.train.metrics import AucAccumulator, BinnedAuc, exact_auc
+from dlrmv4.train.metrics import AucAccumulator, exact_auc
 
 
 def _pairwise_auc(scores: list[float], labels: list[int]) -> float:
@@ -85,28 +85,3 @@ def test_accumulator_over_batches_equals_one_shot():
     acc.reset()
     with pytest.raises(ValueError, match="empty"):
         acc.compute()
-
-
-def test_binned_auc_close_to_exact_on_100k_samples():
-    scores, labels = _data(8, 100_000)
-    binned = BinnedAuc(num_bins=10_000)
-    for chunk_scores, chunk_labels in zip(scores.split(4_096), labels.split(4_096)):
-        binned.update(chunk_scores, chunk_labels)
-    assert abs(binned.compute() - exact_auc(scores, labels)) < 1e-3
-
-
-def test_binned_auc_state_reset_and_errors():
-    scores, labels = _data(9, 2_000)
-    binned = BinnedAuc(num_bins=100)
-    binned.update(scores, labels)
-    restored = BinnedAuc(num_bins=100)
-    restored.load_state_dict(binned.state_dict())
-    assert restored.compute() == binned.compute()
-    with pytest.raises(ValueError, match="bins"):
-        BinnedAuc(num_bins=10).load_state_dict(binned.state_dict())
-    binned.reset()
-    binned.update(torch.tensor([50.0, -50.0]), torch.ones(2))  # saturated sigmoid: edge bins
-    with pytest.raises(ValueError, match="one class"):
-        binned.compute()
-    with pytest.raises(ValueError):
-        BinnedAuc(num_bins=0)

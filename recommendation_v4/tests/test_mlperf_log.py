@@ -104,7 +104,7 @@ def test_check_log_refuses_a_closed_yambda_5b_store_with_other_counts(tmp_path, 
     line naming both numbers of each count, before the checker runs."""
     from dlrmv4.cli import main as cli_main
     from dlrmv4.data.store import open_store
-    from dlrmv4.train.loop import sample_counts
+    from dlrmv4.data.windows import sample_counts
     from store_factory import random_store
 
     data = tmp_path / "data"

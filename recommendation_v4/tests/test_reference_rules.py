@@ -148,7 +148,7 @@ def test_windows_and_anchor_order(built):
     c = meta["counts"]
     assert (c["anchors"], c["train_samples"], c["eval_samples"]) == (9, 6, 3)
     assert c["anchors_per_window"] == [4, 1, 1, 3]
-    from dlrmv4.train.loop import sample_counts, split_windows
+    from dlrmv4.data.windows import sample_counts, split_windows
     assert sample_counts(store) == (6, 3) and split_windows(store) == ([0, 1, 2], 3)
     assert json.loads((path / "meta.json").read_text())["counts"]["train_samples"] == 6
 

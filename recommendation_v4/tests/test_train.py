@@ -166,23 +166,23 @@ def test_crash_mid_eval_then_resume_gives_a_log_the_checker_passes(data_path, tm
     """A crash inside an eval (after checkpoints were written) leaves EVAL_START without EVAL_STOP
     in the log; the resumed run cuts that off and its log passes the project rules."""
     from dlrmv4.cli import main as cli_main
-    from dlrmv4.train.loop import StreamingTrainer
+    from dlrmv4.train.evaluator import Evaluator
     from dlrmv4.train.run import run_training
 
     values = _overrides(data_path, tmp_path / "run")
     values.update({"train.target_auc": 0.0, "train.checkpoint_every_steps": 2})
     cfg = load_config(None, None, {tuple(k.split(".")): v for k, v in values.items()})
-    evaluate = StreamingTrainer.evaluate
+    auc = Evaluator.auc
 
     def crash(self, window):
         raise RuntimeError("simulated crash mid-eval")
 
-    monkeypatch.setattr(StreamingTrainer, "evaluate", crash)
+    monkeypatch.setattr(Evaluator, "auc", crash)
     with pytest.raises(RuntimeError, match="mid-eval"):
         run_training(cfg, log=lambda m: None)
     log_text = (tmp_path / "run" / "mlperf_log.txt").read_text()
     assert '"eval_start"' in log_text and '"eval_stop"' not in log_text
-    monkeypatch.setattr(StreamingTrainer, "evaluate", evaluate)
+    monkeypatch.setattr(Evaluator, "auc", auc)
     history, _ = run_training(cfg, log=lambda m: None)
     assert history.status == "success" and len(history.evals) == 1
     keys = [k for k, _, _ in _events(tmp_path / "run" / "mlperf_log.txt")]
@@ -256,3 +256,54 @@ def test_an_unwritable_mlperf_log_fails_before_training(data_path, tmp_path):
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"[dlrmv4] error: MLPerf log file {blocker / 'mlperf_log.txt'} is not writable")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_resume_with_other_run_settings_stops_naming_them(data_path, tmp_path):
+    """The resume contract: a checkpoint records the settings that shape the run; resuming it with
+    another learning rate and seed stops with one line naming both (nothing trained, the checkpoint
+    kept), a changed layout knob (workers, chunks) resumes, and --allow-changed-settings continues
+    with the changed ones, named in the log."""
+    run_dir = tmp_path / "run"
+    values = _overrides(data_path, run_dir)
+    values["train.max_steps"] = 4
+    train = [sys.executable, "-m", "dlrmv4", "train"]
+    first = subprocess.run([*train, *_cli_flags(values)], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+    values["train.max_steps"] = 6
+    flags = _cli_flags({**values, "train.learning_rate": 0.02}) + ["--seed=7"]
+    refused = subprocess.run([*train, *flags], capture_output=True, text=True)
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    line = refused.stderr
+    assert line.startswith("[dlrmv4] error: the checkpoint") and "was written with other settings" in line
+    assert "seed 0 -> 7" in line and f"train.learning_rate {values['train.learning_rate']!r} -> 0.02" in line
+    assert "--allow-changed-settings" in line
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == checkpoints
+    assert _report(run_dir)["steps"] == 4
+
+    layout = subprocess.run([*train, *_cli_flags({**values, "loader.num_workers": 1, "train.chunks": 2})],
+                            capture_output=True, text=True)
+    assert layout.returncode == 0, layout.stderr
+    assert "resumed from step-00000004" in layout.stdout and _report(run_dir)["steps"] == 6
+
+    allowed = subprocess.run([*train, *flags, "--max-steps=8", "--allow-changed-settings=true"],
+                             capture_output=True, text=True)
+    assert allowed.returncode == 0, allowed.stderr
+    assert "resuming with changed settings (--allow-changed-settings): seed 0 -> 7;" in allowed.stdout
+    assert _report(run_dir)["steps"] == 8
+
+
+def test_run_settings_leave_out_the_resumable_knobs():
+    from dlrmv4.train.resume_contract import RESUMABLE_FIELDS, changed_settings, run_settings
+
+    cfg = load_config(None, None, {})
+    settings = run_settings(cfg)
+    assert "seed" in settings and "train.learning_rate" in settings and "model.d_model" in settings
+    assert "embeddings.qcomm" in settings and "loader.batch_size" in settings
+    assert not RESUMABLE_FIELDS & set(settings)
+    assert not any(name.startswith(("distributed.", "plan.")) for name in settings)
+    for name in RESUMABLE_FIELDS:  # every resumable knob names a real field
+        section, field = name.split(".")
+        assert hasattr(getattr(cfg, section), field), name
+    assert changed_settings({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4}) == ["b 2 -> 3", "c (not recorded) -> 4"]

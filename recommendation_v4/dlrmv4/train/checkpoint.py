@@ -255,6 +255,12 @@ def latest_checkpoint(run_dir: str | os.PathLike, verify_hashes: bool = True) ->
     return None
 
 
+def load_small_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint's small non-tensor state (``state.pkl``) alone: cheap, read before the tensors."""
+    with open(Path(path) / PICKLE_FILE, "rb") as fh:
+        return pickle.load(fh)
+
+
 def load_checkpoint(path: str | os.PathLike, state_template: dict[str, Any],
                     cluster: Cluster | None = None) -> tuple[CheckpointPosition, dict[str, Any]]:
     """Load a checkpoint written by ``save_checkpoint``.
@@ -267,8 +273,7 @@ def load_checkpoint(path: str | os.PathLike, state_template: dict[str, Any],
     path = Path(path)
     tensor_state, _ = _split_state(state_template)
     position = CheckpointPosition(**json.loads((path / POSITION_FILE).read_text()))
-    with open(path / PICKLE_FILE, "rb") as fh:
-        small_state = pickle.load(fh)
+    small_state = load_small_state(path)
     if tensor_state:
         _dcp_quietly(dcp.load, tensor_state, path, cluster)
     return position, {**small_state, **tensor_state}

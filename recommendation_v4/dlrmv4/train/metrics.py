@@ -1,6 +1,6 @@
-"""ROC AUC: exact (the reported eval metric) and binned (a cheap per-window monitor).
+"""ROC AUC, exact: the reported eval metric.
 
-Both work on the device and read the host once, when the value is asked for. Scores are logits:
+It works on the device and reads the host once, when the value is asked for. Scores are logits:
 AUC depends only on their order, and sigmoid in fp32 saturates to 1.0 above ~17, which would
 merge distinct logits into false ties.
 """
@@ -100,49 +100,3 @@ class AucAccumulator:
         self.reset()
         if state["scores"].numel():
             self.update(state["scores"].to(self.device), state["labels"].to(self.device))
-
-
-class BinnedAuc:
-    """Streaming AUC from per-class histograms over sigmoid(logit) in ``num_bins`` equal bins.
-
-    ``update`` is two scatter-adds into int64 counters on the device (exact, order-independent,
-    no sync); labels must be 0/1. Pairs in one bin count as ties, so the error is at most the share of
-    positive-negative pairs sharing a bin; with 10,000 bins that is ~1e-4 on spread-out scores.
-    """
-
-    def __init__(self, num_bins: int = 10_000, device: torch.device | str | None = None):
-        if num_bins < 1:
-            raise ValueError(f"num_bins must be >= 1, got {num_bins}")
-        self.num_bins = num_bins
-        self._pos = torch.zeros(num_bins, dtype=torch.int64, device=device)
-        self._neg = torch.zeros(num_bins, dtype=torch.int64, device=device)
-
-    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        if logits.numel() != labels.numel():
-            raise ValueError(f"AUC got {logits.numel()} logits and {labels.numel()} labels")
-        probs = torch.sigmoid(logits.detach().flatten().float())
-        bins = (probs * self.num_bins).long().clamp_(0, self.num_bins - 1)
-        positive = labels.detach().flatten().to(torch.int64)
-        self._pos.scatter_add_(0, bins, positive)
-        self._neg.scatter_add_(0, bins, 1 - positive)
-
-    def compute(self) -> float:
-        pos, neg = self._pos.double(), self._neg.double()
-        neg_below = torch.cumsum(neg, 0) - neg
-        pairs = (pos * (neg_below + neg / 2)).sum()
-        pairs, num_pos, num_neg = torch.stack([pairs, pos.sum(), neg.sum()]).tolist()
-        _check_counts(num_pos, num_neg, 0, 0)
-        return pairs / (num_pos * num_neg)
-
-    def reset(self) -> None:
-        self._pos.zero_()
-        self._neg.zero_()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"num_bins": self.num_bins, "pos": self._pos.clone(), "neg": self._neg.clone()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if int(state["num_bins"]) != self.num_bins:
-            raise ValueError(f"BinnedAuc state has {state['num_bins']} bins, this monitor {self.num_bins}")
-        self._pos.copy_(state["pos"])
-        self._neg.copy_(state["neg"])

@@ -14,16 +14,17 @@ from dlrmv4.config import BenchmarkConfig, to_dict
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
 from dlrmv4.errors import UserError
-from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.mlperf.rules import check_closed_division
 from dlrmv4.mlperf.runlog import RunLog
 from dlrmv4.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
-from dlrmv4.train.embeddings import make_embeddings, store_table_counts, table_specs
+from dlrmv4.train.embeddings import store_table_counts
 from dlrmv4.train.sharding import check_sharding_options, describe_plan, plan_rows
 from dlrmv4.train.distributed import (Cluster, RankLostError, is_comm_failure, lost_rank_error, own_failure_line,
                                      start_cluster)
 from dlrmv4.train.memory_plan import plan_for_run
-from dlrmv4.train.loop import RUN_LOG_FILE, RunHistory, StreamingTrainer, rank_seed, sample_counts
+from dlrmv4.data.windows import sample_counts
+from dlrmv4.train.history import RunHistory
+from dlrmv4.train.trainer import RUN_LOG_FILE, build_trainer
 from dlrmv4.train.report import AUC_PLOT, REPORT_FILE, THROUGHPUT_PLOT, parameter_digest, write_report
 
 # Tables larger than this are not gathered onto one host for the report's digest.
@@ -118,15 +119,13 @@ def _run(cfg: BenchmarkConfig, cluster: Cluster, log: Callable[[str], None], pro
     if cold:  # the MLPerf run begins here
         runlog.open(0)
         runlog.init_start()
-    device = cluster.device
     seed_everything(cfg.seed)
-    model = DlrmHSTU(cfg.model, seed=rank_seed(cfg.seed, cluster.rank)).to(device)
-    embeddings = make_embeddings(table_specs(cfg, *store_table_counts(store)), cfg, device, cfg.seed, cluster)
-    trainer = StreamingTrainer(cfg, store, model, embeddings, device, log, progress, runlog, config_filename, cluster)
+    trainer = build_trainer(cfg, store, cluster, log, progress, runlog, config_filename)
+    model, embeddings = trainer.model, trainer.embeddings
     log(f"training on {cluster.describe()} with {embeddings.backend} embeddings: {len(trainer.windows)} train "
         f"windows, holdout window {trainer.holdout}, {trainer.train_samples:,} train samples, global batch "
         f"{cfg.loader.batch_size} ({cfg.loader.batch_size // cluster.world_size} per process), eval every "
-        f"{trainer.evals.interval:,} samples from {trainer.evals.first:,}, target AUC {cfg.train.target_auc}")
+        f"{trainer.evaluator.schedule.interval:,} samples from {trainer.evaluator.schedule.first:,}, target AUC {cfg.train.target_auc}")
     if embeddings.backend == "torchrec":
         log(describe_plan(embeddings.plan))
     try:
@@ -137,9 +136,9 @@ def _run(cfg: BenchmarkConfig, cluster: Cluster, log: Callable[[str], None], pro
     if not cluster.is_main:
         return history, run_dir / REPORT_FILE
     report, plots = write_report(run_dir, {
-        "history": history.to_dict(), "config": to_dict(cfg), "eval_interval": trainer.evals.interval,
-        "first_eval_samples": trainer.evals.first, "train_samples": trainer.train_samples,
-        "device": str(device), "world_size": cluster.world_size, "embedding_backend": embeddings.backend,
+        "history": history.to_dict(), "config": to_dict(cfg), "eval_interval": trainer.evaluator.schedule.interval,
+        "first_eval_samples": trainer.evaluator.schedule.first, "train_samples": trainer.train_samples,
+        "device": str(cluster.device), "world_size": cluster.world_size, "embedding_backend": embeddings.backend,
         "sharding_plan": plan_rows(embeddings.plan) if embeddings.backend == "torchrec" else None,
         "memory_plan": plan.describe(), "chunks": cfg.train.chunks, "recompute": cfg.model.recompute,
         "parameters_sha256": digest, "mlperf_log": str(runlog.path),

@@ -1,0 +1,73 @@
+"""Evaluation: when one is due, the exact AUC over a window's anchors (every rank scores its shares,
+then all gather), and its MLPerf events."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dlrmv4.config import BenchmarkConfig
+from dlrmv4.data.loader import make_window_loader, share_size
+from dlrmv4.data.store import Store
+from dlrmv4.mlperf.runlog import RunLog
+from dlrmv4.model.hstu import DlrmHSTU
+from dlrmv4.train.chunks import chunked_logits
+from dlrmv4.train.distributed import Cluster
+from dlrmv4.train.history import EvalRecord, RunHistory
+from dlrmv4.train.metrics import AucAccumulator, exact_auc
+from dlrmv4.train.prefetch import DevicePrefetcher
+from dlrmv4.train.schedule import EvalSchedule
+
+
+class Evaluator:
+    """Decides when an eval is due (``train.eval_mode``) and runs it: holdout mode scores the fixed
+    holdout window at the eval cadence, next_window mode scores window T + 1 after train window T."""
+
+    def __init__(self, cfg: BenchmarkConfig, store: Store, model: DlrmHSTU, embeddings, chunks: int,
+                 cluster: Cluster, runlog: RunLog, train_samples: int, holdout: int) -> None:
+        self.cfg, self.store, self.model, self.embeddings = cfg, store, model, embeddings
+        self.chunks, self.cluster, self.runlog = chunks, cluster, runlog
+        self.train_samples, self.holdout = train_samples, holdout
+        self.schedule = EvalSchedule(train_samples, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
+
+    def window_due(self, samples: int, window: int, last_of_window: bool, before_window_close: bool) -> int | None:
+        """The window to score now (None: no eval due). Holdout evals come before a window closes,
+        next-window evals after it."""
+        if self.cfg.train.eval_mode == "holdout":
+            return self.holdout if before_window_close and self.schedule.should_eval(samples) else None
+        return window + 1 if last_of_window and not before_window_close else None
+
+    def run(self, history: RunHistory, window: int, eval_window: int, run_seconds: float) -> EvalRecord:
+        """Score ``eval_window`` (with the MLPerf eval events) and record it in ``history``."""
+        started = time.perf_counter()
+        auc = self.runlog.evaluation(history.samples, self.train_samples, lambda: self.auc(eval_window))
+        record = EvalRecord(samples_count=history.samples, step=history.steps, window=window, eval_window=eval_window,
+                            auc=auc, seconds=run_seconds + time.perf_counter() - started,
+                            eval_seconds=time.perf_counter() - started)
+        history.evals.append(record)
+        if auc < self.cfg.train.target_auc:
+            self.runlog.block_start(history.samples, self.train_samples)
+        return record
+
+    @torch.no_grad()
+    def auc(self, window: int) -> float:
+        """Exact AUC over every anchor of ``window`` (each rank scores its shares, then all gather)."""
+        self.model.eval()
+        acc = AucAccumulator(self.cluster.device)
+        rank, world = self.cluster.rank, self.cluster.world_size
+        loader = make_window_loader(self.store, [window], self.cfg, rank=rank, world_size=world)
+        plan = loader.dataset.plan
+        slicing = self.cfg.loader.rank_slicing
+        # The next batch's copy overlaps this one's forward, as in training.
+        for batch, part in zip(DevicePrefetcher(loader, self.cluster.device), plan):
+            mine = share_size(part.stop - part.start, rank, world, slicing)
+            logits = chunked_logits(self.model, batch, self.embeddings(batch), self.chunks)
+            acc.update(logits[:mine], batch.label[:mine])  # a stand-in sample (no share) adds nothing
+        self.model.train()
+        if world == 1:
+            return acc.compute()
+        sizes = [sum(share_size(p.stop - p.start, r, world, slicing) for p in plan) for r in range(world)]
+        state = acc.state_dict()
+        return exact_auc(self.cluster.all_gather_rows(state["scores"], sizes),
+                         self.cluster.all_gather_rows(state["labels"], sizes))

@@ -1,0 +1,240 @@
+"""The streaming loop (SPEC §4): train windows in strict time order, evaluate at the eval cadence
+on the fixed holdout window (or on window T+1 after window T), stop at the first eval that reaches
+the target, checkpoint on the configured cadences and resume from the newest complete checkpoint.
+
+Windows 0..W-2 train; window W-1 (the last, a partial day on Yambda-5B) is the holdout. One DataLoader
+streams every train window (its workers live for the whole run); batches never span windows and a
+window's last partial batch is dropped, so every step has the global batch size, eval points land
+on multiples of the eval interval, and the loader position is just the step number.
+
+Several ranks: each takes its share of every global batch; the dense model is wrapped in
+DistributedDataParallel (gradients averaged, so a step equals the one-process step on the whole
+global batch), the window loss, the divergence monitor and the eval scores are reduced over the
+ranks, decisions that depend on the clock are shared, and only rank 0 writes the run log.
+
+``build_trainer`` assembles a ``Trainer`` from the config (``build_model_and_tables`` the parts a
+bare step needs); the components each own one concern: ``Evaluator`` (evals), ``Checkpointer``
+(checkpoints and resume), ``RunLog`` (the MLPerf log), ``TrainProgress`` (the bar),
+``StepProfiler`` (profiler windows), ``TrainStep`` (one optimizer step).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from dlrmv4.config import BenchmarkConfig
+from dlrmv4.data.loader import make_window_loader
+from dlrmv4.data.store import Store
+from dlrmv4.data.windows import sample_counts, split_windows
+from dlrmv4.errors import UserError
+from dlrmv4.mlperf.runlog import RunFacts, RunLog
+from dlrmv4.model.hstu import DlrmHSTU
+from dlrmv4.train.checkpointer import Checkpointer
+from dlrmv4.train.distributed import Cluster
+from dlrmv4.train.embeddings import make_embeddings, store_table_counts, table_specs
+from dlrmv4.train.evaluator import Evaluator
+from dlrmv4.train.history import RunHistory, TrainClock
+from dlrmv4.train.optim import FiniteMonitor, TrainingDivergedError
+from dlrmv4.train.prefetch import DevicePrefetcher
+from dlrmv4.train.progress import TrainProgress
+from dlrmv4.train.rng import rank_seed
+from dlrmv4.train.step import TrainStep
+from dlrmv4.train.trace import StepProfiler, parse_step_windows
+
+RUN_LOG_FILE = "mlperf_log.txt"
+
+
+def build_model_and_tables(cfg: BenchmarkConfig, table_counts: tuple[int, int, int], cluster: Cluster,
+                           model_seed: int | None = None) -> tuple[DlrmHSTU, object]:
+    """The dense model (on the cluster's device, rank-seeded unless ``model_seed``) and the sparse tables."""
+    seed = rank_seed(cfg.seed, cluster.rank) if model_seed is None else model_seed
+    model = DlrmHSTU(cfg.model, seed=seed).to(cluster.device)
+    embeddings = make_embeddings(table_specs(cfg, *table_counts), cfg, cluster.device, cfg.seed, cluster)
+    return model, embeddings
+
+
+def build_trainer(cfg: BenchmarkConfig, store: Store, cluster: Cluster, log: Callable[[str], None] = print,
+                  progress: bool = False, runlog: RunLog | None = None,
+                  config_filename: str = "python-api") -> "Trainer":
+    """A ``Trainer`` for ``cfg`` on ``store``: the model and tables built and placed for this rank."""
+    model, embeddings = build_model_and_tables(cfg, store_table_counts(store), cluster)
+    return Trainer(cfg, store, model, embeddings, cluster, log, progress, runlog, config_filename)
+
+
+class Trainer:
+    """One run on one device per rank: the model, the sparse tables, both optimizers, the data stream."""
+
+    def __init__(self, cfg: BenchmarkConfig, store: Store, model: DlrmHSTU, embeddings, cluster: Cluster,
+                 log: Callable[[str], None] = print, progress: bool = False, runlog: RunLog | None = None,
+                 config_filename: str = "python-api") -> None:
+        world = cluster.world_size
+        if cfg.loader.batch_size % world:
+            raise UserError(f"the global batch size {cfg.loader.batch_size} does not split evenly over {world} "
+                            "processes: use a multiple of the world size")
+        self.cfg, self.store, self.model, self.embeddings, self.cluster = cfg, store, model, embeddings, cluster
+        self.device = cluster.device
+        self._log, self.show_progress, self.config_filename = log, progress, config_filename
+        self.progress: TrainProgress | None = None
+        self.windows, self.holdout = split_windows(store)
+        self.train_samples, self.eval_samples = sample_counts(store)
+        self.runlog = runlog if runlog is not None else RunLog(Path(cfg.train.run_dir) / RUN_LOG_FILE)
+        self.finite = FiniteMonitor(self.device, None if world == 1 else lambda t: cluster.all_reduce_(t, "min"))
+        # Buffers are not synchronised: every rank builds the same ones. Inputs are already on the device.
+        train_model = model if world == 1 else DistributedDataParallel(
+            model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
+        self.step = TrainStep(model, embeddings, cfg.train, self.finite, train_model)
+        self.evaluator = Evaluator(cfg, store, model, embeddings, self.step.chunks, cluster, self.runlog,
+                                   self.train_samples, self.holdout)
+        self.checkpointer = Checkpointer(cfg, cluster, model, self.step.optimizer, embeddings, self.log)
+        self.profiler = StepProfiler(parse_step_windows(cfg.train.profile_steps), Path(cfg.train.run_dir),
+                                     cluster.rank, self.device)
+        # The current window's running loss: checkpointed, so a resumed window reports the same mean.
+        self.window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.window_steps = 0
+        self.train_clock = TrainClock()
+
+    def log(self, msg: str) -> None:
+        if self.progress is None:
+            self._log(msg)
+        else:
+            with self.progress.quiet():
+                self._log(msg)
+
+    # -- the run -------------------------------------------------------------------------
+    def run(self) -> RunHistory:
+        history = self._resume_or_start()
+        if history.status != "running":
+            self.log(f"run already finished ({history.status}); nothing to do")
+            return history
+        loader = make_window_loader(self.store, self.windows, self.cfg, start_batch=history.steps, drop_last=True,
+                                    rank=self.cluster.rank, world_size=self.cluster.world_size)
+        self.progress = TrainProgress(len(loader.dataset.plan) * self.cfg.loader.batch_size, history.samples,
+                                      self.show_progress and self.cluster.is_main)
+        try:
+            self._stream(history, loader)
+        except TrainingDivergedError:
+            self.runlog.run_stop(history.samples, self.train_samples, "aborted")
+            raise
+        finally:
+            self._trace_written(self.profiler.close())
+            self.progress.close()
+            self.progress = None
+        return history
+
+    def _resume_or_start(self) -> RunHistory:
+        """The newest checkpoint's history (its MLPerf log reopened if the run goes on), or a fresh
+        run's, whose MLPerf log gets INIT_STOP and RUN_START here."""
+        resumed = self.checkpointer.restore()
+        if resumed is None:
+            if not self.runlog.opened:
+                self.runlog.open(0)
+                self.runlog.init_start()
+            self.runlog.init_stop_and_run_start(self.cfg, RunFacts(self.train_samples, self.eval_samples,
+                                                                   self.config_filename, self.cluster.world_size,
+                                                                   self.step.chunks))
+            return RunHistory()
+        self.window_loss.fill_(resumed.window_loss)
+        self.window_steps = resumed.window_steps
+        history = resumed.history
+        max_steps = self.cfg.train.max_steps
+        if history.status == "stopped" and (max_steps == 0 or history.steps < max_steps):
+            history.status = "running"  # a max_steps stop is a pause: a larger limit continues the run
+            self.log(f"continuing the stopped run from step {history.steps}")
+        if history.status == "running":
+            self.runlog.resume(resumed.runlog)
+        return history
+
+    def _stream(self, history: RunHistory, loader) -> None:
+        plan = loader.dataset.plan
+        started = tick = time.perf_counter()
+        self.model.train()
+        for i, batch in enumerate(DevicePrefetcher(loader, self.device), start=history.steps):
+            window = plan[i].window
+            self._train_step(history, batch, window)
+            # Train time of this window: waiting for the batch plus the step; evals and checkpoints
+            # are left out, so the per-window rate is the training rate.
+            self.train_clock.add(time.perf_counter() - tick)
+            last_of_window = i + 1 == len(plan) or plan[i + 1].window != window
+            done = self._eval_if_due(history, window, last_of_window, True, started)
+            if last_of_window:
+                self._close_window(history, window, started)
+                done = done or self._eval_if_due(history, window, last_of_window, False, started)
+            history.status = self._status(history, done, data_left=i + 1 < len(plan))
+            finished = history.status != "running"
+            if finished or self.checkpointer.due(history.steps, last_of_window):
+                now = time.perf_counter()
+                history.seconds += now - started
+                started = now  # the checkpoint's own time counts in the next stretch of the run's seconds
+                self._checkpoint(history, window, finished)
+            if finished:
+                break
+            tick = time.perf_counter()
+
+    def _train_step(self, history: RunHistory, batch, window: int) -> None:
+        self.profiler.before_step(history.steps)
+        self.window_loss += self.step(batch, history.steps, window)
+        self._trace_written(self.profiler.after_step(history.steps))
+        self.window_steps += 1
+        history.steps += 1
+        history.samples += self.cfg.loader.batch_size
+        self.progress.update(self.cfg.loader.batch_size, self._running_loss)
+
+    def _eval_if_due(self, history: RunHistory, window: int, last_of_window: bool, before_close: bool,
+                     started: float) -> bool:
+        """Run the eval due at this point, if any; True when it reached the target."""
+        eval_window = self.evaluator.window_due(history.samples, window, last_of_window, before_close)
+        if eval_window is None:
+            return False
+        self.finite.check()
+        record = self.evaluator.run(history, window, eval_window, history.seconds + time.perf_counter() - started)
+        self.log(f"eval at {history.samples:,} samples (window {window}, scored window {eval_window}): "
+                 f"AUC {record.auc:.4f}")
+        self.progress.record_auc(record.auc)
+        return record.auc >= self.cfg.train.target_auc
+
+    def _status(self, history: RunHistory, reached: bool, data_left: bool) -> str:
+        if reached:
+            return "success"
+        if not data_left:
+            return "aborted"
+        if self.cfg.train.max_steps and history.steps >= self.cfg.train.max_steps:
+            return "stopped"
+        return "running"
+
+    def _checkpoint(self, history: RunHistory, window: int, finished: bool) -> None:
+        self.finite.check()  # never log RUN_STOP for, or checkpoint, a diverged state
+        # A max_steps stop may be continued: its checkpoint records the log before RUN_STOP.
+        paused_log = self.runlog.state() if history.status == "stopped" else None
+        if finished:  # before the save: a finished run's checkpoint records the log with RUN_STOP in it
+            self.runlog.run_stop(history.samples, self.train_samples, history.status)
+        runlog_state = paused_log if paused_log is not None else self.runlog.state()
+        started = time.perf_counter()
+        self.checkpointer.save(history, window, self.window_loss, self.window_steps, runlog_state)
+        history.checkpoint_seconds += time.perf_counter() - started
+
+    def _trace_written(self, path: Path | None) -> None:
+        if path is not None:
+            self.log(f"profiler trace {path}")
+
+    def _running_loss(self) -> float:
+        """Mean loss of the current window so far (reads the device: progress refreshes only)."""
+        return float(self.window_loss) / max(self.window_steps, 1)
+
+    def _close_window(self, history: RunHistory, window: int, started: float) -> None:
+        synced = time.perf_counter()
+        self.finite.check()  # the one host read per window; it also waits for the window's last steps
+        self.train_clock.add(time.perf_counter() - synced, steps=0)
+        mean_loss = float(self.cluster.all_reduce_(self.window_loss.clone())) / self.cluster.world_size
+        mean_loss /= self.window_steps
+        rate = self.train_clock.steps * self.cfg.loader.batch_size / max(self.train_clock.seconds, 1e-9)
+        history.window_losses.append((window, history.samples, mean_loss))
+        history.throughput.append((history.seconds + time.perf_counter() - started, rate))
+        self.log(f"window {window}: {self.window_steps} steps, mean loss {mean_loss:.4f}, {rate:,.0f} samples/s")
+        self.window_loss.zero_()
+        self.window_steps = 0
+        self.train_clock = TrainClock()
