@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrmv4.data.store import (EVENT_COLUMNS, META_FILE, STORE_SCHEMA_VERSION, atomic_directory, save_array,
-                               write_json, write_md5s)
+from dlrmv4.data.store import EVENT_COLUMNS, META_FILE, STORE_SCHEMA_VERSION, save_array, write_md5s
+from dlrmv4.files import atomic_directory, write_json
 from dlrmv4.data.yambda_schema import ACTION_LIKE, ACTION_LISTEN_PLUS, ACTION_SKIP, DISLIKE, LIKE, LISTEN
 
 # Event kinds the factory draws: (event_code, action); "none" uses a random non-history code.

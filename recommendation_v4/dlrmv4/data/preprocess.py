@@ -49,6 +49,7 @@ from dlrmv4.data.yambda_schema import (ACTION_LIKE, ACTION_LISTEN_PLUS, ACTION_S
                                        LISTEN, RawFiles, check_mapping_schema, check_multi_event_schema,
                                        open_parquet)
 from dlrmv4.errors import UserError, one_line
+from dlrmv4.files import atomic_directory, check_writable, write_json
 
 RAW_COLUMNS = ["uid", "item_id", "timestamp", "is_organic", "event_type", "played_ratio_pct"]
 
@@ -297,7 +298,7 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
                resolved_revision: str | None = None, progress: bool = True) -> dict[str, Any]:
     """Build the store at ``out_dir`` atomically; returns its meta.json content."""
     started = time.perf_counter()
-    st.check_writable(out_dir.parent)
+    check_writable(out_dir.parent, "data path")
     pf = open_parquet(raw.multi_event)
     check_multi_event_schema(raw.multi_event, pf.schema_arrow)
     num_rows = pf.metadata.num_rows
@@ -307,7 +308,7 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
     album_items, album_ids = _read_item_table(raw.album_mapping, "album_id")
     bounds = SplitBounds.from_config(resolve_t_end(raw.multi_event, pf, cfg), cfg)
 
-    with st.atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir) as tmp:
         meta = _stream(pf, raw.multi_event, tmp, num_rows, bounds, cfg, progress)
         num_items = max(meta.pop("_num_items"), int(artist_items.max(initial=-1)) + 1,
                         int(album_items.max(initial=-1)) + 1)
@@ -329,7 +330,7 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
         meta["split"] = {"t_end": bounds.t_end, "test_start": bounds.test_start, "train_end": bounds.train_end,
                          "train_start": bounds.train_start, "t_min": layout.t_min, "t_last": layout.t_last,
                          "num_windows": layout.num_windows}
-        st.write_json(tmp / st.META_FILE, meta)
+        write_json(tmp / st.META_FILE, meta)
         st.write_md5s(tmp)
     meta["seconds"] = time.perf_counter() - started
     return meta

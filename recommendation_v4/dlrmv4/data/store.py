@@ -32,14 +32,11 @@ anchor's timestamp. Windows 0..N-2 train, window N-1 is the eval holdout. meta.j
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -241,49 +238,6 @@ def read_md5s(path: Path) -> dict[str, str]:
             raise UserError(f"{md5_path}:{lineno}: malformed line {line!r}")
         sums[parts[1].strip()] = parts[0]
     return sums
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
-@contextlib.contextmanager
-def atomic_directory(final: Path) -> Iterator[Path]:
-    """Yield a temp directory beside ``final``; on success it replaces ``final`` in one rename.
-
-    On any failure the temp directory is removed and ``final`` is untouched, so no crash leaves
-    a half-written store that looks complete (a store is complete only with its meta.json,
-    which is written last inside the temp directory).
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
-    if final.exists():
-        os.rename(final, old)
-    os.rename(tmp, final)
-    if old.exists():
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def check_writable(path: Path) -> None:
-    """Fail early, with one line, when outputs cannot be written under ``path``."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise UserError(f"{path}: data path is not writable ({exc.strerror or exc})")
 
 
 def shrink_npy(path: Path, length: int) -> None:

@@ -30,8 +30,6 @@ work is vectorized per block of users; blocks stream into a ``ParquetWriter`` wi
 
 from __future__ import annotations
 
-import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +42,7 @@ from dlrmv4.config import SYNTHETIC_SIZES
 from dlrmv4.data.yambda_schema import (DISLIKE, EVENT_TYPES, LIKE, LISTEN, MULTI_EVENT_SCHEMA,
                                        TIMESTAMP_BIN_SECONDS, UNDISLIKE, UNLIKE, RawFiles)
 from dlrmv4.errors import UserError
+from dlrmv4.files import check_writable, write_atomically
 
 
 @dataclass(frozen=True)
@@ -347,33 +346,11 @@ def _block_events(users: range, uid_of: np.ndarray, seed: int, cat: _Catalog, sp
     ], schema=MULTI_EVENT_SCHEMA)
 
 
-def _temp_path(final: Path) -> Path:
-    """A fresh hidden name beside ``final``, created now (umask permissions) so a bad root fails early."""
-    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp.touch(exist_ok=False)
-    except OSError as exc:
-        raise UserError(f"cannot write synthetic data under {final.parent}: {exc.strerror or exc} "
-                        "(choose a writable dataset.data_path)")
-    return tmp
-
-
-def _write_atomic(final: Path, write) -> None:
-    """``write(tmp)`` fills a temp file beside ``final``; only a complete file gets the final name."""
-    tmp = _temp_path(final)
-    try:
-        write(tmp)
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _write_mapping(path: Path, id_name: str, ids: np.ndarray, items: np.ndarray) -> None:
     table = pa.table({id_name: pa.array(ids.astype(np.uint32)), "item_id": pa.array(items.astype(np.uint32))},
                      schema=pa.schema([pa.field(id_name, pa.uint32(), nullable=False),
                                        pa.field("item_id", pa.uint32(), nullable=False)]))
-    _write_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+    write_atomically(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
 
 
 def _write_events(tmp: Path, blocks, bar: tqdm) -> None:
@@ -401,11 +378,10 @@ def generate(root: Path, size: str, seed: int, *, num_days: int | None = None, p
     if days < 1:
         raise UserError(f"synthetic num_days must be at least 1, got {days}")
     files = RawFiles.under(Path(root), size)
+    for path in (files.multi_event.parent, files.artist_mapping.parent, files.album_mapping.parent):
+        check_writable(path, "synthetic data directory")
     # A stale events file must not pair with freshly written mappings if this run fails.
-    try:
-        files.multi_event.unlink(missing_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot write synthetic data under {files.multi_event.parent}: {exc.strerror or exc}")
+    files.multi_event.unlink(missing_ok=True)
     cat = _catalog(spec, seed)
     _write_mapping(files.artist_mapping, "artist_id", *cat.artist_map)
     _write_mapping(files.album_mapping, "album_id", *cat.album_map)
@@ -421,5 +397,5 @@ def generate(root: Path, size: str, seed: int, *, num_days: int | None = None, p
     blocks = (_block_events(range(s, min(s + step, spec.users)), uid_of, seed, cat, span_bins, ramp, max_listens,
                             spec.mean_listens) for s in starts)
     with tqdm(total=len(starts), desc=f"synthetic {size}", unit="block", disable=not progress) as bar:
-        _write_atomic(files.multi_event, lambda tmp: _write_events(tmp, blocks, bar))
+        write_atomically(files.multi_event, lambda tmp: _write_events(tmp, blocks, bar))
     return files

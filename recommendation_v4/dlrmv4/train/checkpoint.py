@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dlrmv4.config import TrainConfig
-from dlrmv4.data.store import atomic_directory
+from dlrmv4.files import atomic_directory
 from dlrmv4.train.distributed import Cluster
 
 MARKER = "COMPLETE"

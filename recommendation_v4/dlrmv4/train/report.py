@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dlrmv4.data.store import write_json
+from dlrmv4.files import write_atomically, write_json
 
 REPORT_FILE = "report.json"
 AUC_PLOT = "auc_vs_samples.png"
@@ -69,9 +69,7 @@ def _plots(run_dir: Path, history: dict[str, Any], target_auc: float) -> list[Pa
 def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    tmp = path.with_name(path.name + ".tmp")
     fig.tight_layout()
-    fig.savefig(tmp, format="png", dpi=100)
+    write_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     plt.close(fig)
-    tmp.replace(path)
     return path

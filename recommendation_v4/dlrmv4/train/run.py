@@ -14,6 +14,7 @@ from dlrmv4.config import BenchmarkConfig, to_dict
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
 from dlrmv4.errors import UserError
+from dlrmv4.files import check_writable
 from dlrmv4.mlperf.rules import check_closed_division
 from dlrmv4.mlperf.runlog import RunLog
 from dlrmv4.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
@@ -47,16 +48,6 @@ def clear_run_dir(run_dir: Path) -> None:
         raise UserError(f"cannot clear the previous run in {run_dir}: {exc}") from exc
     for name in (REPORT_FILE, AUC_PLOT, THROUGHPUT_PLOT):
         (run_dir / name).unlink(missing_ok=True)
-
-
-def check_run_dir_writable(run_dir: Path) -> None:
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-probe"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as exc:
-        raise UserError(f"run directory {run_dir} is not writable: {exc.strerror or exc}") from exc
 
 
 def run_log_path(cfg: BenchmarkConfig) -> Path:
@@ -111,7 +102,7 @@ def _run(cfg: BenchmarkConfig, cluster: Cluster, log: Callable[[str], None], pro
     log(plan.summary())
     runlog = RunLog(run_log_path(cfg), rank=cluster.rank, barrier=cluster.barrier)
     if cluster.is_main:
-        check_run_dir_writable(run_dir)
+        check_writable(run_dir, "run directory")
         runlog.check_writable(runlog.path)  # fail before any work, not at the first event
         if restart:
             clear_run_dir(run_dir)
