@@ -25,14 +25,13 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))  # the store factory and the reference live with the tests
 
-from dlrmv4.config import SamplerConfig  # noqa: E402
-from dlrmv4.data.hashing import contextual_ids  # noqa: E402
-from dlrmv4.data.sampler import build_batch, item_side_ids, pack_item_sides, user_of  # noqa: E402
-from dlrmv4.data.store import open_store  # noqa: E402
-from store_factory import random_store  # noqa: E402
-from test_sampler import reference_sample  # noqa: E402
+from dlrmv4.config import SamplerConfig
+from dlrmv4.data.hashing import contextual_ids
+from dlrmv4.data.sampler import build_batch, item_side_ids, pack_item_sides, user_of
+from dlrmv4.data.store import open_store
+from reference_sampler import reference_sample
+from store_factory import random_store
 
 GOAL_SAMPLES_PER_S = 2_500
 REFERENCE_MIN_HISTORY = 4_086

@@ -140,7 +140,6 @@ def cold_start(batch: int) -> float:
 
 def model_parity(device: torch.device) -> dict:
     """The full model on one jagged batch: Triton vs PyTorch ops, same weights, no dropout."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
     from dlrmv4.model.hstu import DlrmHSTU
     from model_inputs import random_batch, random_embeddings
 
