@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from triton.testing import do_bench
 
 from dlrmv4.ops.reference.attention import hstu_attention_reference
 from dlrmv4.ops.triton import attention as tri
+from harness import RESULTS, command_line, device_name, matmul_peak_tflops, window_ms, write_results
 from length_mix import jagged_lengths
 
 HERE = Path(__file__).resolve().parent
@@ -72,32 +72,11 @@ def fwd_flops(lengths: list[int], heads: int, dim: int) -> float:
     return float(sum(2 * (n * n / 2) * heads * 2 * dim for n in lengths))
 
 
-def event_ms(fn, min_ms: float = 40.0, reps: int = 7) -> float:
-    """Median per-call time of back-to-back calls between two CUDA events (the host runs ahead as in
-    training; do_bench instead flushes L2 and counts the launch gap before every call)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    iters = max(1, int(min_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)))
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return float(np.median(times))
-
-
 def time_triton(q, k, v, offsets, targets, grad, n, alpha, **kw) -> dict[str, float]:
     fwd = lambda: tri.attention_fwd(q, k, v, offsets, targets, n, alpha, silu=kw.get("silu"))
     both = lambda: (fwd(), tri.attention_bwd(grad, q, k, v, offsets, targets, n, alpha, **kw))
     both()  # autotune + compile outside the timed region
-    return {"fwd_ms": event_ms(fwd), "fwd_bwd_ms": event_ms(both),
+    return {"fwd_ms": window_ms(fwd), "fwd_bwd_ms": window_ms(both),
             "do_bench_fwd_ms": do_bench(fwd, return_mode="median"),
             "do_bench_fwd_bwd_ms": do_bench(both, return_mode="median")}
 
@@ -110,8 +89,8 @@ def time_reference(q, k, v, offsets, targets, grad, n, alpha) -> tuple[float, fl
         fwd().backward(grad)
 
     with torch.no_grad():
-        f = event_ms(fwd, min_ms=100.0, reps=3)
-    return f, event_ms(both, min_ms=100.0, reps=3)
+        f = window_ms(fwd, min_ms=100.0, reps=3)
+    return f, window_ms(both, min_ms=100.0, reps=3)
 
 
 def kernel_breakdown(q, k, v, offsets, targets, grad, n, alpha, iters: int = 5) -> dict[str, float]:
@@ -159,7 +138,7 @@ def main() -> None:
     parser.add_argument("--variants", action="store_true",
                         help="also time other dq modes / SiLU forms on the jagged mix")
     parser.add_argument("--no-cold-start", action="store_true")
-    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA GPU (run it on the lent GPU)")
@@ -168,10 +147,7 @@ def main() -> None:
     jagged = lengths_by_mix["jagged (real-data-like)"]
     cold = {} if args.no_cold_start else cold_start(jagged, args.heads, args.dim)
 
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    peak = 2 * 8192 ** 3 / do_bench(lambda: a @ b, return_mode="median") / 1e9
-    del a, b
+    peak = matmul_peak_tflops("cuda", n=8192, timer="do_bench")
 
     rows, variants, breakdown, tuning = [], [], {}, {}
     for mix, lengths in lengths_by_mix.items():
@@ -214,19 +190,15 @@ def main() -> None:
                      f"| {x['fwd_bwd_ms']:.3f} ({x['fwd_bwd_tflops']:.0f}) |\n" for x in variants)
     if vtable:
         vtable = "| dq mode | SiLU form | fwd ms (TFLOP/s) | fwd+bwd ms (TFLOP/s) |\n|---|---|---|---|\n" + vtable
-    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    env = {"device": device_name("cuda"), "torch": torch.__version__, "triton": triton.__version__,
            "capability": ".".join(map(str, torch.cuda.get_device_capability())), "matmul_peak_tflops": peak,
            "dq_mode_default": tri.DQ_MODE}
-    command = "python " + " ".join(shlex.quote(x) for x in [os.path.relpath(__file__)] + sys.argv[1:])
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = {"command": command, "env": env, "shape": {"batch": args.batch, "heads": args.heads, "dim": args.dim,
+    command = command_line()
+    result = {"env": env, "shape": {"batch": args.batch, "heads": args.heads, "dim": args.dim,
               "dtype": "bfloat16", "num_targets": 1, "lengths": lengths_by_mix}, "rows": rows, "variants": variants,
               "kernel_ms_per_fwd_bwd_jagged": breakdown, "tuned_configs": tuned_configs(), "autotune_ms": tuning,
               "cold_start": cold, "timing": "median of 7 CUDA-event windows of back-to-back calls (>= 40 ms each), "
               "warm (after autotune); do_bench_* (L2 flushed, launch gap counted) kept for comparison"}
-    tmp = args.out / "attention.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(args.out / "attention.json")
     cold_line = (f"Cold start (fresh process, empty Triton cache, import -> first fwd+bwd at the jagged shape): "
                  f"{cold['import_to_first_fwd_bwd_s']:.1f} s ({cold['process_wall_s']:.1f} s with interpreter start).\n"
                  if "import_to_first_fwd_bwd_s" in cold else f"Cold start: {cold or 'not measured'}\n")
@@ -236,9 +208,7 @@ def main() -> None:
           f"(fwd+bwd = 3.5 x fwd); dQ mode `{tri.DQ_MODE}`; medians of CUDA-event windows of back-to-back "
           f"calls.\n\n{table}\n"
           + (f"Variants on the jagged mix:\n\n{vtable}\n" if vtable else "") + cold_line)
-    tmp = args.out / "attention.md.tmp"
-    tmp.write_text(md)
-    tmp.replace(args.out / "attention.md")
+    write_results("attention", result, md, device="cuda", out=args.out)
     print(json.dumps({"kernels_ms": breakdown, "tuned": tuned_configs(), "cold_start": cold, "env": env}, indent=1))
     if vtable:
         print(vtable)

@@ -24,19 +24,13 @@ import argparse
 import dataclasses
 import gc
 import itertools
-import json
-import os
-import platform
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench_stu import DATASHEET_BF16_TFLOPS, git_commit, matmul_peak_tflops
 from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.batch import JaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
@@ -46,9 +40,10 @@ from dlrmv4.train.activation_memory import ActivationShape, kept_bytes_per_token
 from dlrmv4.train.embeddings import TABLE_NAMES, make_embeddings, table_specs
 from dlrmv4.train.optim import FiniteMonitor
 from dlrmv4.train.step import TrainStep
+from harness import (DATASHEET_BF16_TFLOPS, command_line, device_name, git_commit, matmul_peak_tflops, sync,
+                     write_results)
 from length_mix import jagged_lengths
 
-RESULTS = Path(__file__).parent / "results"
 WARM_STEPS = 6  # the first is the cold start; all are untimed
 # Device-time categories, first match wins (kernel names of PyTorch, Triton and cuBLAS).
 CATEGORIES = [
@@ -114,11 +109,6 @@ def start_single_process_group(device: torch.device) -> None:
     store = Path(tempfile.mkdtemp()) / "store"
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=0,
                             world_size=1)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def measure(cfg: BenchmarkConfig, batch_size: int, steps: int, device: torch.device, rows: int, profile: bool,
@@ -267,18 +257,16 @@ def main() -> None:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.machine(),
-              "torch": torch.__version__, "commit": git_commit(), "matmul_peak_tflops": peak,
+    result = {"device": device_name(device), "torch": torch.__version__, "commit": git_commit(),
+              "matmul_peak_tflops": peak,
               "datasheet_tflops": DATASHEET_BF16_TFLOPS, "table_rows": args.table_rows, "id_skew": args.id_skew,
               "model": dataclasses.asdict(reference_config(args.table_rows, args.smoke).model), "rows": rows,
-              "command": "python benchmarks/bench_end_to_end.py " + " ".join(sys.argv[1:])}
+              "command": command_line()}
     table = _table(result)
     print(table)
     if not args.smoke:
         name = "end_to_end" + (f"_zipf{args.id_skew:g}" if args.id_skew else "") + (f"_{args.label}" if args.label else "")
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS / f"{name}.md").write_text(table + f"\n\nCommand: `{result['command']}`\n")
+        write_results(name, result, table, device=device)
 
 
 def _table(result: dict) -> str:

@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+from harness import RESULTS, command_line, device_name, git_commit, sync, write_results
 
 
 def config(args: argparse.Namespace, qcomm: str, world: int):
@@ -119,11 +118,6 @@ def rows_served(batch, specs, world: int) -> list[int]:
     return served.tolist()
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=2)
@@ -156,19 +150,16 @@ def main() -> None:
                 raise SystemExit(f"the benchmark failed ({qcomm} all-to-all):\n{proc.stdout[-3000:]}\n"
                                  f"{proc.stderr[-5000:]}")
             rows += json.loads(out.read_text())
-    device = (f"{args.processes}x {torch.cuda.get_device_name()}" if torch.cuda.is_available()
-              else f"{platform.machine()} CPU, {args.processes} processes")
-    from bench_stu import git_commit
-
+    device = (f"{args.processes}x {device_name('cuda')}" if torch.cuda.is_available()
+              else f"{device_name('cpu')} CPU, {args.processes} processes")
     result = {"commit": git_commit(), "device": device, "processes": args.processes,
               "real_tables_of": args.real_tables_of, "per_rank_batch": args.per_rank_batch, "smoke": args.smoke,
-              "command": "python benchmarks/bench_hot_ids.py " + " ".join(sys.argv[1:]), "rows": rows}
+              "command": command_line(), "rows": rows}
     print(table(result))
     if not args.smoke:
         name = "hot_ids" + (f"_{args.label}" if args.label else "")
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-        (args.out / f"{name}.md").write_text(table(result) + "\n")
+        write_results(name, result, table(result), device="cuda" if torch.cuda.is_available() else "cpu",
+                      out=args.out)
 
 
 def table(r: dict) -> str:

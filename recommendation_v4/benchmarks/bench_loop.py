@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from labelled_rows import save_labelled_row
 from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args
 from dlrmv4.data.loader import make_window_loader
 from dlrmv4.data.paths import store_dir
@@ -35,15 +32,12 @@ from dlrmv4.data.store import open_store
 from dlrmv4.train.distributed import Cluster
 from dlrmv4.train.run import clear_run_dir, seed_everything
 from dlrmv4.train.trainer import Trainer, build_trainer
+from harness import cpu_model, device_name, save_labelled_row, sync
+
 
 def make_trainer(cfg: BenchmarkConfig, store, device: torch.device) -> Trainer:
     seed_everything(cfg.seed)
     return build_trainer(cfg, store, Cluster(0, 1, 0, 1, device), log=lambda _: None)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def bare_seconds(cfg: BenchmarkConfig, store, device: torch.device, batches) -> float:
@@ -103,12 +97,11 @@ def main() -> None:
            "num_layers": cfg.model.num_layers, "kernels": cfg.model.kernels, "embedding_backend": "plain"
            if cfg.embeddings.embedding_backend in ("plain", "auto") else cfg.embeddings.embedding_backend,
            "bare_samples_per_s": samples / float(np.median(bare)),
-           "loop_samples_per_s": samples / float(np.median(loop)), "bare_seconds": bare, "loop_seconds": loop,
-           "command": "python benchmarks/bench_loop.py " + " ".join(sys.argv[1:])}
+           "loop_samples_per_s": samples / float(np.median(loop)), "bare_seconds": bare, "loop_seconds": loop}
     row["overhead"] = row["bare_samples_per_s"] / row["loop_samples_per_s"] - 1
     print(_table([row]))
     if not args.no_save:
-        _save(row)
+        _save(row, device)
 
 
 def _replace(cfg: BenchmarkConfig, overrides: dict) -> BenchmarkConfig:
@@ -120,8 +113,8 @@ def _replace(cfg: BenchmarkConfig, overrides: dict) -> BenchmarkConfig:
 
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
-        return torch.cuda.get_device_name()
-    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+        return device_name(device)
+    return f"{cpu_model()} CPU, {torch.get_num_threads()} threads"
 
 
 def _table(rows: list[dict]) -> str:
@@ -134,10 +127,11 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _save(row: dict) -> None:
+def _save(row: dict, device: torch.device) -> None:
     save_labelled_row("loop_overhead", row, (
         "Loop and loader cost: `StreamingTrainer.run` vs the bare step on the same batches already in device "
-        "memory (medians of alternating repeats; overhead = bare / loop - 1). Plain-PyTorch embeddings."), _table)
+        "memory (medians of alternating repeats; overhead = bare / loop - 1). Plain-PyTorch embeddings."), _table,
+        device=device)
 
 
 if __name__ == "__main__":

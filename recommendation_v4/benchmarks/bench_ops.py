@@ -13,9 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,9 +28,9 @@ from dlrmv4.ops.output_block import output_block
 from dlrmv4.ops.position import position_time_encode
 from dlrmv4.ops.reference import jagged as ref_jagged, layer_norm as ref_ln, output_block as ref_ob
 from dlrmv4.ops.reference import position as ref_pos
+from harness import RESULTS, command_line, device_name, do_bench_ms, write_results
 from length_mix import jagged_lengths
 
-RESULTS = Path(__file__).parent / "results"
 NUM_CONTEXTUAL = 8
 POS_ROWS, TIME_ROWS = 8192, 2048
 
@@ -49,26 +46,11 @@ class Case:
     grad: torch.Tensor | None = field(default=None)
 
 
-def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """Median milliseconds: triton's do_bench on the GPU (events, L2 flushed before each run)."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    fn()
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e3
-
-
 def copy_bandwidth(device: torch.device, numel: int) -> float:
     """GB/s of a device-to-device copy, bytes read + written."""
     src = torch.randn(numel, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / _time_ms(lambda: dst.copy_(src), device) / 1e6
+    return 2 * src.numel() * src.element_size() / do_bench_ms(lambda: dst.copy_(src), device) / 1e6
 
 
 def build_cases(batch: int, dim: int, dtype: torch.dtype, device: torch.device, smoke: bool,
@@ -159,8 +141,8 @@ def measure(case: Case, impl: str, device: torch.device, copy_gbs: float) -> lis
         print(f"{case.name}: torch.compile failed: {' '.join(str(exc).split())[:300]}")
         return []
     warm_s = time.perf_counter() - t0
-    t_fwd = _time_ms(fwd, device)
-    t_both = _time_ms(lambda: torch.autograd.grad(fwd(), case.leaves, grad), device)
+    t_fwd = do_bench_ms(fwd, device)
+    t_both = do_bench_ms(lambda: torch.autograd.grad(fwd(), case.leaves, grad), device)
     rows = []
     for label, ms, nbytes in (("fwd", t_fwd, case.fwd_bytes), ("fwd+bwd", t_both, case.fwd_bwd_bytes)):
         gbs = nbytes / ms / 1e6
@@ -200,7 +182,7 @@ def sweep(batch_tokens: int, dim: int, dtype: torch.dtype, device: torch.device,
     rows = []
     for name, t, nbytes, fn in runs:
         try:
-            ms = _time_ms(fn, device)
+            ms = do_bench_ms(fn, device)
         except Exception as exc:  # a launch shape that does not compile (resources) is skipped
             print(f"{name} {t}: failed: {' '.join(str(exc).split())[:200]}")
             continue
@@ -251,8 +233,8 @@ def main() -> None:
     cases = build_cases(args.batch, args.dim, dtype, device, args.smoke, compile_ref=not args.no_compile
                         and not args.smoke)
     tokens = int(cases[0].leaves[0].shape[0])
-    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
-    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__)] + sys.argv[1:])
+    name = device_name(device)
+    command = command_line()
     facts = {"device": name, "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
              "batch": args.batch, "dim": args.dim, "tokens": tokens,
              "copy_GB_per_s": copy_gbs, "timing": "triton.testing.do_bench median, L2 flushed before each run"}
@@ -263,15 +245,12 @@ def main() -> None:
         if sweep_rows:
             text += "\nLaunch shapes (Triton kernels alone, below autograd):\n\n" + sweep_table(sweep_rows)
         if not args.smoke:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "ops.json").write_text(json.dumps({"command": command, **facts, "rows": rows,
-                                                           "sweep": sweep_rows}, indent=2) + "\n")
-            (args.out / "ops.md").write_text(
+            write_results("ops", {**facts, "rows": rows, "sweep": sweep_rows}, (
                 f"# Non-attention ops (`{command}`)\n\n{name}, torch {torch.__version__}, {facts['dtype']}, "
                 f"{args.batch} sequences, {tokens:,} tokens, D {args.dim}. Bytes are the fewest each op must move "
                 "(inputs read once, outputs written once); `of copy` compares with a device-to-device copy timed "
                 "in the same run. `×` columns: reference time / Triton time (above 1: Triton is faster). fwd+bwd "
-                f"runs the forward with grad enabled, then autograd.grad.\n\n{text}")
+                f"runs the forward with grad enabled, then autograd.grad.\n\n{text}"), device=device, out=args.out)
         return text
 
     # Results are written after each phase; torch.compile comes last, since a failure inside a

@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from harness import RESULTS, command_line, write_results
+
 GOAL_EVENTS_PER_S = 2e6
 GOAL_RSS_BYTES = 4 * 2**30
 
@@ -97,11 +97,10 @@ def main() -> None:
         rows = [measure(size, Path(tmp), args.seed) for size in args.sizes]
     text = table(rows)
     print(text)
-    info = {"command": "python benchmarks/bench_preprocess.py " + " ".join(sys.argv[1:]),
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-            "goal_events_per_s": GOAL_EVENTS_PER_S, "goal_peak_rss_bytes": GOAL_RSS_BYTES, "rows": rows}
-    Path(args.out + ".json").write_text(json.dumps(info, indent=2) + "\n")
-    Path(args.out + ".md").write_text(f"`{info['command']}` on {os.cpu_count()} CPUs\n\n{text}\n")
+    info = {"goal_events_per_s": GOAL_EVENTS_PER_S, "goal_peak_rss_bytes": GOAL_RSS_BYTES, "rows": rows}
+    out = Path(args.out)
+    write_results(out.name, info, f"`{command_line()}` on {os.cpu_count()} CPUs\n\n{text}", device="cpu",
+                  out=out.parent)
 
 
 if __name__ == "__main__":

@@ -19,23 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import shlex
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench_stu import git_commit
 from dlrmv4.config import SamplerConfig, load_config
 from dlrmv4.data.hashing import NUM_CONTEXTUAL
 from dlrmv4.data.loader import RANK_SLICINGS, BatchSlice, balanced_shares, plan_batches, rank_share, window_order
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.sampler import build_batch, history_lengths, pack_item_sides
 from dlrmv4.data.store import open_store
-
-RESULTS = Path(__file__).parent / "results"
+from harness import RESULTS, command_line, cpu_model, git_commit, write_results
 
 
 def share_loads(tokens: np.ndarray, part: BatchSlice, world: int, slicing: str) -> tuple[np.ndarray, np.ndarray]:
@@ -112,15 +107,13 @@ def main() -> None:
             print(json.dumps(row), flush=True)
 
     mean_tokens = float(np.mean([t.mean() for _, _, t, _ in batches]))
-    result = {"commit": git_commit(), "device": f"{platform.machine()} CPU, one core", "preset": args.preset,
+    result = {"commit": git_commit(), "device": f"{cpu_model()} CPU, one core", "preset": args.preset,
               "max_seq_len": sampler.max_seq_len,
               "store": path.name, "global_batch": args.global_batch, "batches": len(batches),
               "windows": sorted({p.window for p, *_ in batches}), "mean_tokens": mean_tokens,
-              "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
+              "command": command_line(), "rows": rows}
     name = "rank_balance" + (f"_{args.label}" if args.label else "")
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{name}.md").write_text(table(result))
+    write_results(name, result, table(result), device="cpu", out=args.out)
     print(table(result))
 
 

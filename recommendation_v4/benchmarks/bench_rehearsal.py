@@ -19,18 +19,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import math
-import platform
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench_end_to_end import random_batch, start_single_process_group, sync
-from bench_stu import git_commit
+from bench_end_to_end import random_batch, start_single_process_group
 from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.model.hstu import DlrmHSTU
@@ -38,9 +34,9 @@ from dlrmv4.train.embeddings import make_embeddings, table_specs
 from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS, make_memory_plan
 from dlrmv4.train.optim import FiniteMonitor
 from dlrmv4.train.step import TrainStep
+from harness import command_line, device_name, git_commit, sync, write_results
 from length_mix import jagged_lengths
 
-RESULTS = Path(__file__).parent / "results"
 PLAN_WORLD = 8
 SLICE = 1_024  # GBS 8,192 over 8 ranks
 POOL = 4  # distinct batches kept on the device, used in turn
@@ -90,7 +86,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU; nothing saved")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.machine()
+    name = device_name(device)
     device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 << 30
     cfg = load_config("yambda-5b")
     cfg = dataclasses.replace(cfg, embeddings=dataclasses.replace(cfg.embeddings, embedding_backend="torchrec"))
@@ -151,14 +147,12 @@ def main() -> None:
               "table_gib": sum(rows.values()) * rcfg.model.embedding_dim * 4 / 2**30, "init_s": init_s,
               "id_skew": args.id_skew, "steps": args.steps, "rehearsal": rehearsal, "baseline": baseline,
               "ratio_to_fastest": rehearsal["samples_per_s"] / fastest["samples_per_s"] if fastest else None,
-              "command": "python benchmarks/bench_rehearsal.py " + " ".join(sys.argv[1:])}
+              "command": command_line()}
     table = _table(result)
     print(table)
     if not args.smoke:
-        RESULTS.mkdir(exist_ok=True)
         tag = "h200" if "H200" in name else "h100" if "H100" in name else "gpu"
-        (RESULTS / f"rehearsal_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS / f"rehearsal_{tag}.md").write_text(table + f"\n\nCommand: `{result['command']}`\n")
+        write_results(f"rehearsal_{tag}", result, table, device=device)
 
 
 def _table(result: dict) -> str:

@@ -15,24 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))  # the store factory and the reference live with the tests
-
-from dlrmv4.config import SamplerConfig  # noqa: E402
-from dlrmv4.data.hashing import contextual_ids  # noqa: E402
-from dlrmv4.data.sampler import build_batch, item_side_ids, pack_item_sides, user_of  # noqa: E402
-from dlrmv4.data.store import open_store  # noqa: E402
-from store_factory import random_store  # noqa: E402
-from test_sampler import reference_sample  # noqa: E402
+from dlrmv4.config import SamplerConfig
+from dlrmv4.data.hashing import contextual_ids
+from dlrmv4.data.sampler import build_batch, item_side_ids, pack_item_sides, user_of
+from dlrmv4.data.store import open_store
+from harness import RESULTS, command_line, write_results
+from reference_sampler import reference_sample
+from store_factory import random_store
 
 GOAL_SAMPLES_PER_S = 2_500
 REFERENCE_MIN_HISTORY = 4_086
@@ -89,7 +84,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--reference-samples", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
     rng = np.random.default_rng(args.seed)
@@ -135,30 +130,24 @@ def main() -> None:
         f"| {r['samples_per_s_without_crosses']:,.0f} "
         f"| {r['python_reference_samples_per_s']:.1f} "
         f"| {r['speedup_vs_python']:,.0f} | {r['ratio_vs_goal']:.2f} |\n" for r in rows)
-    machine = {"nproc": os.cpu_count(), "affinity_cpus": len(os.sched_getaffinity(0)),
-               "platform": platform.platform(), "processor": platform.processor(),
-               "python": platform.python_version(), "numpy": np.__version__}
     store_facts = {"users": args.users, "events": int(lengths.sum()), "events_per_user": [5_000, 30_000],
                    "items": YAMBDA_5B_ITEMS, "item_zipf": args.item_zipf,
                    "min_history": REFERENCE_MIN_HISTORY, "window": window, "window_anchors": len(anchors),
                    "build_s": build_s}
-    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__)] + sys.argv[1:])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sampler.json").write_text(json.dumps(
-        {"command": command, "machine": machine, "store": store_facts, "goal_samples_per_s": GOAL_SAMPLES_PER_S,
-         "timing": f"best of {args.repeats} over {args.batches} consecutive batches, one process, wall clock",
-         "rows": rows}, indent=2) + "\n")
-    (args.out / "sampler.md").write_text(
-        f"# Sampler throughput (`{command}`)\n\n{table}\nOne process (numpy is single-threaded here), "
-        f"{machine['nproc']} CPUs visible; synthetic store of {args.users} users with 5k-30k events each, "
+    result = write_results("sampler", {
+        "store": store_facts, "goal_samples_per_s": GOAL_SAMPLES_PER_S,
+        "timing": f"best of {args.repeats} over {args.batches} consecutive batches, one process, wall clock",
+        "rows": rows}, (
+        f"# Sampler throughput (`{command_line()}`)\n\n{table}\nOne process (numpy is single-threaded here), "
+        f"{os.cpu_count()} CPUs visible; synthetic store of {args.users} users with 5k-30k events each, "
         f"{YAMBDA_5B_ITEMS:,} items (Zipf {args.item_zipf}), scan window {rows[0]['scan_window']:,}, "
         f"batch {args.batch_size} (consecutive anchors of one window in the store's order), Yambda action mix. "
         "`samples/CPU-s` discounts time lost to other processes on a shared box; `without item_sides` is "
         "`build_batch` without the packed item table; "
         "`crosses` is `contextual_ids` (7 xxh64 crosses, one C call per key) timed alone on the same anchors, "
-        "and `without crosses` subtracts its time.\n")
+        "and `without crosses` subtracts its time."), device="cpu", out=args.out)
     print(table)
-    print(json.dumps({"machine": machine, "store": store_facts}))
+    print(json.dumps({"machine": result["machine"], "versions": result["versions"], "store": store_facts}))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -31,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-from labelled_rows import save_labelled_row
 from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args
+from harness import cpu_model, device_name, save_labelled_row
+
 
 def _replace(cfg: BenchmarkConfig, overrides: dict) -> BenchmarkConfig:
     sections: dict[str, dict] = {}
@@ -210,8 +210,7 @@ def main() -> None:
            "torch": torch.__version__, "scaling": args.scaling, "d_model": cfg.model.d_model,
            "num_layers": cfg.model.num_layers, "max_seq_len": cfg.sampler.max_seq_len,
            "num_workers": cfg.loader.num_workers, "real_tables_of": args.real_tables_of,
-           "qcomm": cfg.embeddings.qcomm, "rank_slicing": cfg.loader.rank_slicing, "results": results,
-           "command": "python benchmarks/bench_scaling.py " + " ".join(sys.argv[1:])}
+           "qcomm": cfg.embeddings.qcomm, "rank_slicing": cfg.loader.rank_slicing, "results": results}
     print(_table([row]))
     if not args.no_save:
         _save(row)
@@ -219,8 +218,8 @@ def main() -> None:
 
 def _device_name() -> str:
     if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}"
-    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+        return f"{torch.cuda.device_count()}x {device_name('cuda')}"
+    return f"{cpu_model()} CPU, {os.cpu_count()} cores"
 
 
 def _table(rows: list[dict]) -> str:
@@ -261,7 +260,7 @@ def _save(row: dict) -> None:
         "host-to-device copy); 'bare step': the same step on batches already in device memory (DDP dense model "
         "and the backend's table exchange included). Both cover the same span of the data for every process "
         "count. 'replicas identical': every rank's dense weights (and plain-backend tables) hashed equal at "
-        "the end."), _table)
+        "the end."), _table, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 if __name__ == "__main__":

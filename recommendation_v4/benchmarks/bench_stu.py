@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -29,50 +27,9 @@ import torch
 from dlrmv4.config import ModelConfig, load_config
 from dlrmv4.model.flops import batch_flops
 from dlrmv4.model.stu import STUStack
+from harness import (DATASHEET_BF16_TFLOPS, RESULTS, command_line, device_name, git_commit, matmul_peak_tflops,
+                     median_seconds, write_results)
 from length_mix import jagged_lengths
-
-RESULTS = Path(__file__).parent / "results"
-DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16
-
-
-def git_commit() -> str:
-    """The commit measured: DLRMV4_COMMIT where the checkout has no .git (a copied tree), else git's."""
-    if os.environ.get("DLRMV4_COMMIT"):
-        return os.environ["DLRMV4_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    return 2 * n**3 / _time(lambda: a @ b, reps) / 1e12
-
-
-def _time(fn, reps: int) -> float:
-    """Median seconds of ``fn`` (CUDA events on GPUs, the wall clock on the CPU), after warm-up."""
-    for _ in range(2):
-        fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return float(np.median(times))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def stack_inputs(cfg: ModelConfig, lengths: np.ndarray, device: torch.device, seed: int):
@@ -99,7 +56,7 @@ def measure_stack(cfg: ModelConfig, batch: int, mix: str, device: torch.device, 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
-        seconds = _time(step, reps)
+        seconds = median_seconds(step, reps)
     except torch.OutOfMemoryError:
         return {"kernels": cfg.kernels, "last_layer": cfg.last_layer, "batch": batch, "mix": mix, "oom": True}
     out = {"kernels": cfg.kernels, "last_layer": cfg.last_layer, "batch": batch, "mix": mix,
@@ -140,7 +97,6 @@ def cold_start(batch: int) -> float:
 
 def model_parity(device: torch.device) -> dict:
     """The full model on one jagged batch: Triton vs PyTorch ops, same weights, no dropout."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
     from dlrmv4.model.hstu import DlrmHSTU
     from model_inputs import random_batch, random_embeddings
 
@@ -201,7 +157,8 @@ def main() -> None:
     if device.type == "cuda" and not args.smoke:
         extra["model_parity"] = model_parity(device)
         extra["cold_start_s"] = cold_start(256)
-    lines = [f"Device: {torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}; "
+    name = device_name(device)
+    lines = [f"Device: {name}; "
              f"commit {git_commit()}; torch {torch.__version__}; measured bf16 matmul peak {peak:.0f} TFLOP/s; datasheet {DATASHEET_BF16_TFLOPS:.0f}",
              "",
              "| ops | last layer | samples/step | mean tokens | step ms | samples/s | STU TFLOP/s (yardstick) "
@@ -228,11 +185,9 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if not args.smoke:
-        info = {"command": "python benchmarks/bench_stu.py " + " ".join(sys.argv[1:]), "matmul_peak_tflops": peak,
-                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "commit": git_commit(),
-                "torch": torch.__version__, "rows": rows, **extra}
-        Path(args.out + ".json").write_text(json.dumps(info, indent=2) + "\n")
-        Path(args.out + ".md").write_text(f"`{info['command']}`\n\n{text}\n")
+        info = {"matmul_peak_tflops": peak, "device": name, "torch": torch.__version__, "rows": rows, **extra}
+        out = Path(args.out)
+        write_results(out.name, info, f"`{command_line()}`\n\n{text}", device=device, out=out.parent)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import shutil
 import subprocess
 import sys
@@ -42,8 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_end_to_end import start_single_process_group, sync
-from bench_stu import DATASHEET_BF16_TFLOPS, git_commit, matmul_peak_tflops
+from bench_end_to_end import start_single_process_group
 from dlrmv4.config import config_from_args
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
 from dlrmv4.data.loader import make_window_loader
@@ -56,8 +54,9 @@ from dlrmv4.data.windows import split_windows
 from dlrmv4.train.optim import FiniteMonitor
 from dlrmv4.train.schedule import EvalSchedule
 from dlrmv4.train.step import TrainStep
+from harness import (DATASHEET_BF16_TFLOPS, command_line, device_name, git_commit, matmul_peak_tflops, sync,
+                     write_results)
 
-RESULTS = Path(__file__).parent / "results"
 WARM_STEPS = 5
 
 
@@ -254,8 +253,7 @@ def main() -> None:
     peak = matmul_peak_tflops(device, n=8192 if device.type == "cuda" else 256, reps=10)
     mfu_scale = loop / bare["samples_per_s"]
     result = {
-        "command": "python benchmarks/bench_train.py " + " ".join(a for a in sys.argv[1:]),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.machine(),
+        "command": command_line(), "device": device_name(device),
         "commit": git_commit(), "torch": torch.__version__, "preset": args.preset, "batch_size": args.batch_size,
         "backend": args.backend, "workers": args.workers, "recompute": args.recompute, "last_layer": args.last_layer,
         "table_rows": args.table_rows, "train_samples_in_store": train_samples,
@@ -275,8 +273,7 @@ def main() -> None:
     print(text)
     if not args.smoke:
         name = "train" + (f"_{args.label}" if args.label else "")
-        (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS / f"{name}.md").write_text(text + f"\n\nCommand: `{result['command']}`\n")
+        write_results(name, result, text, device=device)
 
 
 def table(r: dict) -> str:

@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 from dlrmv4.mlperf.rules import REFERENCE_EVAL_SAMPLES, REFERENCE_TRAIN_SAMPLES
 from dlrmv4.train.schedule import EvalSchedule
+from harness import RESULTS, command_line, write_results
 
-RESULTS = Path(__file__).parent / "results"
 GLOBAL_BATCH = 8_192
 SAMPLES_TO_TARGET = 69_300_000       # the reference's mean convergence point (SPEC)
 REFERENCE_MINUTES = 2 * 60 + 39      # 8 MI350X
@@ -122,12 +120,10 @@ def main() -> None:
                         help="GB/s per GPU and direction across nodes (400 Gb/s NDR: 50 peak)")
     args = parser.parse_args()
     p = project(args.gpu, args.nvlink_gbs, args.network_gbs)
-    p["command"] = "python benchmarks/project_time_to_train.py " + " ".join(sys.argv[1:])
+    p["command"] = command_line()
     text = table(p)
     print(text)
-    name = f"time_to_train_{args.gpu}"
-    (RESULTS / f"{name}.json").write_text(json.dumps(p, indent=2) + "\n")
-    (RESULTS / f"{name}.md").write_text(text + f"\n\nCommand: `{p['command']}`\n")
+    write_results(f"time_to_train_{args.gpu}", p, text, device="cpu")
 
 
 if __name__ == "__main__":

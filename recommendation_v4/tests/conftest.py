@@ -2,10 +2,16 @@
 interpreter; the variable must be set before triton is first imported."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+
+# The random stores, model inputs and plain-Python references that tests and benchmarks share.
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -176,7 +176,8 @@ def test_chunked_step_on_two_ranks(backend, tmp_path):
     """Two gloo ranks with DDP and each rank's half of the global batch: 1, 2 and 3 chunks give the
     same tables (bit-equal) and dense weights (fp32 rounding) after a step."""
     worker = Path(__file__).parent / "chunk_worker.py"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), str(Path(__file__).parent)]),
+    paths = [Path(__file__).parents[1], Path(__file__).parent, Path(__file__).parents[1] / "benchmarks"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)),
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import pytest
-import xxhash
 
 from dlrmv4.config import SamplerConfig
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, CROSSES, contextual_ids, hash_rows, table_rows
 from dlrmv4.errors import UserError
+from reference_sampler import py_contextual, py_cross
 
 # (keys, rows, row): the reference's xxhash_cross with salt/seed 0 (SPEC §9).
 GOLDEN = [
@@ -25,21 +23,6 @@ GOLDEN = [
     ((1, 2, 3, 4), 1000, 45),
     ((3, 2, 1), 1000, 313),
 ]
-
-
-def py_cross(keys, rows: int) -> int:
-    """The reference's formula, one key tuple at a time."""
-    return xxhash.xxh64(struct.pack(f"<{len(keys)}q", *keys), seed=0).intdigest() % rows
-
-
-def py_contextual(uid: int, item: int, artist: int, album: int, ts: int, organic: int, cfg: SamplerConfig) -> list[int]:
-    """SPEC §9 written out with Python integers and struct (no numpy, no code under test)."""
-    hour = (ts // 3600) % 24
-    crosses = [((uid, artist), cfg.user_artist_rows), ((uid, album), cfg.user_album_rows),
-               ((uid, hour), cfg.user_hour_rows), ((item, hour), cfg.item_hour_rows),
-               ((artist, hour), cfg.artist_hour_rows), ((uid, organic), cfg.user_organic_rows),
-               ((uid, artist, hour), cfg.user_artist_hour_rows)]
-    return [uid] + [py_cross(keys, rows) for keys, rows in crosses]
 
 
 @pytest.mark.parametrize("keys,rows,row", GOLDEN)

@@ -1,4 +1,5 @@
-"""Random model inputs: a jagged batch with chosen history lengths and random embeddings."""
+"""Random model inputs: a jagged batch with chosen history lengths and random embeddings (the model's
+tests and ``bench_stu.py``'s parity check share them)."""
 
 from __future__ import annotations
 

@@ -119,7 +119,7 @@ def write_store(path: Path, *, user_ids: np.ndarray, user_offsets: np.ndarray, e
         write_md5s(tmp)
         write_json(tmp / META_FILE, {
             "schema_version": STORE_SCHEMA_VERSION,
-            "source": "tests/store_factory",
+            "source": "benchmarks/store_factory",
             "constants": {"window_seconds": window_seconds, "min_history": min_history,
                           "num_train_days": num_windows, "session_gap_seconds": SESSION_GAP_SECONDS},
             "split": {"train_start": train_start, "train_end": train_end,
