@@ -11,7 +11,7 @@
 # Submission knobs from the environment (each but the launch ones is also a flag; flags win):
 #   SEED, DATASET (a preset, e.g. yambda-5b), DATA_PATH, GLOBAL_BATCH_SIZE, LEARNING_RATE,
 #   LOG_FILE (the MLPerf log).
-# Launch (README "Multi-GPU and multi-node"):
+# Launch (docs/distributed.md):
 #   GPUS_PER_NODE (processes per node, default 1; on a machine without GPUs, gloo CPU processes),
 #   NNODES (default 1), NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node torchrun rendezvous).
 #   With more than one process on one node the data is prepared once first, then torchrun starts

@@ -119,7 +119,7 @@ def cmd_verify(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
             if not problems:
                 _say(f"all {len(reference)} files match the published sums for {name} in {reference_file}")
         else:
-            _say(f"no published sums for {name} in {reference_file} (see README: Dataset checksums)")
+            _say(f"no published sums for {name} in {reference_file} (see docs/data.md: Checksums)")
     if problems:
         for p in problems[1:]:
             print(f"[dlrmv4]   also: {p}", file=sys.stderr)

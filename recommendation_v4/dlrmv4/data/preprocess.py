@@ -9,7 +9,7 @@ Anchors go to per-day side files during the pass (the windows depend on the earl
 known only at the end) and are cut into windows day by day afterwards. Memory is
 O(rows_per_chunk + largest user + two days' anchors + users), not O(events).
 
-Choices (the MLPerf reference's, documented in the README):
+Choices (the MLPerf reference's, documented in docs/data.md):
 - Global temporal split: ``t_end`` = the data's largest timestamp (or ``last_timestamp`` when
   nonzero), exclusive: events at ``t_end`` itself are dropped. Test = [t_end - test_span, t_end);
   train = [train_end - num_train_days * window, train_end) with train_end = test start - gap.
