@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench_attention needs a CUDA GPU (run it on the lent GPU)")
+        raise SystemExit("bench_attention needs a CUDA GPU")
     alpha = args.dim ** -0.5
     lengths_by_mix = mixes(args.batch, args.seed)
     jagged = lengths_by_mix["jagged (real-data-like)"]

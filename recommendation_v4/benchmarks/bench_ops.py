@@ -1,4 +1,4 @@
-"""The non-attention HSTU ops on the lent GPU at the model's shape (32 sequences of ~2,850 tokens,
+"""The non-attention HSTU ops on a GPU at the model's shape (32 sequences of ~2,850 tokens,
 D 512, bf16): Triton vs the PyTorch reference (and the torch.compile'd reference), forward and
 forward+backward, with the achieved bandwidth against a device-to-device copy measured in the
 same run. Bytes are the fewest an op must move: each input read once, each output written once.
@@ -225,7 +225,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
-        sys.exit("bench_ops: no CUDA device; run it on the lent GPU, or pass --smoke to check the script")
+        sys.exit("bench_ops: no CUDA device; run it on a GPU, or pass --smoke to check the script")
     if args.smoke:
         args.batch, args.dim = 3, 32
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -10,7 +10,7 @@ over one rank, the plan's placements, and runs ``TrainStep`` over 1,024-sample s
 the planned chunks, one fused sparse update, one Adam step. What a single GPU cannot show: the
 embedding all-to-all (one rank sends nothing).
 
-    python benchmarks/bench_rehearsal.py --steps 50             # on the lent GPU (TorchRec installed)
+    python benchmarks/bench_rehearsal.py --steps 50             # on a GPU (TorchRec installed)
     python benchmarks/bench_rehearsal.py --smoke                # tiny shapes on the CPU (the script runs)
 """
 

@@ -1,4 +1,4 @@
-"""The 3-layer STU stack (D=512, 4x128 heads) forward+backward on the lent GPU: samples/s, TFLOP/s,
+"""The 3-layer STU stack (D=512, 4x128 heads) forward+backward on a GPU: samples/s, TFLOP/s,
 MFU against the datasheet and the measured matmul peak, peak memory, the ratio to the PyTorch
 reference ops, the last layer for the candidate rows only against the full last layer (same
 batch, same run), the full model's loss parity between kernel modes, and cold start.

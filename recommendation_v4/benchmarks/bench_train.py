@@ -23,7 +23,7 @@ from the store. Reported:
   region); the GPU's busy share in the profiled steps (union of kernel time over the window);
 - MFU by the reference's yardstick (every layer in full) and by the FLOPs executed.
 
-    python benchmarks/bench_train.py                                      # on the lent GPU (store in data/bench50m)
+    python benchmarks/bench_train.py                                      # on a GPU (store in data/bench50m)
     python benchmarks/bench_train.py --smoke --data-path data/benchtiny     # tiny shapes on the CPU
 """
 

@@ -12,7 +12,7 @@ Measured (files in benchmarks/results/, each naming its device and commit):
 - a checkpoint's write speed: ``train_<gpu>.json`` (seconds per GiB of tables), applied to a rank's
   share of the 559 GiB of tables once per window reached (the trainer's default cadence).
 
-Modelled, not measured (no multi-GPU machine was lent for it): the embedding all-to-all. Per step
+Modelled, not measured (no multi-GPU measurement of it yet): the embedding all-to-all. Per step
 each rank receives the rows its samples look up, 1,024 x (mean tokens x 3 item-side tables + 8
 contextual) rows of D = 512 in fp16 (the reference's qcomm), (W - 1)/W of them from other ranks,
 and sends as many gradients back. Within a node at ``--nvlink-gbs`` GB/s per GPU and direction,

@@ -19,7 +19,7 @@ from dlrmv4.model.embeddings import SequenceEmbeddings
 from dlrmv4.train.embeddings import (
     TableSpec, init_rows, make_embeddings, resolve_backend, store_table_counts, table_specs)
 
-# The plain backend is tested everywhere; TorchRec only where it is installed (not on the lent GPU).
+# The plain backend is tested everywhere; TorchRec only where it is installed.
 needs_torchrec = pytest.mark.skipif(importlib.util.find_spec("torchrec") is None, reason="torchrec not installed")
 TORCHREC = pytest.param("torchrec", marks=needs_torchrec)
 
