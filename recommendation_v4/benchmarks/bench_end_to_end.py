@@ -40,10 +40,10 @@ from bench_stu import DATASHEET_BF16_TFLOPS, git_commit, matmul_peak_tflops
 from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.batch import JaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
+from dlrmv4.model.embeddings import TABLE_NAMES, make_embeddings, table_specs
 from dlrmv4.model.flops import batch_flops
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.activation_memory import ActivationShape, kept_bytes_per_token
-from dlrmv4.train.embeddings import TABLE_NAMES, make_embeddings, table_specs
 from dlrmv4.train.optim import FiniteMonitor
 from dlrmv4.train.step import TrainStep
 from length_mix import jagged_lengths

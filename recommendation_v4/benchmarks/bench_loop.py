@@ -32,8 +32,8 @@ from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_arg
 from dlrmv4.data.loader import make_window_loader
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
+from dlrmv4.model.embeddings import make_embeddings, store_table_counts, table_specs
 from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.train.embeddings import make_embeddings, store_table_counts, table_specs
 from dlrmv4.train.loop import StreamingTrainer
 from dlrmv4.train.run import clear_run_dir, seed_everything
 

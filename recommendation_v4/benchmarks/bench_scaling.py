@@ -70,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
     from dlrmv4.data.store import open_store
     from dlrmv4.model.hstu import DlrmHSTU
     from dlrmv4.train.distributed import start_cluster
-    from dlrmv4.train.embeddings import make_embeddings, store_table_counts, table_specs
+    from dlrmv4.model.embeddings import make_embeddings, store_table_counts, table_specs
     from dlrmv4.train.loop import StreamingTrainer, rank_seed
     from dlrmv4.train.run import seed_everything
 
