@@ -25,10 +25,8 @@ import dataclasses
 import gc
 import itertools
 import json
-import os
 import platform
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
