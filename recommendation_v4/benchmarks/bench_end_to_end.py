@@ -34,10 +34,10 @@ import torch
 from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.batch import JaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
+from dlrmv4.model.embeddings import TABLE_NAMES, make_embeddings, table_specs
 from dlrmv4.model.flops import batch_flops
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.activation_memory import ActivationShape, kept_bytes_per_token
-from dlrmv4.train.embeddings import TABLE_NAMES, make_embeddings, table_specs
 from dlrmv4.train.optim import FiniteMonitor
 from dlrmv4.train.step import TrainStep
 from harness import (DATASHEET_BF16_TFLOPS, command_line, device_name, git_commit, matmul_peak_tflops, sync,

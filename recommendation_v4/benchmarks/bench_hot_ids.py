@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace) -> None:
     from length_mix import jagged_lengths
     from dlrmv4.config import DistributedConfig
     from dlrmv4.train.distributed import start_cluster
-    from dlrmv4.train.embeddings import make_embeddings, table_specs
+    from dlrmv4.model.embeddings import make_embeddings, table_specs
     from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS
 
     world = int(os.environ["WORLD_SIZE"])
@@ -107,13 +107,14 @@ def worker(args: argparse.Namespace) -> None:
 
 def rows_served(batch, specs, world: int) -> list[int]:
     """Rows of this rank's batch each rank looks up (row-wise: table rows split into equal blocks)."""
-    from dlrmv4.train.embeddings import _feature_ids, _table_features
+    from dlrmv4.data.sparse_features import feature_ids
+    from dlrmv4.model.embeddings import table_features
 
-    ids = _feature_ids(batch)
+    ids = feature_ids(batch)
     served = np.zeros(world, np.int64)
     for spec in specs:
         block = -(-spec.rows // world)
-        for feature in _table_features(spec.name):
+        for feature in table_features(spec.name):
             served += np.bincount((ids[feature].cpu().numpy() // block), minlength=world)[:world]
     return served.tolist()
 

@@ -29,8 +29,8 @@ import torch
 from bench_end_to_end import random_batch, start_single_process_group
 from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
+from dlrmv4.model.embeddings import make_embeddings, table_specs
 from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.train.embeddings import make_embeddings, table_specs
 from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS, make_memory_plan
 from dlrmv4.train.optim import FiniteMonitor
 from dlrmv4.train.step import TrainStep

@@ -69,7 +69,7 @@ def worker(args: argparse.Namespace) -> None:
     from dlrmv4.data.paths import store_dir
     from dlrmv4.data.store import open_store
     from dlrmv4.train.distributed import start_cluster
-    from dlrmv4.train.embeddings import store_table_counts
+    from dlrmv4.model.embeddings import store_table_counts
     from dlrmv4.train.run import seed_everything
     from dlrmv4.train.trainer import build_trainer
 

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from dlrmv4.data.loader import BatchSlice, rank_share
+from dlrmv4.model.embeddings import make_embeddings, table_specs
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.distributed import Cluster
-from dlrmv4.train.embeddings import make_embeddings, table_specs
 from dlrmv4.train.optim import FiniteMonitor
 from dlrmv4.train.step import TrainStep
 from model_inputs import random_batch

@@ -8,8 +8,8 @@ import torch
 
 from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
+from dlrmv4.model.embeddings import make_embeddings, table_specs
 from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.train.embeddings import make_embeddings, table_specs
 from dlrmv4.train.optim import FiniteMonitor
 from dlrmv4.train.step import TrainStep
 

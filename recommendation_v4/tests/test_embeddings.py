@@ -15,9 +15,8 @@ from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.batch import JaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
 from dlrmv4.errors import UserError
-from dlrmv4.model.embeddings import SequenceEmbeddings
-from dlrmv4.train.embeddings import (
-    TableSpec, init_rows, make_embeddings, resolve_backend, store_table_counts, table_specs)
+from dlrmv4.model.embeddings import (
+    SequenceEmbeddings, TableSpec, init_rows, make_embeddings, resolve_backend, store_table_counts, table_specs)
 
 # The plain backend is tested everywhere; TorchRec only where it is installed.
 needs_torchrec = pytest.mark.skipif(importlib.util.find_spec("torchrec") is None, reason="torchrec not installed")

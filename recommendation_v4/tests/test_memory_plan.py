@@ -12,10 +12,10 @@ import pytest
 from dlrmv4.cli import main
 from dlrmv4.config import load_config
 from dlrmv4.data.hashing import table_rows
+from dlrmv4.model.embeddings.sharding import parse_table_options, target_plan
 from dlrmv4.train.activation_memory import (MEASURED_BYTES_PER_TOKEN, ActivationShape, kept_bytes_per_token,
                                             stu_kept_bytes_per_token)
 from dlrmv4.train.memory_plan import (GIB, YAMBDA_5B_COUNTS, chunk_efficiency, make_memory_plan, plan_for_config)
-from dlrmv4.train.sharding import parse_table_options, target_plan
 
 BASE = ("item", "artist", "album", "uid")
 CROSSES = ("user_artist", "user_album", "user_hour", "item_hour", "artist_hour", "user_organic", "user_artist_hour")

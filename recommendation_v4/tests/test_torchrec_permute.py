@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from dlrmv4.train.torchrec_permute import permute_rows
+from dlrmv4.model.embeddings.torchrec_permute import permute_rows
 
 pytest.importorskip("torchrec")
 
@@ -42,7 +42,7 @@ def _graph_names(tensor: torch.Tensor) -> set[str]:
 
 def test_row_wise_lookups_go_through_it(gloo_world_of_one):
     from test_embeddings import batch, config
-    from dlrmv4.train.embeddings import make_embeddings, table_specs
+    from dlrmv4.model.embeddings import make_embeddings, table_specs
 
     cfg = config("torchrec")
     cfg = dataclasses.replace(cfg, embeddings=dataclasses.replace(cfg.embeddings, sharding_types="*=row_wise"))

@@ -30,9 +30,10 @@ import torch
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
 from dlrmv4.errors import UserError
+from dlrmv4.model.embeddings.sharding import (DEFAULT_SHARDING, PLACEMENTS, SHARDING_TYPES, format_table_options,
+                                              parse_table_options, plan_shards, table_options, target_plan)
+from dlrmv4.model.embeddings.tables import TABLE_NAMES
 from dlrmv4.train.activation_memory import ActivationShape, ChunkActivations, DTYPE_BYTES, chunk_activations
-from dlrmv4.train.sharding import (DEFAULT_SHARDING, PLACEMENTS, SHARDING_TYPES, TABLE_NAMES, format_table_options,
-                                   parse_table_options, plan_shards, table_options, target_plan)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -283,7 +284,7 @@ def make_memory_plan(cfg: BenchmarkConfig, *, world_size: int, gpus_per_node: in
     allocated and no process group is needed. ``backend`` None: the config's, auto as a run resolves
     it (TorchRec when it imports and there are several processes). ``suggest``: search a world size
     that fits for the refusal."""
-    from dlrmv4.train.embeddings import table_specs
+    from dlrmv4.model.embeddings import table_specs
 
     backend = backend or target_backend(cfg, world_size)
     gbs = cfg.loader.batch_size
@@ -348,7 +349,7 @@ def make_memory_plan(cfg: BenchmarkConfig, *, world_size: int, gpus_per_node: in
 
 
 def target_backend(cfg: BenchmarkConfig, world_size: int) -> str:
-    """The embedding backend a run of ``world_size`` processes resolves (train/embeddings.py
+    """The embedding backend a run of ``world_size`` processes resolves (model/embeddings/backend.py
     ``resolve_backend``: auto is TorchRec where it imports and a process group exists)."""
     choice = cfg.embeddings.embedding_backend
     if choice != "auto":
@@ -557,7 +558,7 @@ def table_counts_for(cfg: BenchmarkConfig) -> tuple[int, int, int]:
     the configured row counts."""
     from dlrmv4.data.paths import store_dir
     from dlrmv4.data.store import META_FILE, open_store
-    from dlrmv4.train.embeddings import store_table_counts
+    from dlrmv4.model.embeddings import store_table_counts
 
     path = store_dir(cfg.dataset)
     if (path / META_FILE).exists():
@@ -586,7 +587,7 @@ def plan_for_config(cfg: BenchmarkConfig, table_counts: tuple[int, int, int] | N
 def plan_for_run(cfg: BenchmarkConfig, cluster, table_counts: tuple[int, int, int]) -> MemoryPlan:
     """The plan of this run: its world size, processes per node, device and embedding backend;
     memory sizes from the [plan] fields where set, else this machine's."""
-    from dlrmv4.train.embeddings import resolve_backend
+    from dlrmv4.model.embeddings import resolve_backend
 
     backend = resolve_backend(cfg, cluster.device)
     return _plan_on(cfg, cluster.world_size, cluster.local_world_size, cluster.device.type, cluster.device,

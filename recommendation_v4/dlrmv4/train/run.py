@@ -17,9 +17,9 @@ from dlrmv4.errors import UserError
 from dlrmv4.files import check_writable
 from dlrmv4.mlperf.rules import check_closed_division
 from dlrmv4.mlperf.runlog import RunLog
+from dlrmv4.model.embeddings import store_table_counts
+from dlrmv4.model.embeddings.sharding import check_sharding_options, describe_plan, plan_rows
 from dlrmv4.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
-from dlrmv4.train.embeddings import store_table_counts
-from dlrmv4.train.sharding import check_sharding_options, describe_plan, plan_rows
 from dlrmv4.train.distributed import (Cluster, RankLostError, is_comm_failure, lost_rank_error, own_failure_line,
                                      start_cluster)
 from dlrmv4.train.memory_plan import plan_for_run

@@ -16,9 +16,9 @@ import torch
 
 from dlrmv4.config import TrainConfig
 from dlrmv4.data.batch import TorchJaggedBatch
+from dlrmv4.model.embeddings import SparseEmbeddings
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.chunks import ChunkedEmbeddings, chunk_bounds, chunk_context, gradient_sync
-from dlrmv4.train.embeddings import SparseEmbeddings
 from dlrmv4.train.optim import FiniteMonitor, WarmupSchedule, clip_dense_gradients, make_dense_optimizer
 
 

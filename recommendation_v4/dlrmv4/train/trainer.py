@@ -36,7 +36,7 @@ from dlrmv4.mlperf.runlog import RunFacts, RunLog
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.checkpointer import Checkpointer
 from dlrmv4.train.distributed import Cluster
-from dlrmv4.train.embeddings import make_embeddings, store_table_counts, table_specs
+from dlrmv4.model.embeddings import make_embeddings, store_table_counts, table_specs
 from dlrmv4.train.evaluator import Evaluator
 from dlrmv4.train.history import RunHistory, TrainClock
 from dlrmv4.train.optim import FiniteMonitor, TrainingDivergedError

@@ -1,5 +1,5 @@
-"""The model's input interface: the embeddings of one jagged batch (the lookup itself is the
-trainer's: TorchRec or the plain-PyTorch backend fills this from the batch's ids).
+"""The model's input interface: the embeddings of one jagged batch (the lookup, TorchRec or the
+plain-PyTorch backend of this package, fills this from the batch's ids).
 
 Each shared table's rows come as one tensor, the T history rows (jagged by the batch's
 history_offsets) followed by the B candidate rows: the order in which the model's token towers

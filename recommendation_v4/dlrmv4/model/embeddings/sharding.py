@@ -22,10 +22,9 @@ from typing import Any
 import torch
 
 from dlrmv4.config import EmbeddingConfig
-from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.errors import UserError
+from dlrmv4.model.embeddings.tables import TABLE_NAMES, table_features
 
-TABLE_NAMES = ("item", "artist", "album") + CONTEXTUAL_FEATURES
 # data_parallel is not offered: TorchRec 1.8's dense (data-parallel) lookup for sequence tables
 # (EmbeddingCollection) returns pooled rows; the plain backend is the data-parallel path.
 SHARDING_TYPES = ("row_wise", "column_wise", "table_wise")
@@ -142,7 +141,7 @@ def format_table_options(values: dict[str, str]) -> str:
 
 
 def planning_sharder(output_dtype: torch.dtype):
-    """A sharder with the run's fused parameters (``train/embeddings.py``), for ``target_plan``."""
+    """A sharder with the run's fused parameters (``torchrec_tables.py``), for ``target_plan``."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
 
@@ -163,9 +162,7 @@ def target_plan(table_rows: dict[str, int], dim: int, sharding: dict[str, str], 
     from torchrec.distributed.planner import ParameterConstraints
     from torchrec.distributed.planner.types import PlannerError
 
-    shared = ("item", "artist", "album")
-    tables = [TableConfig(name=name, embedding_dim=dim, num_embeddings=rows,
-                          feature_names=[f"history_{name}_id", f"candidate_{name}_id"] if name in shared else [name])
+    tables = [TableConfig(name=name, embedding_dim=dim, num_embeddings=rows, feature_names=list(table_features(name)))
               for name, rows in table_rows.items()]
     kernels = {name: [PLACEMENTS[placement[name]]] if placement else list(PLACEMENTS.values()) for name in table_rows}
     table_constraints = {name: ParameterConstraints(sharding_types=[sharding[name]], compute_kernels=kernels[name])

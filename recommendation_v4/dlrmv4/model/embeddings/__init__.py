@@ -1,0 +1,32 @@
+"""The sparse embedding tables: one interface, two backends (TorchRec/FBGEMM and plain PyTorch),
+both trained with FBGEMM's row-wise Adagrad and both filling the model's ``SequenceEmbeddings``.
+
+Where each concern lives:
+  sequence.py          SequenceEmbeddings: the rows of one batch, as the model consumes them
+  tables.py            table names and sizes, seeded initial rows, the SparseEmbeddings interface
+  plain.py             the plain backend: replicated fp32 tables, its lookup and pending gradients
+  sparse_optimizer.py  the plain backend's row-wise Adagrad update
+  exchange.py          the plain backend's gradient exchange between ranks
+  checkpoint_state.py  the tables in checkpoints (one format for both backends)
+  torchrec_tables.py   the TorchRec backend: DistributedModelParallel, fused row-wise Adagrad
+  sharding.py          TorchRec's sharding plan and the quantized all-to-all codecs
+  torchrec_permute.py  a gather for the backward of TorchRec's row-wise unbucketize step
+  backend.py           picking a backend and building it (make_embeddings)
+
+The batch's id features and their KeyedJaggedTensor layout are the data side's
+(``data/sparse_features.py``).
+"""
+
+from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
+from dlrmv4.model.embeddings.tables import (SHARED_TABLES, TABLE_NAMES, SparseEmbeddings, TableSpec, init_rows,
+                                            store_table_counts, table_features, table_specs)
+from dlrmv4.model.embeddings.checkpoint_state import TableState
+from dlrmv4.model.embeddings.plain import PlainEmbeddings
+from dlrmv4.model.embeddings.torchrec_tables import TorchRecEmbeddings
+from dlrmv4.model.embeddings.backend import make_embeddings, resolve_backend, torchrec_works
+
+__all__ = [
+    "SHARED_TABLES", "TABLE_NAMES", "PlainEmbeddings", "SequenceEmbeddings", "SparseEmbeddings", "TableSpec",
+    "TableState", "TorchRecEmbeddings", "init_rows", "make_embeddings", "resolve_backend", "store_table_counts",
+    "table_features", "table_specs", "torchrec_works",
+]

@@ -1,0 +1,101 @@
+"""The plain-PyTorch backend: fp32 tables replicated on every rank.
+
+The backward leaves each lookup's gradient rows pending and ``sparse_step`` applies row-wise
+Adagrad from them in place (``sparse_optimizer.py``), after exchanging them between ranks
+(``exchange.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dlrmv4.data.batch import TorchJaggedBatch
+from dlrmv4.data.sparse_features import feature_ids
+from dlrmv4.model.embeddings.exchange import exchange_gradients
+from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
+from dlrmv4.model.embeddings.sparse_optimizer import rowwise_adagrad_step_
+from dlrmv4.model.embeddings.tables import SparseEmbeddings, TableSpec, assemble_embeddings, init_rows, table_features
+from dlrmv4.train.distributed import Cluster
+
+
+class _TableLookup(torch.autograd.Function):
+    """One table's rows for the sequence (in the sequence dtype) and for the item tower (fp32). The
+    backward builds no ``weight.grad``: it hands the (ids, gradient rows) pairs to the table's list
+    of pending gradients, which ``sparse_step`` updates from in place (as FBGEMM's fused backward
+    does, without copying the rows into a sparse tensor)."""
+
+    @staticmethod
+    def forward(ctx, weight, sequence_ids, candidate_ids, dtype, pending):
+        ctx.save_for_backward(sequence_ids, candidate_ids)
+        ctx.pending = pending
+        return F.embedding(sequence_ids, weight).to(dtype), F.embedding(candidate_ids, weight)
+
+    @staticmethod
+    def backward(ctx, sequence_grad, candidate_grad):
+        sequence_ids, candidate_ids = ctx.saved_tensors
+        ctx.pending.append((sequence_ids, sequence_grad))
+        if candidate_ids.numel():
+            ctx.pending.append((candidate_ids, candidate_grad))
+        return None, None, None, None, None
+
+
+class PlainEmbeddings(SparseEmbeddings):
+    """fp32 nn.Parameter tables; the backward leaves each lookup's gradient rows pending and
+    ``sparse_step`` applies row-wise Adagrad from them. On several ranks every rank holds every
+    table (data parallel) and the gradients are all-gathered."""
+
+    backend = "plain"
+
+    def __init__(self, specs: list[TableSpec], dim: int, lr: float, eps: float, std: float, seed: int,
+                 device: torch.device, cluster: Cluster, kernels: str = "auto",
+                 sequence_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(specs, dim, lr, eps, cluster)
+        self.kernels = kernels  # the update's implementation (ops/rowwise_adagrad.py)
+        # The sequence rows come in the sequence model's dtype: its first layers would cast them anyway.
+        self.sequence_dtype = sequence_dtype
+        self.weights = nn.ParameterDict({
+            s.name: nn.Parameter(init_rows(i, s.rows, 0, s.rows, dim, std, seed, device)) for i, s in enumerate(specs)})
+        for s in specs:
+            self.register_buffer(f"momentum_{s.name}", torch.zeros(s.rows, dtype=torch.float32, device=device))
+        # A tensor, not a float: lr / tensor would become reciprocal-then-multiply, not FBGEMM's division.
+        self.register_buffer("lr_tensor", torch.tensor(lr, dtype=torch.float32, device=device))
+        self.pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {s.name: [] for s in specs}
+
+    def forward(self, batch: TorchJaggedBatch) -> SequenceEmbeddings:
+        ids = feature_ids(batch)
+        no_ids = torch.zeros(0, dtype=torch.int64, device=self.lr_tensor.device)
+        sequence, candidate = {}, []
+        for spec in self.specs:
+            features = [ids[f] for f in table_features(spec.name)]
+            # History and candidate ids in one lookup: its rows are SequenceEmbeddings' layout.
+            rows, candidate_rows = _TableLookup.apply(
+                self.weights[spec.name], torch.cat(features) if len(features) > 1 else features[0],
+                features[1] if len(features) > 1 else no_ids, self.sequence_dtype, self.pending[spec.name])
+            sequence[spec.name] = rows
+            if len(features) > 1:
+                candidate.append(candidate_rows)
+        return assemble_embeddings(sequence, candidate)
+
+    @torch.no_grad()
+    def sparse_step(self) -> None:
+        grads = {}
+        for name, pieces in self.pending.items():
+            if pieces:
+                grads[name] = (torch.cat([i for i, _ in pieces]), [g for _, g in pieces])
+                pieces.clear()
+        exchanged = exchange_gradients(grads, self.specs, self.dim, self.cluster, self.lr_tensor.device)
+        for name, grad in exchanged.items():
+            rowwise_adagrad_step_(self.weights[name], getattr(self, f"momentum_{name}"), grad, self.lr_tensor,
+                                  self.eps, self.kernels)
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.lr = lr
+        self.lr_tensor.fill_(lr)
+
+    def live_tables(self) -> dict[str, dict[str, Any]]:
+        return {s.name: {"weight": self.weights[s.name].data, "momentum": getattr(self, f"momentum_{s.name}")}
+                for s in self.specs}

@@ -1,0 +1,95 @@
+"""The TorchRec/FBGEMM backend: the tables in an EmbeddingCollection wrapped by
+DistributedModelParallel, sharded over the ranks by TorchRec's planner (``sharding.py``), with
+FBGEMM's row-wise Adagrad fused into the backward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlrmv4.config import EmbeddingConfig
+from dlrmv4.data.batch import TorchJaggedBatch
+from dlrmv4.data.sparse_features import keyed_jagged_features
+from dlrmv4.errors import UserError
+from dlrmv4.model.embeddings import torchrec_permute
+from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
+from dlrmv4.model.embeddings.sharding import plan_sharding, qcomm_registry
+from dlrmv4.model.embeddings.tables import (SHARED_TABLES, SparseEmbeddings, TableSpec, assemble_embeddings,
+                                            init_rows, table_features)
+from dlrmv4.train.distributed import Cluster
+
+
+class TorchRecEmbeddings(SparseEmbeddings):
+    """An EmbeddingCollection in DistributedModelParallel, sharded by TorchRec's planner (row-, column-
+    or table-wise); FBGEMM's row-wise Adagrad fused in the backward. Rows come out in the sequence
+    dtype (the history rows feed the bf16 sequence model; the item tower takes the candidates'
+    rows up to fp32), which halves the lookup's output and gradient against fp32; the row-wise
+    lookup's unbucketize step has a gather for its backward (``torchrec_permute.py``). Tables placed in
+    host memory (``uvm``, ``uvm_caching``) are allocated as pinned host memory mapped into the
+    device (``uvm_host_mapped``), never as CUDA managed memory."""
+
+    backend = "torchrec"
+
+    def __init__(self, specs: list[TableSpec], dim: int, lr: float, eps: float, std: float, seed: int,
+                 device: torch.device, cluster: Cluster, cfg: EmbeddingConfig,
+                 sequence_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(specs, dim, lr, eps, cluster)
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+        from torchrec import EmbeddingCollection, EmbeddingConfig as TableConfig
+        from torchrec.distributed import DistributedModelParallel
+        from torchrec.distributed.embedding import EmbeddingCollectionSharder
+
+        torchrec_permute.install()
+        if not dist.is_initialized():
+            raise UserError("the torchrec embedding backend needs torch.distributed initialised "
+                            "(gloo on the CPU, NCCL on GPUs); or set embeddings.embedding_backend=plain")
+        tables = [TableConfig(name=s.name, embedding_dim=dim, num_embeddings=s.rows,
+                              feature_names=list(table_features(s.name))) for s in specs]
+        # FBGEMM's CPU kernels write fp32 only: there the rows are cast after the lookup (same numbers).
+        self.sequence_dtype = sequence_dtype
+        output_dtype = sequence_dtype if device.type == "cuda" else torch.float32
+        output = {torch.bfloat16: SparseType.BF16, torch.float16: SparseType.FP16, torch.float32: SparseType.FP32}
+        sharder = EmbeddingCollectionSharder(fused_params={
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr, "eps": eps,
+            "weight_decay": 0.0, "output_dtype": output[output_dtype], "uvm_host_mapped": True},
+            qcomm_codecs_registry=qcomm_registry(cfg))
+        # Built on "meta": DMP allocates only this rank's shards.
+        collection = EmbeddingCollection(tables=tables, device=torch.device("meta"))
+        self.plan = plan_sharding(collection, [sharder], cfg, cluster.world_size, cluster.local_world_size, device)
+        self.dmp = DistributedModelParallel(collection, device=device, sharders=[sharder], plan=self.plan)
+        self.keys = [f for s in specs for f in table_features(s.name)]
+        with torch.no_grad():
+            for i, s in enumerate(specs):
+                for shard in self._weight(s.name).local_shards():
+                    (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                    rows = init_rows(i, s.rows, r0, r0 + nr, dim, std, seed, shard.tensor.device)
+                    shard.tensor.copy_(rows[:, c0:c0 + nc])
+
+    def _weight(self, name: str):
+        return self.dmp.state_dict()[f"embeddings.{name}.weight"]
+
+    def _momentum(self, name: str):
+        """The table's Adagrad state, or None on a rank that holds none of it (table-wise plans)."""
+        state = self.dmp.fused_optimizer.state_dict()["state"].get(f"embeddings.{name}.weight")
+        return None if state is None else state[f"{name}.momentum1"]
+
+    def forward(self, batch: TorchJaggedBatch) -> SequenceEmbeddings:
+        kjt = keyed_jagged_features(batch, self.keys)
+        out = {k: jt.values().to(self.sequence_dtype) for k, jt in self.dmp(kjt).items()}
+        return assemble_embeddings({s.name: torch.cat([out[f] for f in table_features(s.name)]) for s in self.specs},
+                                   [out[f"candidate_{name}_id"] for name in SHARED_TABLES])
+
+    def sparse_step(self) -> None:
+        """Nothing to do: FBGEMM applied the update inside the backward."""
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.lr = lr
+        for group in self.dmp.fused_optimizer.param_groups:
+            group["lr"] = lr
+        # The fused optimizer's step() only pushes param_groups' lr into the FBGEMM modules.
+        self.dmp.fused_optimizer.step()
+
+    def live_tables(self) -> dict[str, dict[str, Any]]:
+        return {s.name: {"weight": self._weight(s.name), "momentum": self._momentum(s.name)} for s in self.specs}
