@@ -50,7 +50,6 @@ from dlrmv4.data.store import open_store
 from dlrmv4.model.embeddings import make_embeddings, store_table_counts, table_specs
 from dlrmv4.model.flops import batch_flops
 from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.model.embeddings import make_embeddings, store_table_counts, table_specs
 from dlrmv4.data.windows import split_windows
 from dlrmv4.train.optim import FiniteMonitor
 from dlrmv4.train.schedule import EvalSchedule
