@@ -34,12 +34,12 @@ import torch
 from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.batch import JaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
-from dlrmv4.model.embeddings import TABLE_NAMES, make_embeddings, table_specs
+from dlrmv4.model.embeddings import TABLE_NAMES
 from dlrmv4.model.flops import batch_flops
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.activation_memory import ActivationShape, kept_bytes_per_token
-from dlrmv4.train.optim import FiniteMonitor
 from dlrmv4.train.step import TrainStep
+from dlrmv4.train.trainer import build_step
 from harness import (DATASHEET_BF16_TFLOPS, command_line, device_name, git_commit, matmul_peak_tflops, sync,
                      write_results)
 from length_mix import jagged_lengths
@@ -117,9 +117,7 @@ def measure(cfg: BenchmarkConfig, batch_size: int, steps: int, device: torch.dev
     rng = np.random.default_rng(0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = DlrmHSTU(cfg.model, seed=0).to(device)
-    embeddings = make_embeddings(table_specs(cfg, rows, rows, rows), cfg, device, seed=0)
-    step = TrainStep(model, embeddings, cfg.train, FiniteMonitor(device))
+    step = build_step(cfg, (rows, rows, rows), device, seed=0)
     lengths = [jagged_lengths("jagged", batch_size, rng, cfg.sampler.max_seq_len) for _ in range(steps + WARM_STEPS)]
     batches = [random_batch(cfg, n, rows, rng, skew).to(device) for n in lengths]
     started = time.perf_counter()
@@ -144,16 +142,16 @@ def measure(cfg: BenchmarkConfig, batch_size: int, steps: int, device: torch.dev
            "step_ms": 1e3 * seconds / steps, "stu_tflops": flops / seconds / 1e12,
            "stu_tflops_executed": executed / seconds / 1e12, "cold_start_s": cold,
            "mean_tokens": float(np.mean(np.concatenate(lengths[WARM_STEPS:]))),
-           "backend": embeddings.backend, "chunks": step.chunks, "recompute": cfg.model.recompute,
+           "backend": step.embeddings.backend, "chunks": step.chunks, "recompute": cfg.model.recompute,
            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
            # What a step adds over the resting tables, weights and optimizer state, per token of its
            # largest batch: the lookup's rows and gradients plus one chunk's activations.
            "step_kib_per_token": ((torch.cuda.max_memory_allocated(device) - resting) / 1024
                                   / max(int(n.sum()) for n in lengths[WARM_STEPS:])) if device.type == "cuda" else None}
-    row["kept_kib_per_token"] = kept_kib_per_token(model, embeddings, batches[-1])
+    row["kept_kib_per_token"] = kept_kib_per_token(step.model, step.embeddings, batches[-1])
     shape = ActivationShape.from_config(cfg.model)
     row["plan_kept_kib_per_token"] = kept_bytes_per_token(shape, cfg.model.recompute, cfg.sampler.max_seq_len,
-                                                          model.num_contextual) / 1024
+                                                          step.model.num_contextual) / 1024
     if profile:
         row["breakdown"], row["top_kernels"] = breakdown(step, batches[WARM_STEPS:WARM_STEPS + 5], device, top)
     return row

@@ -37,7 +37,7 @@ from harness import cpu_model, device_name, save_labelled_row, sync
 
 def make_trainer(cfg: BenchmarkConfig, store, device: torch.device) -> Trainer:
     seed_everything(cfg.seed)
-    return build_trainer(cfg, store, Cluster(0, 1, 0, 1, device), log=lambda _: None)
+    return build_trainer(cfg, store, Cluster.single(device), log=lambda _: None)
 
 
 def bare_seconds(cfg: BenchmarkConfig, store, device: torch.device, batches) -> float:

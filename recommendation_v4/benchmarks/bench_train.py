@@ -47,13 +47,11 @@ from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
 from dlrmv4.data.loader import make_window_loader
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
-from dlrmv4.model.embeddings import make_embeddings, store_table_counts, table_specs
+from dlrmv4.model.embeddings import store_table_counts, table_specs
 from dlrmv4.model.flops import batch_flops
-from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.data.windows import split_windows
-from dlrmv4.train.optim import FiniteMonitor
 from dlrmv4.train.schedule import EvalSchedule
-from dlrmv4.train.step import TrainStep
+from dlrmv4.train.trainer import build_step
 from harness import (DATASHEET_BF16_TFLOPS, command_line, device_name, git_commit, matmul_peak_tflops, sync,
                      write_results)
 
@@ -171,10 +169,7 @@ def bare_step(args: argparse.Namespace, device: torch.device) -> dict:
     batches = [b.to(device) for b in batches]
     if cfg.embeddings.embedding_backend == "torchrec":
         start_single_process_group(device)
-    torch.manual_seed(0)
-    model = DlrmHSTU(cfg.model, seed=0).to(device)
-    embeddings = make_embeddings(table_specs(cfg, *store_table_counts(store)), cfg, device, seed=0)
-    step = TrainStep(model, embeddings, cfg.train, FiniteMonitor(device))
+    step = build_step(cfg, store_table_counts(store), device, seed=0)
     for i in range(WARM_STEPS):
         step(batches[i], i, 0)
     sync(device)
@@ -190,7 +185,7 @@ def bare_step(args: argparse.Namespace, device: torch.device) -> dict:
             "mean_tokens": float(np.mean(np.concatenate(timed))),
             "stu_tflops": sum(batch_flops(cfg.model, n).stu for n in timed) / seconds / 1e12,
             "stu_tflops_executed": sum(batch_flops(cfg.model, n, executed=True).stu for n in timed) / seconds / 1e12,
-            "backend": embeddings.backend}
+            "backend": step.embeddings.backend}
 
 
 def main() -> None:

@@ -1,17 +1,11 @@
-"""A training step built from a preset with small tables: the model, the tables and ``TrainStep``."""
+"""A preset with small tables, for tests of the training step (``train.trainer.build_step`` builds it)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
-from dlrmv4.model.embeddings import make_embeddings, table_specs
-from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.train.optim import FiniteMonitor
-from dlrmv4.train.step import TrainStep
 
 
 def small_table_config(preset: str, backend: str, rows: int, *, model: dict | None = None,
@@ -25,12 +19,3 @@ def small_table_config(preset: str, backend: str, rows: int, *, model: dict | No
         sampler=dataclasses.replace(cfg.sampler, **{f"{name}_rows": rows for name in CONTEXTUAL_FEATURES}),
         model=dataclasses.replace(cfg.model, **(model or {})),
         train=dataclasses.replace(cfg.train, **(train or {})))
-
-
-def build_step(cfg: BenchmarkConfig, device: torch.device | str, seed: int = 0) -> TrainStep:
-    """Model and tables from ``seed`` (the same numbers for either backend), and their step."""
-    device = torch.device(device)
-    torch.manual_seed(seed)
-    model = DlrmHSTU(cfg.model, seed=seed).to(device)
-    embeddings = make_embeddings(table_specs(cfg, 0, 0, 0), cfg, device, seed=seed)
-    return TrainStep(model, embeddings, cfg.train, FiniteMonitor(device))

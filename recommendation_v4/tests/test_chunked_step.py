@@ -30,7 +30,8 @@ import torch
 
 from dlrmv4.train.chunks import chunk_bounds, chunked_logits
 from model_inputs import random_batch
-from step_setup import build_step, small_table_config
+from dlrmv4.train.trainer import build_step
+from step_setup import small_table_config
 
 TORCHREC = pytest.param("torchrec", marks=pytest.mark.skipif(
     __import__("importlib").util.find_spec("torchrec") is None, reason="torchrec not installed"))
@@ -69,7 +70,7 @@ pytestmark = pytest.mark.usefixtures("gloo_world_of_one")
 
 
 def run_steps(backend: str, chunks: int, batches, model: dict = DROPOUT) -> dict:
-    step = build_step(config(backend, chunks, model), "cpu", seed=3)
+    step = build_step(config(backend, chunks, model), (0, 0, 0), "cpu", seed=3)
     losses = [step(batch, i, 0) for i, batch in enumerate(batches)]
     tables = step.embeddings.state_for_checkpoint()["tables"]
     return {"losses": torch.stack(losses), "dense": {k: v.clone() for k, v in step.model.state_dict().items()},
@@ -113,7 +114,7 @@ def assert_tables_close(run: dict, reference: dict, start: dict, label: str) -> 
 def test_chunked_step_with_the_candidate_last_layer(backend):
     batch = random_batch(LENGTHS, seed=5)
     runs = {k: run_steps(backend, k, [batch], CANDIDATE_LAST_LAYER) for k in (1, 2, 3)}
-    start = build_step(config(backend, 1, CANDIDATE_LAST_LAYER), "cpu", seed=3).embeddings.state_for_checkpoint()
+    start = build_step(config(backend, 1, CANDIDATE_LAST_LAYER), (0, 0, 0), "cpu", seed=3).embeddings.state_for_checkpoint()
     for k in (2, 3):
         assert_tables_close(runs[k], runs[1], start["tables"], f"{k} chunks")
         torch.testing.assert_close(runs[k]["losses"], runs[1]["losses"], rtol=1e-6, atol=0)
@@ -127,7 +128,7 @@ def test_uneven_chunks_are_handled_exactly(backend):
     one over 26), so the sparse updates agree to fp32 rounding rather than to the bit."""
     batch = random_batch(LENGTHS + [17, 3], seed=6)
     runs = {k: run_steps(backend, k, [batch]) for k in (1, 2, 3, 5)}
-    start = build_step(config(backend, 1), "cpu", seed=3).embeddings.state_for_checkpoint()["tables"]
+    start = build_step(config(backend, 1), (0, 0, 0), "cpu", seed=3).embeddings.state_for_checkpoint()["tables"]
     for k in (2, 3, 5):
         assert_tables_close(runs[k], runs[1], start, f"{k} chunks")
         for name, grad in runs[1]["grads"].items():
@@ -145,7 +146,7 @@ def test_chunked_steps_follow_the_unchunked_trajectory(backend):
 def test_chunks_use_the_slice_dropout_masks():
     """Dropout on: a chunk that drew its own masks (row offset 0, its own N) would differ far above
     fp32 noise; the slice's masks give the unchunked logits to the last bit."""
-    step = build_step(config("plain", 1), "cpu", seed=3)
+    step = build_step(config("plain", 1), (0, 0, 0), "cpu", seed=3)
     model, batch = step.model, random_batch(LENGTHS, seed=8)
     emb = step.embeddings(batch)
     context = model.slice_context(batch)
@@ -162,7 +163,7 @@ def test_chunks_use_the_slice_dropout_masks():
 
 
 def test_chunked_eval_logits_equal_the_whole_slice():
-    step = build_step(config("plain", 1), "cpu", seed=4)
+    step = build_step(config("plain", 1), (0, 0, 0), "cpu", seed=4)
     step.model.eval()
     batch = random_batch(LENGTHS, seed=9)
     with torch.no_grad():

@@ -45,6 +45,11 @@ class Cluster:
     control: Any = None  # the gloo group for host-side messages (None: one process)
     timeout_seconds: float = 600.0
 
+    @classmethod
+    def single(cls, device: torch.device) -> "Cluster":
+        """One process on ``device``, no process group."""
+        return cls(0, 1, 0, 1, device)
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0

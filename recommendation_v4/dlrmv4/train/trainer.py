@@ -36,7 +36,7 @@ from dlrmv4.mlperf.runlog import RunFacts, RunLog
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.checkpointer import Checkpointer
 from dlrmv4.train.distributed import Cluster
-from dlrmv4.model.embeddings import make_embeddings, store_table_counts, table_specs
+from dlrmv4.model.embeddings import SparseEmbeddings, make_embeddings, store_table_counts, table_specs
 from dlrmv4.train.evaluator import Evaluator
 from dlrmv4.train.history import RunHistory, TrainClock
 from dlrmv4.train.optim import FiniteMonitor, TrainingDivergedError
@@ -50,12 +50,25 @@ RUN_LOG_FILE = "mlperf_log.txt"
 
 
 def build_model_and_tables(cfg: BenchmarkConfig, table_counts: tuple[int, int, int], cluster: Cluster,
-                           model_seed: int | None = None) -> tuple[DlrmHSTU, object]:
-    """The dense model (on the cluster's device, rank-seeded unless ``model_seed``) and the sparse tables."""
-    seed = rank_seed(cfg.seed, cluster.rank) if model_seed is None else model_seed
-    model = DlrmHSTU(cfg.model, seed=seed).to(cluster.device)
-    embeddings = make_embeddings(table_specs(cfg, *table_counts), cfg, cluster.device, cfg.seed, cluster)
+                           seed: int | None = None) -> tuple[DlrmHSTU, SparseEmbeddings]:
+    """The dense model on the cluster's device and the sparse tables (their rows for
+    ``table_counts``' item/artist/album sizes where the config sets none). From the run's seed
+    (the model rank-seeded), or, given ``seed``, both from it after seeding torch with it."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    model_seed = rank_seed(cfg.seed, cluster.rank) if seed is None else seed
+    model = DlrmHSTU(cfg.model, seed=model_seed).to(cluster.device)
+    embeddings = make_embeddings(table_specs(cfg, *table_counts), cfg, cluster.device,
+                                 cfg.seed if seed is None else seed, cluster)
     return model, embeddings
+
+
+def build_step(cfg: BenchmarkConfig, table_counts: tuple[int, int, int], device: torch.device | str,
+               seed: int = 0) -> TrainStep:
+    """One process's model, tables and training step from ``seed`` (benchmarks and tests of the step)."""
+    device = torch.device(device)
+    model, embeddings = build_model_and_tables(cfg, table_counts, Cluster.single(device), seed)
+    return TrainStep(model, embeddings, cfg.train, FiniteMonitor(device))
 
 
 def build_trainer(cfg: BenchmarkConfig, store: Store, cluster: Cluster, log: Callable[[str], None] = print,

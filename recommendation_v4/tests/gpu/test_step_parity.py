@@ -13,10 +13,7 @@ import torch
 
 from dlrmv4.config import load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
-from dlrmv4.model.embeddings import make_embeddings, table_specs
-from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.train.optim import FiniteMonitor
-from dlrmv4.train.step import TrainStep
+from dlrmv4.train.trainer import build_step
 from model_inputs import random_batch
 
 ROWS = 100  # random_batch draws every id below this
@@ -33,10 +30,7 @@ def _losses(kernels: str, batches) -> np.ndarray:
         sampler=dataclasses.replace(cfg.sampler, **{f"{name}_rows": ROWS for name in CONTEXTUAL_FEATURES}),
         train=dataclasses.replace(cfg.train, warmup_steps=20, learning_rate=5e-4))
     device = torch.device("cuda")
-    torch.manual_seed(0)
-    model = DlrmHSTU(cfg.model, seed=0).to(device)
-    embeddings = make_embeddings(table_specs(cfg, ROWS, ROWS, ROWS), cfg, device, seed=0)
-    step = TrainStep(model, embeddings, cfg.train, FiniteMonitor(device))
+    step = build_step(cfg, (ROWS, ROWS, ROWS), device, seed=0)
     losses = torch.stack([step(batch, i, 0) for i, batch in enumerate(batches)])
     step.finite.check()
     return losses.cpu().numpy() / cfg.model.loss_scale

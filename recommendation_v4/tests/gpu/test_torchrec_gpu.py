@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from model_inputs import random_batch
-from step_setup import build_step, small_table_config
+from dlrmv4.train.trainer import build_step
+from step_setup import small_table_config
 
 pytest.importorskip("torchrec")
 ROWS = 1_000
@@ -44,7 +45,7 @@ def test_lookup_and_update_equal_the_plain_backend():
     tables = {}
     batch = _batches(1, 16, 512, seed=1)[0]
     for backend in ("plain", "torchrec"):
-        step = build_step(_reference(backend), DEVICE, seed=2)
+        step = build_step(_reference(backend), (0, 0, 0), DEVICE, seed=2)
         # Before the lookup: FBGEMM's CUDA kernels take the rate of the forward that saved the batch.
         step.embeddings.set_learning_rate(0.01)
         emb = step.embeddings(batch)
@@ -66,7 +67,7 @@ def test_lookup_and_update_equal_the_plain_backend():
 
 
 def _losses(backend: str, batches, recompute: str = "none", **train) -> np.ndarray:
-    step = build_step(_reference(backend, recompute, **train), DEVICE, seed=0)
+    step = build_step(_reference(backend, recompute, **train), (0, 0, 0), DEVICE, seed=0)
     losses = torch.stack([step(batch, i, 0) for i, batch in enumerate(batches)])
     step.finite.check()
     return losses.cpu().numpy() / step.model.cfg.loss_scale

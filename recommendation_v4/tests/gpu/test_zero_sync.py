@@ -15,10 +15,7 @@ import torch
 
 from dlrmv4.config import load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
-from dlrmv4.model.embeddings import make_embeddings, table_specs
-from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.train.optim import FiniteMonitor
-from dlrmv4.train.step import TrainStep
+from dlrmv4.train.trainer import build_step
 from model_inputs import random_batch
 
 ROWS = 100  # random_batch draws every id below this: small tables, the reference's widths
@@ -31,10 +28,7 @@ def _steps(preset: str, max_len: int, chunks: int, backend: str, sharding: str =
         sampler=dataclasses.replace(cfg.sampler, **{f"{name}_rows": ROWS for name in CONTEXTUAL_FEATURES}),
         train=dataclasses.replace(cfg.train, warmup_steps=3, chunks=chunks))
     device = torch.device("cuda")
-    torch.manual_seed(0)
-    model = DlrmHSTU(cfg.model, seed=0).to(device)
-    embeddings = make_embeddings(table_specs(cfg, ROWS, ROWS, ROWS), cfg, device, seed=0)
-    step = TrainStep(model, embeddings, cfg.train, FiniteMonitor(device))
+    step = build_step(cfg, (ROWS, ROWS, ROWS), device, seed=0)
     rng = np.random.default_rng(7)
     batches = [random_batch(rng.integers(1, max_len + 1, 8), seed=i).to(device) for i in range(8)]
     for i in range(3):  # allocator, autotuning and lazy initialisation may synchronise once

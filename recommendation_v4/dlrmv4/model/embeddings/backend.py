@@ -48,7 +48,7 @@ def make_embeddings(specs: list[TableSpec], cfg: BenchmarkConfig, device: torch.
     from dlrmv4.model.hstu import DTYPES
 
     device = torch.device(device)
-    cluster = cluster or Cluster(0, 1, 0, 1, device)
+    cluster = cluster or Cluster.single(device)
     args = (specs, cfg.model.embedding_dim, cfg.train.learning_rate, cfg.train.adagrad_eps,
             cfg.embeddings.embedding_init_std, seed, device, cluster)
     if resolve_backend(cfg, device) == "torchrec":
