@@ -13,7 +13,7 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from dlrmv4.errors import UserError, one_line
 
@@ -282,7 +282,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="TOML file applied on top of the preset")
     group = parser.add_argument_group("configuration (CLI wins over files)")
     for section, f in _section_fields():
-        kind = {int: int, float: float, str: str, bool: _parse_bool}[_field_type(f)]
+        parsers: dict[type, Callable[[str], Any]] = {int: int, float: float, str: str, bool: _parse_bool}
+        kind = parsers[_field_type(f)]
         meta = f.metadata
         extra = f" [{meta['min']}..{meta['max']}]" if meta.get("min") is not None else ""
         group.add_argument(_flag(f.name), dest=f"cfg__{section or ''}__{f.name}", type=kind, default=None,

@@ -80,7 +80,8 @@ class JaggedBatch:
             arr = getattr(self, name)
             if arr.dtype != dtype:
                 raise ValueError(f"JaggedBatch.{name}: dtype {arr.dtype}, expected {dtype}")
-        shapes = {name: (b,) for name in PER_SAMPLE} | {name: (t,) for name in PER_TOKEN}
+        shapes: dict[str, tuple[int, ...]] = {name: (b,) for name in PER_SAMPLE}
+        shapes |= {name: (t,) for name in PER_TOKEN}
         shapes |= {"history_offsets": (b + 1,), "contextual_ids": (b, NUM_CONTEXTUAL)}
         for name, shape in shapes.items():
             if getattr(self, name).shape != shape:

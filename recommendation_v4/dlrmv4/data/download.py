@@ -72,12 +72,14 @@ def download_yambda(ds: DatasetConfig, *, progress: bool = True) -> tuple[RawFil
 
 def _download_file(repo_id: str, revision: str, filename: str, cache: Path, tqdm_class: type | None,
                    progress: bool) -> str:
-    kwargs = dict(repo_id=repo_id, filename=filename, repo_type=REPO_TYPE, revision=revision,
-                  cache_dir=cache, tqdm_class=tqdm_class)
+    def download() -> str:
+        return hf_hub_download(repo_id=repo_id, filename=filename, repo_type=REPO_TYPE, revision=revision,
+                               cache_dir=cache, tqdm_class=tqdm_class)
+
     try:
         # Offline, or a pinned commit already cached: the hub answers from the cache without a request.
         if constants.is_offline_mode() or (_COMMIT.fullmatch(revision) and _cached(repo_id, revision, filename, cache)):
-            return hf_hub_download(**kwargs)
+            return download()
         url = hf_hub_url(repo_id, filename, repo_type=REPO_TYPE, revision=revision)
         try:
             meta = get_hf_file_metadata(url)
@@ -95,7 +97,7 @@ def _download_file(repo_id: str, revision: str, filename: str, cache: Path, tqdm
         storage = cache / repo_folder_name(repo_id=repo_id, repo_type=REPO_TYPE)
         if meta.size is not None and meta.size <= constants.MAX_HTTP_DOWNLOAD_SIZE:
             _fetch_blob(url, filename, meta, storage, cache, tqdm_class, progress)
-        return hf_hub_download(**kwargs)
+        return download()
     except (HfHubHTTPError, LocalEntryNotFoundError, HFValidationError, httpx2.TransportError, OSError) as exc:
         raise UserError(_explain(exc, repo_id, revision, filename, cache)) from exc
 
@@ -108,6 +110,7 @@ def _cached(repo_id: str, revision: str, filename: str, cache: Path) -> str | No
 def _fetch_blob(url: str, filename: str, meta: HfFileMetadata, storage: Path, cache: Path, tqdm_class: type | None,
                 progress: bool) -> None:
     """Bring ``blobs/<etag>`` into the cache, continuing the ``.incomplete`` file an earlier run left."""
+    assert meta.etag is not None and meta.size is not None  # the caller checked both
     blob = storage / "blobs" / meta.etag
     partial = blob.with_name(blob.name + ".incomplete")
     # The hub locks the same file around its own download of this blob.

@@ -75,7 +75,7 @@ def hash_rows(keys: np.ndarray, rows: int) -> np.ndarray:
     if n == 0:
         return np.zeros(0, dtype=np.int64)
     # Contiguous little-endian int64, viewed as bytes: slice i is exactly struct.pack("<kq", *keys[i]).
-    packed = memoryview(np.ascontiguousarray(keys, dtype="<i8").view(np.uint8).reshape(-1))
+    packed = np.ascontiguousarray(keys, dtype="<i8").view(np.uint8).reshape(-1).data
     digest = _xxh64_intdigest()
     hashes = np.array([digest(packed[s:s + width], XXH_SEED) for s in range(0, n * width, width)], dtype=np.uint64)
     return (hashes % np.uint64(rows)).astype(np.int64)

@@ -173,6 +173,7 @@ class _AnchorBuckets:
         offsets = np.zeros(layout.num_windows + 1, np.int64)
         out = st.ArrayAppender(root / "anchors" / "event_index.npy", np.dtype(np.int64), int(self.counts.sum()))
         if layout.num_windows:
+            assert layout.t_min is not None  # windows exist only when there are anchors
             first_day = (layout.t_min - self.train_start) // self.width
             days = {first_day: self._day(first_day)}
             for w in range(layout.num_windows):

@@ -117,7 +117,8 @@ class Store:
 
 
 def split_files(split: str) -> dict[str, np.dtype]:
-    files = {f"{split}/user_offsets.npy": np.dtype(np.int64), f"{split}/user_ids.npy": np.dtype(np.uint32)}
+    files: dict[str, np.dtype] = {f"{split}/user_offsets.npy": np.dtype(np.int64),
+                                  f"{split}/user_ids.npy": np.dtype(np.uint32)}
     files.update({f"{split}/{name}.npy": dtype for name, dtype in EVENT_COLUMNS.items()})
     return files
 

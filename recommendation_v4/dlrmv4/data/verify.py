@@ -147,7 +147,7 @@ def _check_anchors(store: st.Store) -> list[str]:
     if (split["t_min"], split["t_last"]) != (t_min, t_last):
         return [f"meta.json split t_min/t_last = {split['t_min']}/{split['t_last']} but the anchors span "
                 f"{t_min}/{t_last}"]
-    spanned = 0 if t_min is None else (t_last - t_min) // width + 1
+    spanned = 0 if t_min is None or t_last is None else (t_last - t_min) // width + 1
     if store.num_windows != spanned:
         return [f"anchors: {store.num_windows} windows but the anchors span {spanned}"]
     return []

@@ -49,6 +49,7 @@ class Tower(nn.Sequential):
 
     def forward(self, *blocks: torch.Tensor) -> torch.Tensor:
         first, *rest = self
+        assert isinstance(first, nn.Linear)  # __init__ puts the Linear first
         widths = [x.shape[-1] for x in blocks]
         if sum(widths) != first.in_features:
             raise ValueError(f"Tower: input blocks of widths {widths} do not add up to {first.in_features}")

@@ -18,6 +18,8 @@ ACTION_BITS = (1, 2, 4)  # listen_plus, like, skip: the history pool bits
 
 
 class Preprocessor(nn.Module):
+    bits: torch.Tensor  # a registered buffer
+
     def __init__(self, cfg: ModelConfig, num_contextual: int) -> None:
         super().__init__()
         e, h, d, eps, k = cfg.embedding_dim, cfg.preprocessor_hidden, cfg.d_model, cfg.layer_norm_eps, cfg.kernels

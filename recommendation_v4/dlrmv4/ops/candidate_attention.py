@@ -20,7 +20,7 @@ from .reference import candidate_attention as ref
 
 class _TritonCandidateAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, vk, seq_offsets, dims, max_seq_len: int, alpha: float):
+    def forward(ctx, q, vk, seq_offsets, dims: tuple[int, int, int], max_seq_len: int, alpha: float):
         from .triton import candidate_attention as tri
 
         ctx.save_for_backward(q, vk, seq_offsets)

@@ -86,6 +86,7 @@ def chunked_logits(model: DlrmHSTU, batch: TorchJaggedBatch, emb: SequenceEmbedd
 
 def gradient_sync(train_model: torch.nn.Module, last_chunk: bool):
     """DDP reduces the dense gradients once, in the backward of the last chunk."""
-    if last_chunk or not hasattr(train_model, "no_sync"):
+    no_sync = getattr(train_model, "no_sync", None)
+    if last_chunk or no_sync is None:
         return contextlib.nullcontext()
-    return train_model.no_sync()
+    return no_sync()

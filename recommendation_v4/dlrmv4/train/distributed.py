@@ -167,10 +167,9 @@ class _Guard:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind, exc, tb) -> bool:
+    def __exit__(self, kind, exc, tb) -> None:
         if exc is not None and is_comm_failure(exc) and not isinstance(exc, UserError):
             raise lost_rank_error(self.cluster, self.what, exc) from exc
-        return False
 
 
 _COMM_FAILURE = re.compile(r"gloo|nccl|connection|timed out|timeout|peer|socket|broken pipe", re.IGNORECASE)

@@ -8,7 +8,7 @@ import time
 import torch
 
 from dlrmv4.config import BenchmarkConfig
-from dlrmv4.data.loader import make_window_loader, share_size
+from dlrmv4.data.loader import WindowDataset, make_window_loader, share_size
 from dlrmv4.data.store import Store
 from dlrmv4.mlperf.runlog import RunLog
 from dlrmv4.model.hstu import DlrmHSTU
@@ -57,6 +57,7 @@ class Evaluator:
         acc = AucAccumulator(self.cluster.device)
         rank, world = self.cluster.rank, self.cluster.world_size
         loader = make_window_loader(self.store, [window], self.cfg, rank=rank, world_size=world)
+        assert isinstance(loader.dataset, WindowDataset)
         plan = loader.dataset.plan
         slicing = self.cfg.loader.rank_slicing
         # The next batch's copy overlaps this one's forward, as in training.

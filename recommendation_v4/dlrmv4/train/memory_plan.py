@@ -201,9 +201,9 @@ class MemoryPlan:
                      f"{_gib(sum(u.device_bytes for u in self.tables)):>11}"
                      f"{_gib(sum(u.host_bytes for u in self.tables)):>10}")
         lines.append("  device memory per process:")
-        for c in self.consumers():
-            phases = f"  [{', '.join(c.phases)}]" if c.phases else ""
-            lines.append(f"    {c.name:<86}{_gib(c.bytes):>9} GiB{phases}")
+        for use in self.consumers():
+            phases = f"  [{', '.join(use.phases)}]" if use.phases else ""
+            lines.append(f"    {use.name:<86}{_gib(use.bytes):>9} GiB{phases}")
         peaks = self.phase_bytes()
         lines.append("    the step's peak, the largest of its phases: " +
                      ", ".join(f"{p} {_gib(b)}" for p, b in peaks.items()) + " GiB")
@@ -319,6 +319,11 @@ def make_memory_plan(cfg: BenchmarkConfig, *, world_size: int, gpus_per_node: in
     def host_fits(tried: _Attempt) -> bool:
         return device_kind != "cuda" or host_bytes(tried) <= host_memory_bytes
 
+    def cost(ia: tuple[int, _Attempt]) -> tuple[float, int]:
+        i, a = ia
+        assert a.best is not None  # only attempts that fit are ranked
+        return a.best.estimate * (1 + UVM_COST * i), i
+
     # Every number of cross tables moved to host memory (largest first); the fastest fitting
     # layout wins, a layout that moves fewer tables on a tie (UVM_COST per table moved).
     attempts = [attempt(placement)]
@@ -327,7 +332,7 @@ def make_memory_plan(cfg: BenchmarkConfig, *, world_size: int, gpus_per_node: in
             attempts.append(attempt({**placement, **{name: "uvm" for name in movable[:k]}}))
     fitting = [(i, a) for i, a in enumerate(attempts) if a.device_fits and host_fits(a)]
     if fitting:
-        tried = min(fitting, key=lambda ia: (ia[1].best.estimate * (1 + UVM_COST * ia[0]), ia[0]))[1]
+        tried = min(fitting, key=cost)[1]
     else:
         tried = next((a for a in attempts if a.device_fits), attempts[-1])
     host_needed = host_bytes(tried)

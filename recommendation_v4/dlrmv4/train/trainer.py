@@ -28,7 +28,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from dlrmv4.config import BenchmarkConfig
-from dlrmv4.data.loader import make_window_loader
+from dlrmv4.data.loader import WindowDataset, make_window_loader
 from dlrmv4.data.store import Store
 from dlrmv4.data.windows import sample_counts, split_windows
 from dlrmv4.errors import UserError
@@ -126,6 +126,7 @@ class Trainer:
             return history
         loader = make_window_loader(self.store, self.windows, self.cfg, start_batch=history.steps, drop_last=True,
                                     rank=self.cluster.rank, world_size=self.cluster.world_size)
+        assert isinstance(loader.dataset, WindowDataset)
         self.progress = TrainProgress(len(loader.dataset.plan) * self.cfg.loader.batch_size, history.samples,
                                       self.show_progress and self.cluster.is_main)
         try:
@@ -195,6 +196,7 @@ class Trainer:
         self.window_steps += 1
         history.steps += 1
         history.samples += self.cfg.loader.batch_size
+        assert self.progress is not None  # run() sets it for the stream
         self.progress.update(self.cfg.loader.batch_size, self._running_loss)
 
     def _eval_if_due(self, history: RunHistory, window: int, last_of_window: bool, before_close: bool,
@@ -207,6 +209,7 @@ class Trainer:
         record = self.evaluator.run(history, window, eval_window, history.seconds + time.perf_counter() - started)
         self.log(f"eval at {history.samples:,} samples (window {window}, scored window {eval_window}): "
                  f"AUC {record.auc:.4f}")
+        assert self.progress is not None  # run() sets it for the stream
         self.progress.record_auc(record.auc)
         return record.auc >= self.cfg.train.target_auc
 

@@ -46,7 +46,7 @@ def gather_full_tables(embeddings: SparseEmbeddings) -> dict:
     """``{'tables': {name: {'weight': [rows, E], 'momentum': [rows]}}}`` on rank 0, an empty dict on
     the others (a collective with sharded tables: every rank must call it)."""
     cluster = embeddings.cluster
-    tables: dict[str, dict[str, torch.Tensor]] = {}
+    tables: dict[str, dict[str, torch.Tensor | None]] = {}
     rows = {s.name: s.rows for s in embeddings.specs}
     for name, parts in embeddings.live_tables().items():
         shapes = {"weight": (rows[name], embeddings.dim), "momentum": (rows[name],)}
@@ -93,6 +93,7 @@ def _full_on_rank0(tensor, shape: tuple[int, ...], cluster: Cluster) -> torch.Te
     gathered = cluster.gather(pieces)
     if not cluster.is_main:
         return None
+    assert gathered is not None  # rank 0 receives every rank's pieces
     full = torch.zeros(shape, dtype=torch.float32)
     for rank_pieces in gathered:
         for offsets, piece in rank_pieces:

@@ -49,6 +49,7 @@ class PlainEmbeddings(SparseEmbeddings):
     table (data parallel) and the gradients are all-gathered."""
 
     backend = "plain"
+    lr_tensor: torch.Tensor  # a registered buffer
 
     def __init__(self, specs: list[TableSpec], dim: int, lr: float, eps: float, std: float, seed: int,
                  device: torch.device, cluster: Cluster, kernels: str = "auto",

@@ -51,7 +51,7 @@ def take_last(values: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor:
 def concat_sequence_timestamps(history_timestamp: torch.Tensor, history_offsets: torch.Tensor,
                                query_time: torch.Tensor, num_contextual: int) -> torch.Tensor:
     """Timestamps laid out like ``concat_sequences``; contextual and candidate rows carry query_time."""
-    b, c = query_time.numel(), num_contextual
+    c = num_contextual
     src = torch.cat([query_time.to(history_timestamp.dtype).repeat_interleave(c), history_timestamp,
                      query_time.to(history_timestamp.dtype)])
     return src[_source_rows(history_offsets, c, history_timestamp.numel())]

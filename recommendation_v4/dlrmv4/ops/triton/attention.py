@@ -499,7 +499,7 @@ def attention_bwd(do, q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha
             {**_common(q, v, num_targets, silu, "dkdv"), "ATOMIC_DQ": atomic})
     if atomic:  # the fp32 accumulator, rounded once into the input dtype (or the caller's buffer)
         return (dq.to(q.dtype) if dq_out is None else dq_out.copy_(dq)), dk, dv
-    args = (q, k, v, do, dq, seq_offsets, targets, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1)) + scalars
-    _launch("dq", _dq_tuned, _hstu_attention_dq, max_seq_len, bh, args, _common(q, v, num_targets, silu, "dq"))
+    dq_args = (q, k, v, do, dq, seq_offsets, targets, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+               v.stride(0), v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1)) + scalars
+    _launch("dq", _dq_tuned, _hstu_attention_dq, max_seq_len, bh, dq_args, _common(q, v, num_targets, silu, "dq"))
     return dq, dk, dv

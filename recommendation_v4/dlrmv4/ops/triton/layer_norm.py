@@ -48,15 +48,21 @@ def weight_grad_partials(device: torch.device, programs: int, width: int, rows: 
     the parameter is absent). Every program stores its whole partial row, so they need a zero fill
     only when there are no rows (and no launch)."""
     alloc = torch.empty if rows > 0 else torch.zeros
-    return tuple(alloc((programs, width), device=device, dtype=torch.float32) if param is not None else None
-                 for param in (weight, bias))
+    dw_part, db_part = (alloc((programs, width), device=device, dtype=torch.float32) if param is not None else None
+                        for param in (weight, bias))
+    return dw_part, db_part
 
 
 def sum_weight_grads(dw_part: torch.Tensor | None, db_part: torch.Tensor | None, weight: torch.Tensor | None,
                      bias: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Sum the per-program partials into the parameters' gradients."""
-    return tuple(part.sum(0).to(param.dtype) if param is not None else None
-                 for part, param in ((dw_part, weight), (db_part, bias)))
+    def total(part: torch.Tensor | None, param: torch.Tensor | None) -> torch.Tensor | None:
+        if param is None:
+            return None
+        assert part is not None  # weight_grad_partials gives every present parameter a buffer
+        return part.sum(0).to(param.dtype)
+
+    return total(dw_part, weight), total(db_part, bias)
 
 
 def rows_2d(x: torch.Tensor) -> torch.Tensor:
