@@ -24,12 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import triton
+from harness import RESULTS, command_line, device_name, matmul_peak_tflops, window_ms, write_results
+from length_mix import jagged_lengths
 from triton.testing import do_bench
 
 from dlrmv4.ops.reference.attention import hstu_attention_reference
 from dlrmv4.ops.triton import attention as tri
-from harness import RESULTS, command_line, device_name, matmul_peak_tflops, window_ms, write_results
-from length_mix import jagged_lengths
 
 HERE = Path(__file__).resolve().parent
 MIXES = {"full 4,096": "full", "jagged (real-data-like)": "jagged", "full 2,048": "half"}
@@ -61,7 +61,7 @@ def inputs(lengths: list[int], heads: int, dim: int, seed: int):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     total = sum(lengths)
     proj = torch.randn(total, heads * 4 * dim, generator=gen, device="cuda", dtype=torch.bfloat16)
-    v, q, k = (proj[:, i * heads * dim:(i + 1) * heads * dim].view(total, heads, dim) for i in range(1, 4))
+    v, q, k = (proj[:, i * heads * dim : (i + 1) * heads * dim].view(total, heads, dim) for i in range(1, 4))
     offsets = torch.tensor([0] + lengths, device="cuda").cumsum(0)
     targets = torch.ones(len(lengths), dtype=torch.int64, device="cuda")
     grad = torch.randn(total, heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -76,9 +76,12 @@ def time_triton(q, k, v, offsets, targets, grad, n, alpha, **kw) -> dict[str, fl
     fwd = lambda: tri.attention_fwd(q, k, v, offsets, targets, n, alpha, silu=kw.get("silu"))
     both = lambda: (fwd(), tri.attention_bwd(grad, q, k, v, offsets, targets, n, alpha, **kw))
     both()  # autotune + compile outside the timed region
-    return {"fwd_ms": window_ms(fwd), "fwd_bwd_ms": window_ms(both),
-            "do_bench_fwd_ms": do_bench(fwd, return_mode="median"),
-            "do_bench_fwd_bwd_ms": do_bench(both, return_mode="median")}
+    return {
+        "fwd_ms": window_ms(fwd),
+        "fwd_bwd_ms": window_ms(both),
+        "do_bench_fwd_ms": do_bench(fwd, return_mode="median"),
+        "do_bench_fwd_bwd_ms": do_bench(both, return_mode="median"),
+    }
 
 
 def time_reference(q, k, v, offsets, targets, grad, n, alpha) -> tuple[float, float]:
@@ -135,14 +138,15 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--variants", action="store_true",
-                        help="also time other dq modes / SiLU forms on the jagged mix")
+    parser.add_argument(
+        "--variants", action="store_true", help="also time other dq modes / SiLU forms on the jagged mix"
+    )
     parser.add_argument("--no-cold-start", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA GPU")
-    alpha = args.dim ** -0.5
+    alpha = args.dim**-0.5
     lengths_by_mix = mixes(args.batch, args.seed)
     jagged = lengths_by_mix["jagged (real-data-like)"]
     cold = {} if args.no_cold_start else cold_start(jagged, args.heads, args.dim)
@@ -154,60 +158,115 @@ def main() -> None:
         n = max(lengths)
         q, k, v, offsets, targets, grad = inputs(lengths, args.heads, args.dim, args.seed)
         ref_out = hstu_attention_reference(q, k, v, offsets, n, targets, alpha)
-        err = ((tri.attention_fwd(q, k, v, offsets, targets, n, alpha).float() - ref_out.float()).norm()
-               / ref_out.float().norm()).item()
+        err = (
+            (tri.attention_fwd(q, k, v, offsets, targets, n, alpha).float() - ref_out.float()).norm()
+            / ref_out.float().norm()
+        ).item()
         timing = time_triton(q, k, v, offsets, targets, grad, n, alpha)
         fwd_ms, both_ms = timing["fwd_ms"], timing["fwd_bwd_ms"]
-        tuning[mix] = {name: {str(c): t[0] for c, t in getattr(tuner, "configs_timings", {}).items()}
-                       for name, tuner in (("fwd", tri._fwd_tuned), ("dkdv", tri._dkdv_tuned), ("dq", tri._dq_tuned))}
+        tuning[mix] = {
+            name: {str(c): t[0] for c, t in getattr(tuner, "configs_timings", {}).items()}
+            for name, tuner in (("fwd", tri._fwd_tuned), ("dkdv", tri._dkdv_tuned), ("dq", tri._dq_tuned))
+        }
         ref_fwd_ms, ref_both_ms = time_reference(q, k, v, offsets, targets, grad, n, alpha)
         flops = fwd_flops(lengths, args.heads, args.dim)
-        rows.append({"mix": mix, "tokens": sum(lengths), "mean_len": float(np.mean(lengths)), "min_len": min(lengths),
-                     "max_len": n, "fwd_ms": fwd_ms, "fwd_tflops": flops / fwd_ms / 1e9, "fwd_bwd_ms": both_ms,
-                     "fwd_bwd_tflops": 3.5 * flops / both_ms / 1e9, "ref_fwd_ms": ref_fwd_ms,
-                     "ref_fwd_bwd_ms": ref_both_ms, "speedup_fwd_bwd_vs_ref": ref_both_ms / both_ms,
-                     "fraction_of_matmul_peak": 3.5 * flops / both_ms / 1e9 / peak,
-                     "rel_err_vs_reference_bf16": err, "do_bench_fwd_ms": timing["do_bench_fwd_ms"],
-                     "do_bench_fwd_bwd_ms": timing["do_bench_fwd_bwd_ms"]})
+        rows.append(
+            {
+                "mix": mix,
+                "tokens": sum(lengths),
+                "mean_len": float(np.mean(lengths)),
+                "min_len": min(lengths),
+                "max_len": n,
+                "fwd_ms": fwd_ms,
+                "fwd_tflops": flops / fwd_ms / 1e9,
+                "fwd_bwd_ms": both_ms,
+                "fwd_bwd_tflops": 3.5 * flops / both_ms / 1e9,
+                "ref_fwd_ms": ref_fwd_ms,
+                "ref_fwd_bwd_ms": ref_both_ms,
+                "speedup_fwd_bwd_vs_ref": ref_both_ms / both_ms,
+                "fraction_of_matmul_peak": 3.5 * flops / both_ms / 1e9 / peak,
+                "rel_err_vs_reference_bf16": err,
+                "do_bench_fwd_ms": timing["do_bench_fwd_ms"],
+                "do_bench_fwd_bwd_ms": timing["do_bench_fwd_bwd_ms"],
+            }
+        )
         if mix.startswith("jagged"):
             breakdown = kernel_breakdown(q, k, v, offsets, targets, grad, n, alpha)
             if args.variants:
                 for dq_mode, silu in VARIANTS:
                     var = time_triton(q, k, v, offsets, targets, grad, n, alpha, dq_mode=dq_mode, silu=silu)
                     f, fb = var["fwd_ms"], var["fwd_bwd_ms"]
-                    variants.append({"dq_mode": dq_mode, "silu": silu, "fwd_ms": f, "fwd_bwd_ms": fb,
-                                     "fwd_tflops": flops / f / 1e9, "fwd_bwd_tflops": 3.5 * flops / fb / 1e9})
+                    variants.append(
+                        {
+                            "dq_mode": dq_mode,
+                            "silu": silu,
+                            "fwd_ms": f,
+                            "fwd_bwd_ms": fb,
+                            "fwd_tflops": flops / f / 1e9,
+                            "fwd_bwd_tflops": 3.5 * flops / fb / 1e9,
+                        }
+                    )
         del q, k, v, grad, ref_out
         torch.cuda.empty_cache()
 
-    header = ("| mix | tokens | mean L | max L | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | × matmul peak "
-              "| ref fwd+bwd ms | × ref |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    header = (
+        "| mix | tokens | mean L | max L | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | × matmul peak "
+        "| ref fwd+bwd ms | × ref |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     table = header + "".join(
         f"| {r['mix']} | {r['tokens']:,} | {r['mean_len']:,.0f} | {r['max_len']:,} | {r['fwd_ms']:.3f} "
         f"| {r['fwd_tflops']:.0f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_tflops']:.0f} | {r['fraction_of_matmul_peak']:.2f} "
-        f"| {r['ref_fwd_bwd_ms']:.1f} | {r['speedup_fwd_bwd_vs_ref']:.0f} |\n" for r in rows)
-    vtable = "".join(f"| {x['dq_mode']} | {x['silu']} | {x['fwd_ms']:.3f} ({x['fwd_tflops']:.0f}) "
-                     f"| {x['fwd_bwd_ms']:.3f} ({x['fwd_bwd_tflops']:.0f}) |\n" for x in variants)
+        f"| {r['ref_fwd_bwd_ms']:.1f} | {r['speedup_fwd_bwd_vs_ref']:.0f} |\n"
+        for r in rows
+    )
+    vtable = "".join(
+        f"| {x['dq_mode']} | {x['silu']} | {x['fwd_ms']:.3f} ({x['fwd_tflops']:.0f}) "
+        f"| {x['fwd_bwd_ms']:.3f} ({x['fwd_bwd_tflops']:.0f}) |\n"
+        for x in variants
+    )
     if vtable:
         vtable = "| dq mode | SiLU form | fwd ms (TFLOP/s) | fwd+bwd ms (TFLOP/s) |\n|---|---|---|---|\n" + vtable
-    env = {"device": device_name("cuda"), "torch": torch.__version__, "triton": triton.__version__,
-           "capability": ".".join(map(str, torch.cuda.get_device_capability())), "matmul_peak_tflops": peak,
-           "dq_mode_default": tri.DQ_MODE}
+    env = {
+        "device": device_name("cuda"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+        "matmul_peak_tflops": peak,
+        "dq_mode_default": tri.DQ_MODE,
+    }
     command = command_line()
-    result = {"env": env, "shape": {"batch": args.batch, "heads": args.heads, "dim": args.dim,
-              "dtype": "bfloat16", "num_targets": 1, "lengths": lengths_by_mix}, "rows": rows, "variants": variants,
-              "kernel_ms_per_fwd_bwd_jagged": breakdown, "tuned_configs": tuned_configs(), "autotune_ms": tuning,
-              "cold_start": cold, "timing": "median of 7 CUDA-event windows of back-to-back calls (>= 40 ms each), "
-              "warm (after autotune); do_bench_* (L2 flushed, launch gap counted) kept for comparison"}
-    cold_line = (f"Cold start (fresh process, empty Triton cache, import -> first fwd+bwd at the jagged shape): "
-                 f"{cold['import_to_first_fwd_bwd_s']:.1f} s ({cold['process_wall_s']:.1f} s with interpreter start).\n"
-                 if "import_to_first_fwd_bwd_s" in cold else f"Cold start: {cold or 'not measured'}\n")
-    md = (f"# Jagged HSTU attention (`{command}`)\n\n{env['device']} (sm_{env['capability']}), torch {env['torch']}, "
-          f"triton {env['triton']}; bf16 matmul peak measured in the same run: {peak:.0f} TFLOP/s. B={args.batch}, "
-          f"H={args.heads}, d={args.dim}, bf16, one candidate per sequence; TFLOP/s on the real lengths "
-          f"(fwd+bwd = 3.5 x fwd); dQ mode `{tri.DQ_MODE}`; medians of CUDA-event windows of back-to-back "
-          f"calls.\n\n{table}\n"
-          + (f"Variants on the jagged mix:\n\n{vtable}\n" if vtable else "") + cold_line)
+    result = {
+        "env": env,
+        "shape": {
+            "batch": args.batch,
+            "heads": args.heads,
+            "dim": args.dim,
+            "dtype": "bfloat16",
+            "num_targets": 1,
+            "lengths": lengths_by_mix,
+        },
+        "rows": rows,
+        "variants": variants,
+        "kernel_ms_per_fwd_bwd_jagged": breakdown,
+        "tuned_configs": tuned_configs(),
+        "autotune_ms": tuning,
+        "cold_start": cold,
+        "timing": "median of 7 CUDA-event windows of back-to-back calls (>= 40 ms each), "
+        "warm (after autotune); do_bench_* (L2 flushed, launch gap counted) kept for comparison",
+    }
+    cold_line = (
+        f"Cold start (fresh process, empty Triton cache, import -> first fwd+bwd at the jagged shape): "
+        f"{cold['import_to_first_fwd_bwd_s']:.1f} s ({cold['process_wall_s']:.1f} s with interpreter start).\n"
+        if "import_to_first_fwd_bwd_s" in cold
+        else f"Cold start: {cold or 'not measured'}\n"
+    )
+    md = (
+        f"# Jagged HSTU attention (`{command}`)\n\n{env['device']} (sm_{env['capability']}), torch {env['torch']}, "
+        f"triton {env['triton']}; bf16 matmul peak measured in the same run: {peak:.0f} TFLOP/s. B={args.batch}, "
+        f"H={args.heads}, d={args.dim}, bf16, one candidate per sequence; TFLOP/s on the real lengths "
+        f"(fwd+bwd = 3.5 x fwd); dQ mode `{tri.DQ_MODE}`; medians of CUDA-event windows of back-to-back "
+        f"calls.\n\n{table}\n" + (f"Variants on the jagged mix:\n\n{vtable}\n" if vtable else "") + cold_line
+    )
     write_results("attention", result, md, device="cuda", out=args.out)
     print(json.dumps({"kernels_ms": breakdown, "tuned": tuned_configs(), "cold_start": cold, "env": env}, indent=1))
     if vtable:

@@ -30,6 +30,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from harness import (
+    DATASHEET_BF16_TFLOPS,
+    command_line,
+    device_name,
+    git_commit,
+    matmul_peak_tflops,
+    sync,
+    write_results,
+)
+from length_mix import jagged_lengths
 
 from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.batch import JaggedBatch
@@ -40,9 +50,6 @@ from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.activation_memory import ActivationShape, kept_bytes_per_token
 from dlrmv4.train.step import TrainStep
 from dlrmv4.train.trainer import build_step
-from harness import (DATASHEET_BF16_TFLOPS, command_line, device_name, git_commit, matmul_peak_tflops, sync,
-                     write_results)
-from length_mix import jagged_lengths
 
 WARM_STEPS = 6  # the first is the cold start; all are untimed
 # Device-time categories, first match wins (kernel names of PyTorch, Triton and cuBLAS).
@@ -51,13 +58,17 @@ CATEGORIES = [
     ("dense optimizer", r"adam|multi_tensor|foreach|clip|norm_kernel|l2norm"),
     ("embedding lookup + update", r"adagrad|index|embedding|sort|segment|scatter|gather|radix|unique|cumsum"),
     ("GEMMs", r"gemm|sm90|cutlass|cublas|matmul|nvjet|xmma|splitk"),
-    ("norms / elementwise", r"layer_norm|layernorm|_ln_|norm|output_block|position_time|jagged|elementwise|"
-                            r"vectorized|reduce|silu|swish|dropout|mul|add|copy|cat|fill|where|sigmoid|bernoulli"),
+    (
+        "norms / elementwise",
+        r"layer_norm|layernorm|_ln_|norm|output_block|position_time|jagged|elementwise|"
+        r"vectorized|reduce|silu|swish|dropout|mul|add|copy|cat|fill|where|sigmoid|bernoulli",
+    ),
 ]
 
 
-def random_batch(cfg: BenchmarkConfig, lengths: np.ndarray, rows: int | dict[str, int], rng: np.random.Generator,
-                 skew: float = 0.0):
+def random_batch(
+    cfg: BenchmarkConfig, lengths: np.ndarray, rows: int | dict[str, int], rng: np.random.Generator, skew: float = 0.0
+):
     """A jagged batch with the given sequence lengths (history = length - 9) and each table's ids below
     its row count (``rows``: one count for every table, or one per table name): uniform, or
     Zipf-distributed with exponent ``skew`` (> 1: a few very popular rows, as in real listening data)."""
@@ -68,34 +79,67 @@ def random_batch(cfg: BenchmarkConfig, lengths: np.ndarray, rows: int | dict[str
     np.cumsum(hist, out=offsets[1:])
     ts = np.concatenate([np.sort(rng.integers(0, 10**7, n)) for n in hist]).astype(np.int64)
     query = ts[offsets[1:] - 1]
+
     def ids(table: str, n: int) -> np.ndarray:
         r = rows[table]
         return ((rng.zipf(skew, n) - 1) % r if skew else rng.integers(0, r, n)).astype(np.int64)
+
     batch = JaggedBatch(
-        history_lengths=hist, history_offsets=offsets, history_item_id=ids("item", t),
-        history_artist_id=ids("artist", t), history_album_id=ids("album", t),
-        history_action=rng.choice([1, 2, 4], t).astype(np.int64), history_timestamp=ts,
+        history_lengths=hist,
+        history_offsets=offsets,
+        history_item_id=ids("item", t),
+        history_artist_id=ids("artist", t),
+        history_album_id=ids("album", t),
+        history_action=rng.choice([1, 2, 4], t).astype(np.int64),
+        history_timestamp=ts,
         contextual_ids=np.stack([ids(name, b) for name in CONTEXTUAL_FEATURES], 1),
-        candidate_item_id=ids("item", b), candidate_artist_id=ids("artist", b), candidate_album_id=ids("album", b),
-        candidate_timestamp=query + rng.integers(0, 600, b), query_time=query,
-        label=rng.integers(0, 2, b).astype(np.float32), anchor_index=np.arange(b, dtype=np.int64))
+        candidate_item_id=ids("item", b),
+        candidate_artist_id=ids("artist", b),
+        candidate_album_id=ids("album", b),
+        candidate_timestamp=query + rng.integers(0, 600, b),
+        query_time=query,
+        label=rng.integers(0, 2, b).astype(np.float32),
+        anchor_index=np.arange(b, dtype=np.int64),
+    )
     batch.validate()
     return batch.to_torch()
 
 
-def reference_config(table_rows: int, smoke: bool, backend: str = "plain", chunks: int = 1,
-                     recompute: str = "none", last_layer: str = "candidates") -> BenchmarkConfig:
+def reference_config(
+    table_rows: int,
+    smoke: bool,
+    backend: str = "plain",
+    chunks: int = 1,
+    recompute: str = "none",
+    last_layer: str = "candidates",
+) -> BenchmarkConfig:
     cfg = load_config("yambda-5b")
-    emb = dataclasses.replace(cfg.embeddings, embedding_backend=backend, item_rows=table_rows, artist_rows=table_rows,
-                              album_rows=table_rows)
+    emb = dataclasses.replace(
+        cfg.embeddings, embedding_backend=backend, item_rows=table_rows, artist_rows=table_rows, album_rows=table_rows
+    )
     sampler = dataclasses.replace(cfg.sampler, **{f"{name}_rows": table_rows for name in CONTEXTUAL_FEATURES})
-    cfg = dataclasses.replace(cfg, embeddings=emb, sampler=sampler,
-                              model=dataclasses.replace(cfg.model, recompute=recompute, last_layer=last_layer),
-                              train=dataclasses.replace(cfg.train, warmup_steps=100, learning_rate=1e-4, chunks=chunks))
+    cfg = dataclasses.replace(
+        cfg,
+        embeddings=emb,
+        sampler=sampler,
+        model=dataclasses.replace(cfg.model, recompute=recompute, last_layer=last_layer),
+        train=dataclasses.replace(cfg.train, warmup_steps=100, learning_rate=1e-4, chunks=chunks),
+    )
     if smoke:
-        model = dataclasses.replace(cfg.model, embedding_dim=16, d_model=16, num_layers=1, num_heads=1, qk_dim=16,
-                                    v_dim=16, preprocessor_hidden=16, item_tower_hidden=16, head_hidden=16,
-                                    sequence_dtype="float32", num_position_buckets=256)
+        model = dataclasses.replace(
+            cfg.model,
+            embedding_dim=16,
+            d_model=16,
+            num_layers=1,
+            num_heads=1,
+            qk_dim=16,
+            v_dim=16,
+            preprocessor_hidden=16,
+            item_tower_hidden=16,
+            head_hidden=16,
+            sequence_dtype="float32",
+            num_position_buckets=256,
+        )
         cfg = dataclasses.replace(cfg, model=model, sampler=dataclasses.replace(sampler, max_seq_len=128))
     return cfg
 
@@ -107,12 +151,21 @@ def start_single_process_group(device: torch.device) -> None:
     import torch.distributed as dist
 
     store = Path(tempfile.mkdtemp()) / "store"
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=0, world_size=1
+    )
 
 
-def measure(cfg: BenchmarkConfig, batch_size: int, steps: int, device: torch.device, rows: int, profile: bool,
-            top: int = 25, skew: float = 0.0) -> dict:
+def measure(
+    cfg: BenchmarkConfig,
+    batch_size: int,
+    steps: int,
+    device: torch.device,
+    rows: int,
+    profile: bool,
+    top: int = 25,
+    skew: float = 0.0,
+) -> dict:
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     if device.type == "cuda":
@@ -138,22 +191,35 @@ def measure(cfg: BenchmarkConfig, batch_size: int, steps: int, device: torch.dev
     step.finite.check()
     flops = sum(batch_flops(cfg.model, n).stu for n in lengths[WARM_STEPS:])
     executed = sum(batch_flops(cfg.model, n, executed=True).stu for n in lengths[WARM_STEPS:])
-    row = {"batch": batch_size, "steps": steps, "seconds": seconds, "samples_per_s": steps * batch_size / seconds,
-           "step_ms": 1e3 * seconds / steps, "stu_tflops": flops / seconds / 1e12,
-           "stu_tflops_executed": executed / seconds / 1e12, "cold_start_s": cold,
-           "mean_tokens": float(np.mean(np.concatenate(lengths[WARM_STEPS:]))),
-           "backend": step.embeddings.backend, "chunks": step.chunks, "recompute": cfg.model.recompute,
-           "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-           # What a step adds over the resting tables, weights and optimizer state, per token of its
-           # largest batch: the lookup's rows and gradients plus one chunk's activations.
-           "step_kib_per_token": ((torch.cuda.max_memory_allocated(device) - resting) / 1024
-                                  / max(int(n.sum()) for n in lengths[WARM_STEPS:])) if device.type == "cuda" else None}
+    row = {
+        "batch": batch_size,
+        "steps": steps,
+        "seconds": seconds,
+        "samples_per_s": steps * batch_size / seconds,
+        "step_ms": 1e3 * seconds / steps,
+        "stu_tflops": flops / seconds / 1e12,
+        "stu_tflops_executed": executed / seconds / 1e12,
+        "cold_start_s": cold,
+        "mean_tokens": float(np.mean(np.concatenate(lengths[WARM_STEPS:]))),
+        "backend": step.embeddings.backend,
+        "chunks": step.chunks,
+        "recompute": cfg.model.recompute,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        # What a step adds over the resting tables, weights and optimizer state, per token of its
+        # largest batch: the lookup's rows and gradients plus one chunk's activations.
+        "step_kib_per_token": (
+            (torch.cuda.max_memory_allocated(device) - resting) / 1024 / max(int(n.sum()) for n in lengths[WARM_STEPS:])
+        )
+        if device.type == "cuda"
+        else None,
+    }
     row["kept_kib_per_token"] = kept_kib_per_token(step.model, step.embeddings, batches[-1])
     shape = ActivationShape.from_config(cfg.model)
-    row["plan_kept_kib_per_token"] = kept_bytes_per_token(shape, cfg.model.recompute, cfg.sampler.max_seq_len,
-                                                          step.model.num_contextual) / 1024
+    row["plan_kept_kib_per_token"] = (
+        kept_bytes_per_token(shape, cfg.model.recompute, cfg.sampler.max_seq_len, step.model.num_contextual) / 1024
+    )
     if profile:
-        row["breakdown"], row["top_kernels"] = breakdown(step, batches[WARM_STEPS:WARM_STEPS + 5], device, top)
+        row["breakdown"], row["top_kernels"] = breakdown(step, batches[WARM_STEPS : WARM_STEPS + 5], device, top)
     return row
 
 
@@ -195,8 +261,14 @@ def breakdown(step: TrainStep, batches, device: torch.device, top: int) -> tuple
             continue
         category = next((c for c, pattern in CATEGORIES if re.search(pattern, event.key.lower())), "other")
         totals[category] += spent
-        kernels.append({"name": event.key[:120], "category": category, "ms_per_step": spent / 1e3 / len(batches),
-                        "calls_per_step": event.count / len(batches)})
+        kernels.append(
+            {
+                "name": event.key[:120],
+                "category": category,
+                "ms_per_step": spent / 1e3 / len(batches),
+                "calls_per_step": event.count / len(batches),
+            }
+        )
     whole = sum(totals.values()) or 1.0
     kernels.sort(key=lambda k: -k["ms_per_step"])
     return {k: v / whole for k, v in totals.items()}, kernels[:top]
@@ -208,15 +280,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--table-rows", type=int, default=1_000_000, help="rows of every table (fits one GPU)")
     parser.add_argument("--top", type=int, default=25, help="kernels listed per batch size, by device time")
-    parser.add_argument("--id-skew", type=float, default=0.0,
-                        help="Zipf exponent of the ids (e.g. 1.2: one row takes about a fifth of a batch); 0: uniform")
-    parser.add_argument("--backends", nargs="+", default=["plain"], choices=("plain", "torchrec"),
-                        help="embedding backends to measure (torchrec needs fbgemm-gpu)")
+    parser.add_argument(
+        "--id-skew",
+        type=float,
+        default=0.0,
+        help="Zipf exponent of the ids (e.g. 1.2: one row takes about a fifth of a batch); 0: uniform",
+    )
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        default=["plain"],
+        choices=("plain", "torchrec"),
+        help="embedding backends to measure (torchrec needs fbgemm-gpu)",
+    )
     parser.add_argument("--chunks", type=int, nargs="+", default=[1], help="chunks per step to measure")
-    parser.add_argument("--recompute", nargs="+", default=["none"], choices=("none", "cheap", "layer"),
-                        help="recompute modes to measure")
-    parser.add_argument("--last-layer", nargs="+", default=["candidates"], choices=("candidates", "all"),
-                        help="last STU layer: candidate rows only (the default) or all rows")
+    parser.add_argument(
+        "--recompute",
+        nargs="+",
+        default=["none"],
+        choices=("none", "cheap", "layer"),
+        help="recompute modes to measure",
+    )
+    parser.add_argument(
+        "--last-layer",
+        nargs="+",
+        default=["candidates"],
+        choices=("candidates", "all"),
+        help="last STU layer: candidate rows only (the default) or all rows",
+    )
     parser.add_argument("--label", default="", help="suffix of the results file names")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU; nothing saved")
     args = parser.parse_args()
@@ -225,18 +316,30 @@ def main() -> None:
         start_single_process_group(device)
     peak = matmul_peak_tflops(device, n=8192 if device.type == "cuda" else 256, reps=10)
     rows = []
-    for backend, recompute, chunks, last_layer in itertools.product(args.backends, args.recompute, args.chunks,
-                                                                    args.last_layer):
+    for backend, recompute, chunks, last_layer in itertools.product(
+        args.backends, args.recompute, args.chunks, args.last_layer
+    ):
         cfg = reference_config(args.table_rows, args.smoke, backend, chunks, recompute, last_layer)
         for batch in args.batches:
             try:
-                row = measure(cfg, batch, args.steps, device, args.table_rows, profile=True, top=args.top,
-                              skew=args.id_skew)
+                row = measure(
+                    cfg, batch, args.steps, device, args.table_rows, profile=True, top=args.top, skew=args.id_skew
+                )
             except torch.OutOfMemoryError:
-                print(f"{backend}, {recompute}, {chunks} chunk(s), last layer {last_layer}, batch {batch}: "
-                      "out of memory", flush=True)
-                rows.append({"batch": batch, "backend": backend, "chunks": chunks, "recompute": recompute,
-                             "last_layer": last_layer, "oom": True})
+                print(
+                    f"{backend}, {recompute}, {chunks} chunk(s), last layer {last_layer}, batch {batch}: out of memory",
+                    flush=True,
+                )
+                rows.append(
+                    {
+                        "batch": batch,
+                        "backend": backend,
+                        "chunks": chunks,
+                        "recompute": recompute,
+                        "last_layer": last_layer,
+                        "oom": True,
+                    }
+                )
                 gc.collect()
                 torch.cuda.empty_cache()
                 break
@@ -245,41 +348,59 @@ def main() -> None:
             row["mfu_measured"] = row["stu_tflops"] / peak
             row["mfu_executed"] = row["stu_tflops_executed"] / peak
             rows.append(row)
-            print(f"{backend}, {recompute}, {chunks} chunk(s), last layer {last_layer}, batch {batch}: "
-                  f"{row['samples_per_s']:,.0f} samples/s, {row['step_ms']:.1f} ms/step, {row['stu_tflops']:.0f} "
-                  f"TFLOP/s (yardstick), {row['stu_tflops_executed']:.0f} executed", flush=True)
+            print(
+                f"{backend}, {recompute}, {chunks} chunk(s), last layer {last_layer}, batch {batch}: "
+                f"{row['samples_per_s']:,.0f} samples/s, {row['step_ms']:.1f} ms/step, {row['stu_tflops']:.0f} "
+                f"TFLOP/s (yardstick), {row['stu_tflops_executed']:.0f} executed",
+                flush=True,
+            )
             for k in row["top_kernels"]:
-                print(f"  {k['ms_per_step']:8.2f} ms x{k['calls_per_step']:<4.0f} {k['category']:<26} {k['name']}",
-                      flush=True)
+                print(
+                    f"  {k['ms_per_step']:8.2f} ms x{k['calls_per_step']:<4.0f} {k['category']:<26} {k['name']}",
+                    flush=True,
+                )
             del row
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    result = {"device": device_name(device), "torch": torch.__version__, "commit": git_commit(),
-              "matmul_peak_tflops": peak,
-              "datasheet_tflops": DATASHEET_BF16_TFLOPS, "table_rows": args.table_rows, "id_skew": args.id_skew,
-              "model": dataclasses.asdict(reference_config(args.table_rows, args.smoke).model), "rows": rows,
-              "command": command_line()}
+    result = {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "matmul_peak_tflops": peak,
+        "datasheet_tflops": DATASHEET_BF16_TFLOPS,
+        "table_rows": args.table_rows,
+        "id_skew": args.id_skew,
+        "model": dataclasses.asdict(reference_config(args.table_rows, args.smoke).model),
+        "rows": rows,
+        "command": command_line(),
+    }
     table = _table(result)
     print(table)
     if not args.smoke:
-        name = "end_to_end" + (f"_zipf{args.id_skew:g}" if args.id_skew else "") + (f"_{args.label}" if args.label else "")
+        name = (
+            "end_to_end" + (f"_zipf{args.id_skew:g}" if args.id_skew else "") + (f"_{args.label}" if args.label else "")
+        )
         write_results(name, result, table, device=device)
 
 
 def _table(result: dict) -> str:
     cats = [c for c, _ in CATEGORIES] + ["other"]
     ids = f"Zipf({result['id_skew']:g}) ids" if result.get("id_skew") else "uniform ids"
-    lines = [f"End-to-end training step on one {result['device']} (commit {result['commit']}; {result['table_rows']:,} "
-             f"rows per table, {ids}, batches in device memory, jagged length mix); matmul peak measured in the same "
-             f"run: {result['matmul_peak_tflops']:.0f} TFLOP/s (datasheet {result['datasheet_tflops']:.0f}). Step KiB "
-             "per token: the step's peak over the resting tables, weights and optimizer state, per token of its "
-             "largest batch. Kept KiB per token: what one forward keeps for the backward (saved-tensor hooks; the "
-             "tables' rows and the weights left out), against the memory plan's analytic inventory.", "",
-             "| backend | recompute | chunks | last layer | batch | mean tokens | samples/s | ms/step | STU TFLOP/s | "
-             "MFU datasheet | MFU measured | MFU executed | peak GiB | step KiB/token | kept KiB/token | plan's kept KiB/token | cold start s | "
-             + " | ".join(cats) + " |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(cats)]
+    lines = [
+        f"End-to-end training step on one {result['device']} (commit {result['commit']}; {result['table_rows']:,} "
+        f"rows per table, {ids}, batches in device memory, jagged length mix); matmul peak measured in the same "
+        f"run: {result['matmul_peak_tflops']:.0f} TFLOP/s (datasheet {result['datasheet_tflops']:.0f}). Step KiB "
+        "per token: the step's peak over the resting tables, weights and optimizer state, per token of its "
+        "largest batch. Kept KiB per token: what one forward keeps for the backward (saved-tensor hooks; the "
+        "tables' rows and the weights left out), against the memory plan's analytic inventory.",
+        "",
+        "| backend | recompute | chunks | last layer | batch | mean tokens | samples/s | ms/step | STU TFLOP/s | "
+        "MFU datasheet | MFU measured | MFU executed | peak GiB | step KiB/token | kept KiB/token | plan's kept KiB/token | cold start s | "
+        + " | ".join(cats)
+        + " |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(cats),
+    ]
     for r in result["rows"]:
         head = f"| {r['backend']} | {r['recompute']} | {r['chunks']} | {r.get('last_layer', 'all')} | {r['batch']} |"
         if r.get("oom"):
@@ -288,18 +409,28 @@ def _table(result: dict) -> str:
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         per_token = f"{r['step_kib_per_token']:.1f}" if r["step_kib_per_token"] is not None else "-"
         shares = " | ".join(f"{r['breakdown'][c]:.0%}" for c in cats)
-        lines.append(f"{head} {r['mean_tokens']:,.0f} | {r['samples_per_s']:,.0f} | {r['step_ms']:.1f} | "
-                     f"{r['stu_tflops']:.0f} | {r['mfu_datasheet']:.1%} | {r['mfu_measured']:.1%} | "
-                     f"{r['mfu_executed']:.1%} | {peak} | "
-                     f"{per_token} | {r['kept_kib_per_token']:.2f} | {r['plan_kept_kib_per_token']:.2f} | "
-                     f"{r['cold_start_s']:.1f} | {shares} |")
+        lines.append(
+            f"{head} {r['mean_tokens']:,.0f} | {r['samples_per_s']:,.0f} | {r['step_ms']:.1f} | "
+            f"{r['stu_tflops']:.0f} | {r['mfu_datasheet']:.1%} | {r['mfu_measured']:.1%} | "
+            f"{r['mfu_executed']:.1%} | {peak} | "
+            f"{per_token} | {r['kept_kib_per_token']:.2f} | {r['plan_kept_kib_per_token']:.2f} | "
+            f"{r['cold_start_s']:.1f} | {shares} |"
+        )
     measured = [r for r in result["rows"] if not r.get("oom")]
     if measured:
         last = measured[-1]
-        lines += ["", f"Kernels by device time, {last['backend']}, {last['recompute']}, {last['chunks']} chunk(s), "
-                  f"batch {last['batch']} (per step):", "", "| kernel | category | ms | launches |", "|---|---|---:|---:|"]
-        lines += [f"| `{k['name']}` | {k['category']} | {k['ms_per_step']:.2f} | {k['calls_per_step']:.0f} |"
-                  for k in last["top_kernels"]]
+        lines += [
+            "",
+            f"Kernels by device time, {last['backend']}, {last['recompute']}, {last['chunks']} chunk(s), "
+            f"batch {last['batch']} (per step):",
+            "",
+            "| kernel | category | ms | launches |",
+            "|---|---|---:|---:|",
+        ]
+        lines += [
+            f"| `{k['name']}` | {k['category']} | {k['ms_per_step']:.2f} | {k['calls_per_step']:.0f} |"
+            for k in last["top_kernels"]
+        ]
     return "\n".join(lines)
 
 

@@ -29,21 +29,28 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from harness import RESULTS, command_line, device_name, git_commit, sync, write_results
 
 
 def config(args: argparse.Namespace, qcomm: str, world: int):
     """The reference model's tables at this rank's real share, TorchRec row-wise, the given all-to-all."""
     from bench_scaling import real_table_rows
+
     from dlrmv4.config import load_config
     from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS
 
     cfg = load_config("yambda-5b")
     rows = real_table_rows(args.real_tables_of, world, YAMBDA_5B_COUNTS if not args.smoke else (1, 1, 1))
-    emb = dataclasses.replace(cfg.embeddings, embedding_backend="torchrec", sharding_types="*=row_wise", qcomm=qcomm,
-                              **{name: value for (section, name), value in rows.items() if section == "embeddings"})
-    sampler = dataclasses.replace(cfg.sampler, **{name: v for (section, name), v in rows.items() if section == "sampler"})
+    emb = dataclasses.replace(
+        cfg.embeddings,
+        embedding_backend="torchrec",
+        sharding_types="*=row_wise",
+        qcomm=qcomm,
+        **{name: value for (section, name), value in rows.items() if section == "embeddings"},
+    )
+    sampler = dataclasses.replace(
+        cfg.sampler, **{name: v for (section, name), v in rows.items() if section == "sampler"}
+    )
     model = cfg.model if not args.smoke else dataclasses.replace(cfg.model, embedding_dim=16, sequence_dtype="float32")
     return dataclasses.replace(cfg, embeddings=emb, sampler=sampler, model=model)
 
@@ -51,9 +58,10 @@ def config(args: argparse.Namespace, qcomm: str, world: int):
 def worker(args: argparse.Namespace) -> None:
     from bench_end_to_end import random_batch
     from length_mix import jagged_lengths
+
     from dlrmv4.config import DistributedConfig
-    from dlrmv4.train.distributed import start_cluster
     from dlrmv4.model.embeddings import make_embeddings, table_specs
+    from dlrmv4.train.distributed import start_cluster
     from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS
 
     world = int(os.environ["WORLD_SIZE"])
@@ -63,8 +71,9 @@ def worker(args: argparse.Namespace) -> None:
     for qcomm in args.qcomms:
         cfg = config(args, qcomm, world)
         counts = YAMBDA_5B_COUNTS if not args.smoke else (1, 1, 1)
-        specs = table_specs(cfg, *(max(c, getattr(cfg.embeddings, f"{n}_rows")) for c, n in
-                                   zip(counts, ("item", "artist", "album"))))
+        specs = table_specs(
+            cfg, *(max(c, getattr(cfg.embeddings, f"{n}_rows")) for c, n in zip(counts, ("item", "artist", "album")))
+        )
         embeddings = make_embeddings(specs, cfg, device, seed=0, cluster=cluster)
         table_rows = {s.name: s.rows for s in specs}
         for skew in args.skews:
@@ -73,8 +82,9 @@ def worker(args: argparse.Namespace) -> None:
             lengths = jagged_lengths("jagged", args.per_rank_batch, rng, max_len)
             batches = [random_batch(cfg, lengths, table_rows, rng, skew).to(device) for _ in range(args.steps + 1)]
             ids = batches[0].history_item_id
-            top_share = float((ids == 0).float().mean()) if skew else float(
-                torch.bincount(ids).max().float() / len(ids))
+            top_share = (
+                float((ids == 0).float().mean()) if skew else float(torch.bincount(ids).max().float() / len(ids))
+            )
             served = rows_served(batches[0], specs, world)
             sync(device)
             resting = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -94,8 +104,9 @@ def worker(args: argparse.Namespace) -> None:
                     seconds.append(time.perf_counter() - started)
                 del out, loss
             peak = (torch.cuda.max_memory_allocated(device) - resting) / 2**30 if device.type == "cuda" else None
-            gathered = cluster.gather({"rank": cluster.rank, "peak_gib": peak, "served": served,
-                                       "ms": 1e3 * float(np.mean(seconds))})
+            gathered = cluster.gather(
+                {"rank": cluster.rank, "peak_gib": peak, "served": served, "ms": 1e3 * float(np.mean(seconds))}
+            )
             if cluster.is_main:
                 rows_out.append({"qcomm": qcomm, "skew": skew, "top_id_share": top_share, "ranks": gathered})
                 print(json.dumps(rows_out[-1]), flush=True)
@@ -144,39 +155,65 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for qcomm in args.qcomms:  # fresh processes per precision: each builds its own full-size tables
             out = Path(tmp) / f"{qcomm}.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.processes}",
-                   __file__, *sys.argv[1:], "--qcomms", qcomm, "--worker-out", str(out)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={args.processes}",
+                __file__,
+                *sys.argv[1:],
+                "--qcomms",
+                qcomm,
+                "--worker-out",
+                str(out),
+            ]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
-                raise SystemExit(f"the benchmark failed ({qcomm} all-to-all):\n{proc.stdout[-3000:]}\n"
-                                 f"{proc.stderr[-5000:]}")
+                raise SystemExit(
+                    f"the benchmark failed ({qcomm} all-to-all):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+                )
             rows += json.loads(out.read_text())
-    device = (f"{args.processes}x {device_name('cuda')}" if torch.cuda.is_available()
-              else f"{device_name('cpu')} CPU, {args.processes} processes")
-    result = {"commit": git_commit(), "device": device, "processes": args.processes,
-              "real_tables_of": args.real_tables_of, "per_rank_batch": args.per_rank_batch, "smoke": args.smoke,
-              "command": command_line(), "rows": rows}
+    device = (
+        f"{args.processes}x {device_name('cuda')}"
+        if torch.cuda.is_available()
+        else f"{device_name('cpu')} CPU, {args.processes} processes"
+    )
+    result = {
+        "commit": git_commit(),
+        "device": device,
+        "processes": args.processes,
+        "real_tables_of": args.real_tables_of,
+        "per_rank_batch": args.per_rank_batch,
+        "smoke": args.smoke,
+        "command": command_line(),
+        "rows": rows,
+    }
     print(table(result))
     if not args.smoke:
         name = "hot_ids" + (f"_{args.label}" if args.label else "")
-        write_results(name, result, table(result), device="cuda" if torch.cuda.is_available() else "cpu",
-                      out=args.out)
+        write_results(name, result, table(result), device="cuda" if torch.cuda.is_available() else "cpu", out=args.out)
 
 
 def table(r: dict) -> str:
-    lines = [f"Hot ids on {r['device']} (commit {r['commit']}): TorchRec row-wise, every rank holding 1/"
-             f"{r['real_tables_of']} of Yambda-5B's tables, {r['per_rank_batch']:,} samples per rank at the real "
-             "length mix; lookup + backward (gradient all-to-all, fused row-wise Adagrad). Peak: device memory "
-             "above the rank's resting memory. Rows served: the lookups a rank makes for all ranks, over the mean.",
-             "", "| ids | all-to-all | top id's share | rank | rows served (x mean) | peak GiB | ms / lookup + backward |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Hot ids on {r['device']} (commit {r['commit']}): TorchRec row-wise, every rank holding 1/"
+        f"{r['real_tables_of']} of Yambda-5B's tables, {r['per_rank_batch']:,} samples per rank at the real "
+        "length mix; lookup + backward (gradient all-to-all, fused row-wise Adagrad). Peak: device memory "
+        "above the rank's resting memory. Rows served: the lookups a rank makes for all ranks, over the mean.",
+        "",
+        "| ids | all-to-all | top id's share | rank | rows served (x mean) | peak GiB | ms / lookup + backward |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for row in r["rows"]:
         totals = np.sum([rank["served"] for rank in row["ranks"]], axis=0)
         ids = f"Zipf({row['skew']:g})" if row["skew"] else "uniform"
         for rank in row["ranks"]:
             peak = f"{rank['peak_gib']:.2f}" if rank["peak_gib"] is not None else "n/a (CPU)"
-            lines.append(f"| {ids} | {row['qcomm']} | {100 * row['top_id_share']:.1f}% | {rank['rank']} | "
-                         f"{totals[rank['rank']] / totals.mean():.2f} | {peak} | {rank['ms']:.1f} |")
+            lines.append(
+                f"| {ids} | {row['qcomm']} | {100 * row['top_id_share']:.1f}% | {rank['rank']} | "
+                f"{totals[rank['rank']] / totals.mean():.2f} | {peak} | {rank['ms']:.1f} |"
+            )
     lines += ["", f"Command: `{r['command']}`"]
     return "\n".join(lines)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from harness import cpu_model, device_name, save_labelled_row, sync
 
 from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args
 from dlrmv4.data.loader import make_window_loader
@@ -32,7 +33,6 @@ from dlrmv4.data.store import open_store
 from dlrmv4.train.distributed import Cluster
 from dlrmv4.train.run import clear_run_dir, seed_everything
 from dlrmv4.train.trainer import Trainer, build_trainer
-from harness import cpu_model, device_name, save_labelled_row, sync
 
 
 def make_trainer(cfg: BenchmarkConfig, store, device: torch.device) -> Trainer:
@@ -72,9 +72,14 @@ def main() -> None:
     base = config_from_args(args)
     store = open_store(store_dir(base.dataset))
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = {("train", "max_steps"): args.steps, ("train", "eval_every_data_pct"): 1.0,
-                     ("train", "checkpoint_every_window"): False, ("train", "checkpoint_every_steps"): 0,
-                     ("train", "checkpoint_every_seconds"): 0.0, ("train", "run_dir"): tmp}
+        overrides = {
+            ("train", "max_steps"): args.steps,
+            ("train", "eval_every_data_pct"): 1.0,
+            ("train", "checkpoint_every_window"): False,
+            ("train", "checkpoint_every_steps"): 0,
+            ("train", "checkpoint_every_seconds"): 0.0,
+            ("train", "run_dir"): tmp,
+        }
         cfg = _replace(base, overrides)
         loader = make_window_loader(store, list(range(store.num_windows - 1)), cfg, drop_last=True)
         batches = []
@@ -91,13 +96,26 @@ def main() -> None:
             print(f"repeat {r}: bare {bare[-1]:.2f} s, loop {loop[-1]:.2f} s", flush=True)
     samples = args.steps * cfg.loader.batch_size
     tokens = sum(b.total_tokens for b in batches) / samples
-    row = {"label": args.label or device.type, "device": _device_name(device), "torch": torch.__version__,
-           "batch_size": cfg.loader.batch_size, "num_workers": cfg.loader.num_workers, "steps": args.steps,
-           "repeats": args.repeats, "mean_history_tokens": tokens, "d_model": cfg.model.d_model,
-           "num_layers": cfg.model.num_layers, "kernels": cfg.model.kernels, "embedding_backend": "plain"
-           if cfg.embeddings.embedding_backend in ("plain", "auto") else cfg.embeddings.embedding_backend,
-           "bare_samples_per_s": samples / float(np.median(bare)),
-           "loop_samples_per_s": samples / float(np.median(loop)), "bare_seconds": bare, "loop_seconds": loop}
+    row = {
+        "label": args.label or device.type,
+        "device": _device_name(device),
+        "torch": torch.__version__,
+        "batch_size": cfg.loader.batch_size,
+        "num_workers": cfg.loader.num_workers,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "mean_history_tokens": tokens,
+        "d_model": cfg.model.d_model,
+        "num_layers": cfg.model.num_layers,
+        "kernels": cfg.model.kernels,
+        "embedding_backend": "plain"
+        if cfg.embeddings.embedding_backend in ("plain", "auto")
+        else cfg.embeddings.embedding_backend,
+        "bare_samples_per_s": samples / float(np.median(bare)),
+        "loop_samples_per_s": samples / float(np.median(loop)),
+        "bare_seconds": bare,
+        "loop_seconds": loop,
+    }
     row["overhead"] = row["bare_samples_per_s"] / row["loop_samples_per_s"] - 1
     print(_table([row]))
     if not args.no_save:
@@ -118,20 +136,31 @@ def _device_name(device: torch.device) -> str:
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| row | device | batch | workers | model D x layers | mean history tokens | bare step samples/s | "
-             "loop samples/s | loop overhead |", "|---|---|---:|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        "| row | device | batch | workers | model D x layers | mean history tokens | bare step samples/s | "
+        "loop samples/s | loop overhead |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['device']} | {r['batch_size']} | {r['num_workers']} | "
-                     f"{r['d_model']} x {r['num_layers']} ({r['kernels']}) | {r['mean_history_tokens']:.0f} | "
-                     f"{r['bare_samples_per_s']:,.0f} | {r['loop_samples_per_s']:,.0f} | {r['overhead']:+.1%} |")
+        lines.append(
+            f"| {r['label']} | {r['device']} | {r['batch_size']} | {r['num_workers']} | "
+            f"{r['d_model']} x {r['num_layers']} ({r['kernels']}) | {r['mean_history_tokens']:.0f} | "
+            f"{r['bare_samples_per_s']:,.0f} | {r['loop_samples_per_s']:,.0f} | {r['overhead']:+.1%} |"
+        )
     return "\n".join(lines)
 
 
 def _save(row: dict, device: torch.device) -> None:
-    save_labelled_row("loop_overhead", row, (
-        "Loop and loader cost: `StreamingTrainer.run` vs the bare step on the same batches already in device "
-        "memory (medians of alternating repeats; overhead = bare / loop - 1). Plain-PyTorch embeddings."), _table,
-        device=device)
+    save_labelled_row(
+        "loop_overhead",
+        row,
+        (
+            "Loop and loader cost: `StreamingTrainer.run` vs the bare step on the same batches already in device "
+            "memory (medians of alternating repeats; overhead = bare / loop - 1). Plain-PyTorch embeddings."
+        ),
+        _table,
+        device=device,
+    )
 
 
 if __name__ == "__main__":

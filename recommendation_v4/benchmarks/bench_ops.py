@@ -21,15 +21,17 @@ from typing import Callable
 
 import numpy as np
 import torch
+from harness import RESULTS, command_line, device_name, do_bench_ms, write_results
+from length_mix import jagged_lengths
 
 from dlrmv4.ops.jagged import concat_sequence_timestamps, concat_sequences, take_last
 from dlrmv4.ops.layer_norm import layer_norm, swish_layer_norm
 from dlrmv4.ops.output_block import output_block
 from dlrmv4.ops.position import position_time_encode
-from dlrmv4.ops.reference import jagged as ref_jagged, layer_norm as ref_ln, output_block as ref_ob
+from dlrmv4.ops.reference import jagged as ref_jagged
+from dlrmv4.ops.reference import layer_norm as ref_ln
+from dlrmv4.ops.reference import output_block as ref_ob
 from dlrmv4.ops.reference import position as ref_pos
-from harness import RESULTS, command_line, device_name, do_bench_ms, write_results
-from length_mix import jagged_lengths
 
 NUM_CONTEXTUAL = 8
 POS_ROWS, TIME_ROWS = 8192, 2048
@@ -53,8 +55,9 @@ def copy_bandwidth(device: torch.device, numel: int) -> float:
     return 2 * src.numel() * src.element_size() / do_bench_ms(lambda: dst.copy_(src), device) / 1e6
 
 
-def build_cases(batch: int, dim: int, dtype: torch.dtype, device: torch.device, smoke: bool,
-                compile_ref: bool) -> list[Case]:
+def build_cases(
+    batch: int, dim: int, dtype: torch.dtype, device: torch.device, smoke: bool, compile_ref: bool
+) -> list[Case]:
     rng = np.random.default_rng(0)
     g = torch.Generator().manual_seed(0)
     max_len = 64 if smoke else 4096
@@ -80,39 +83,65 @@ def build_cases(batch: int, dim: int, dtype: torch.dtype, device: torch.device, 
         cases.append(Case(name, shape, leaves, impls, fwd_bytes, fwd_bwd_bytes))
 
     # LayerNorm of the STU input; SwishLayerNorm of the preprocessor's 256-wide branches.
-    for fn, ref_fn, width in ((layer_norm, ref_ln.layer_norm, dim), (swish_layer_norm, ref_ln.swish_layer_norm,
-                                                                     dim // 2)):
+    for fn, ref_fn, width in (
+        (layer_norm, ref_ln.layer_norm, dim),
+        (swish_layer_norm, ref_ln.swish_layer_norm, dim // 2),
+    ):
         x, w, b = rand(t_all, width), rand(width, dt=torch.float32), rand(width, dt=torch.float32)
-        add(fn.__name__, f"[{t_all}, {width}]", [x, w, b],
+        add(
+            fn.__name__,
+            f"[{t_all}, {width}]",
+            [x, w, b],
             lambda fn=fn, x=x, w=w, b=b: fn(x, w, b, 1e-6, kernels="triton"),
             lambda ref_fn=ref_fn, x=x, w=w, b=b: ref_fn(x, w, b, 1e-6),
-            2 * t_all * width * e, 5 * t_all * width * e, compile_ok=fn is layer_norm)
+            2 * t_all * width * e,
+            5 * t_all * width * e,
+            compile_ok=fn is layer_norm,
+        )
 
     # Output block: u, before the SiLU the block applies, is a column slice of the uvqk projection;
     # dropout 0.1 as in training. The SiLU adds arithmetic only, so the byte counts are unchanged.
     uvqk, attn = rand(t_all, 4 * dim), rand(t_all, dim)
     w, b = rand(dim, dt=torch.float32), rand(dim, dt=torch.float32)
-    add("output_block (p=0.1)", f"[{t_all}, {dim}] -> [{t_all}, {3 * dim}]", [uvqk, attn, w, b],
+    add(
+        "output_block (p=0.1)",
+        f"[{t_all}, {dim}] -> [{t_all}, {3 * dim}]",
+        [uvqk, attn, w, b],
         lambda: output_block(uvqk[:, :dim], attn, w, b, 1e-6, 0.1, 1234, True, kernels="triton"),
         lambda: ref_ob.output_block(uvqk[:, :dim], attn, w, b, 1e-6, 0.1, True),
-        5 * t_all * dim * e, 10 * t_all * dim * e)
+        5 * t_all * dim * e,
+        10 * t_all * dim * e,
+    )
 
     ctx, tokens = rand(batch, NUM_CONTEXTUAL, dim), rand(t_hist + batch, dim)
-    add("concat_sequences", f"{batch}×[{NUM_CONTEXTUAL}+L+1, {dim}] -> [{t_all}, {dim}]", [ctx, tokens],
+    add(
+        "concat_sequences",
+        f"{batch}×[{NUM_CONTEXTUAL}+L+1, {dim}] -> [{t_all}, {dim}]",
+        [ctx, tokens],
         lambda: concat_sequences(ctx, tokens, hist_offsets, max_history, kernels="triton")[0],
         lambda: ref_jagged.concat_sequences(ctx, tokens[:t_hist], tokens[t_hist:], hist_offsets)[0],
-        2 * t_all * dim * e, 4 * t_all * dim * e, compile_ok=False)
+        2 * t_all * dim * e,
+        4 * t_all * dim * e,
+        compile_ok=False,
+    )
 
     values = rand(t_all, dim)
     seq_offsets = ref_jagged.sequence_offsets(hist_offsets, NUM_CONTEXTUAL)
-    add("take_last", f"[{t_all}, {dim}] -> [{batch}, {dim}]", [values],
+    add(
+        "take_last",
+        f"[{t_all}, {dim}] -> [{batch}, {dim}]",
+        [values],
         lambda: take_last(values, seq_offsets, kernels="triton"),
         lambda: ref_jagged.take_last(values, seq_offsets),
-        2 * batch * dim * e, 3 * batch * dim * e + t_all * dim * e, compile_ok=False)
+        2 * batch * dim * e,
+        3 * batch * dim * e + t_all * dim * e,
+        compile_ok=False,
+    )
 
     query = torch.randint(1_600_000_000, 1_700_000_000, (batch,), generator=g)
-    ago = torch.cat([torch.sort(torch.randint(0, 31_536_000, (int(n),), generator=g), descending=True).values
-                     for n in hist_lens])  # up to a year back, oldest first
+    ago = torch.cat(
+        [torch.sort(torch.randint(0, 31_536_000, (int(n),), generator=g), descending=True).values for n in hist_lens]
+    )  # up to a year back, oldest first
     hist_ts = (query.repeat_interleave(hist_lens) - ago).to(device)
     query = query.to(device)
     ts = concat_sequence_timestamps(hist_ts, hist_offsets, query, NUM_CONTEXTUAL)
@@ -121,11 +150,15 @@ def build_cases(batch: int, dim: int, dtype: torch.dtype, device: torch.device, 
     pos, bucket = ref_pos.positions_and_buckets(seq_offsets, ts, query, NUM_CONTEXTUAL, POS_ROWS, TIME_ROWS, 60.0)
     rows_used = int(pos.unique().numel() + bucket.unique().numel())
     scale = math.sqrt(dim)
-    add("position_time_encode", f"[{t_all}, {dim}] + tables [{POS_ROWS}|{TIME_ROWS}, {dim}] fp32", [x, pt, tt],
+    add(
+        "position_time_encode",
+        f"[{t_all}, {dim}] + tables [{POS_ROWS}|{TIME_ROWS}, {dim}] fp32",
+        [x, pt, tt],
         lambda: position_time_encode(x, seq_offsets, ts, query, NUM_CONTEXTUAL, pt, tt, scale, kernels="triton"),
         lambda: ref_pos.position_time_encode(x, seq_offsets, ts, query, NUM_CONTEXTUAL, pt, tt, scale),
         2 * t_all * dim * e + rows_used * dim * 4,
-        4 * t_all * dim * e + rows_used * dim * 4 + (POS_ROWS + TIME_ROWS) * dim * 4)
+        4 * t_all * dim * e + rows_used * dim * 4 + (POS_ROWS + TIME_ROWS) * dim * 4,
+    )
     return cases
 
 
@@ -146,9 +179,19 @@ def measure(case: Case, impl: str, device: torch.device, copy_gbs: float) -> lis
     rows = []
     for label, ms, nbytes in (("fwd", t_fwd, case.fwd_bytes), ("fwd+bwd", t_both, case.fwd_bwd_bytes)):
         gbs = nbytes / ms / 1e6
-        rows.append({"op": case.name, "shape": case.shape, "pass": label, "impl": impl, "ms": ms,
-                     "min_bytes": nbytes, "GB_per_s": gbs, "fraction_of_copy": gbs / copy_gbs,
-                     "first_call_s": warm_s})
+        rows.append(
+            {
+                "op": case.name,
+                "shape": case.shape,
+                "pass": label,
+                "impl": impl,
+                "ms": ms,
+                "min_bytes": nbytes,
+                "GB_per_s": gbs,
+                "fraction_of_copy": gbs / copy_gbs,
+                "first_call_s": warm_s,
+            }
+        )
         print(f"{case.name} {label} {impl}: {ms:.3f} ms, {gbs:,.0f} GB/s", flush=True)
     return rows
 
@@ -156,7 +199,8 @@ def measure(case: Case, impl: str, device: torch.device, copy_gbs: float) -> lis
 def sweep(batch_tokens: int, dim: int, dtype: torch.dtype, device: torch.device, copy_gbs: float) -> list[dict]:
     """The Triton LayerNorm and output-block kernels under other launch shapes (tile elements,
     elements per thread, programs per SM for the backward), called below autograd."""
-    from dlrmv4.ops.triton import layer_norm as tln, output_block as tob
+    from dlrmv4.ops.triton import layer_norm as tln
+    from dlrmv4.ops.triton import output_block as tob
 
     g = torch.Generator().manual_seed(1)
     r = lambda *s, dt=dtype: torch.randn(*s, generator=g).to(device=device, dtype=dt)  # noqa: E731
@@ -168,17 +212,30 @@ def sweep(batch_tokens: int, dim: int, dtype: torch.dtype, device: torch.device,
     _, omean, orstd = tob.forward(u, attn, w, b, 1e-6, 0.1, 7, True)
     fwd_tiles = [(2048, 8), (4096, 8), (4096, 16), (8192, 16)]
     bwd_tiles = [(1024, 4, 4), (1024, 4, 8), (2048, 8, 4), (2048, 8, 8), (4096, 16, 2)]
-    runs = [("layer_norm fwd", t, 2 * n * e, lambda t=t: tln.forward(x, w, b, 1e-6, False, tile=t))
-            for t in fwd_tiles]
-    runs += [("layer_norm bwd", t, 3 * n * e, lambda t=t: tln.backward(x, w, b, dy, mean, rstd, False, tile=t))
-             for t in bwd_tiles]
+    runs = [("layer_norm fwd", t, 2 * n * e, lambda t=t: tln.forward(x, w, b, 1e-6, False, tile=t)) for t in fwd_tiles]
+    runs += [
+        ("layer_norm bwd", t, 3 * n * e, lambda t=t: tln.backward(x, w, b, dy, mean, rstd, False, tile=t))
+        for t in bwd_tiles
+    ]
     for p in (0.1, 0.0):
-        runs += [(f"output_block fwd p={p}", t, 5 * n * e,
-                  lambda t=t, p=p: tob.forward(u, attn, w, b, 1e-6, p, 7, True, tile=t))
-                 for t in (fwd_tiles if p else [tob.FWD_TILE])]
-        runs += [(f"output_block bwd p={p}", t, 5 * n * e,
-                  lambda t=t, p=p: tob.backward(u, attn, w, b, dy3, omean, orstd, p, 7, True, tile=t))
-                 for t in (bwd_tiles if p else [tob.BWD_TILE])]
+        runs += [
+            (
+                f"output_block fwd p={p}",
+                t,
+                5 * n * e,
+                lambda t=t, p=p: tob.forward(u, attn, w, b, 1e-6, p, 7, True, tile=t),
+            )
+            for t in (fwd_tiles if p else [tob.FWD_TILE])
+        ]
+        runs += [
+            (
+                f"output_block bwd p={p}",
+                t,
+                5 * n * e,
+                lambda t=t, p=p: tob.backward(u, attn, w, b, dy3, omean, orstd, p, 7, True, tile=t),
+            )
+            for t in (bwd_tiles if p else [tob.BWD_TILE])
+        ]
     rows = []
     for name, t, nbytes, fn in runs:
         try:
@@ -188,29 +245,45 @@ def sweep(batch_tokens: int, dim: int, dtype: torch.dtype, device: torch.device,
             continue
         print(f"{name} {t}: {ms:.3f} ms", flush=True)
         default = t in ((tln.FWD_TILE, tln.BWD_TILE) if name.startswith("layer") else (tob.FWD_TILE, tob.BWD_TILE))
-        rows.append({"kernel": name, "tile": list(t), "default": default, "ms": ms,
-                     "GB_per_s": nbytes / ms / 1e6, "fraction_of_copy": nbytes / ms / 1e6 / copy_gbs})
+        rows.append(
+            {
+                "kernel": name,
+                "tile": list(t),
+                "default": default,
+                "ms": ms,
+                "GB_per_s": nbytes / ms / 1e6,
+                "fraction_of_copy": nbytes / ms / 1e6 / copy_gbs,
+            }
+        )
     return rows
 
 
 def sweep_table(rows: list[dict]) -> str:
     out = ["| kernel | tile (elements, per thread[, programs/SM]) | ms | GB/s | of copy |", "|---|---|---|---|---|"]
-    out += [f"| {r['kernel']} | {tuple(r['tile'])}{' (default)' if r['default'] else ''} | {r['ms']:.3f} "
-            f"| {r['GB_per_s']:,.0f} | {r['fraction_of_copy']:.0%} |" for r in rows]
+    out += [
+        f"| {r['kernel']} | {tuple(r['tile'])}{' (default)' if r['default'] else ''} | {r['ms']:.3f} "
+        f"| {r['GB_per_s']:,.0f} | {r['fraction_of_copy']:.0%} |"
+        for r in rows
+    ]
     return "\n".join(out) + "\n"
 
 
 def table(rows: list[dict], copy_gbs: float) -> str:
     by = {(r["op"], r["pass"], r["impl"]): r for r in rows}
     keys = list(dict.fromkeys((r["op"], r["pass"]) for r in rows))
-    out = ["| op | pass | Triton ms | PyTorch ms | × PyTorch | compiled ms | × compiled | Triton GB/s "
-           f"| of copy ({copy_gbs:,.0f} GB/s) |", "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| op | pass | Triton ms | PyTorch ms | × PyTorch | compiled ms | × compiled | Triton GB/s "
+        f"| of copy ({copy_gbs:,.0f} GB/s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for op, p in keys:
         tri, ref, comp = (by.get((op, p, k)) for k in ("triton", "pytorch", "compiled"))
         comp_ms = f"{comp['ms']:.3f}" if comp else "-"
         comp_x = f"{comp['ms'] / tri['ms']:.2f}" if comp else "-"
-        out.append(f"| {op} | {p} | {tri['ms']:.3f} | {ref['ms']:.3f} | {ref['ms'] / tri['ms']:.2f} | {comp_ms} "
-                   f"| {comp_x} | {tri['GB_per_s']:,.0f} | {tri['fraction_of_copy']:.0%} |")
+        out.append(
+            f"| {op} | {p} | {tri['ms']:.3f} | {ref['ms']:.3f} | {ref['ms'] / tri['ms']:.2f} | {comp_ms} "
+            f"| {comp_x} | {tri['GB_per_s']:,.0f} | {tri['fraction_of_copy']:.0%} |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -230,14 +303,22 @@ def main() -> None:
         args.batch, args.dim = 3, 32
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     copy_gbs = copy_bandwidth(device, 1 << 28 if device.type == "cuda" else 1 << 16)
-    cases = build_cases(args.batch, args.dim, dtype, device, args.smoke, compile_ref=not args.no_compile
-                        and not args.smoke)
+    cases = build_cases(
+        args.batch, args.dim, dtype, device, args.smoke, compile_ref=not args.no_compile and not args.smoke
+    )
     tokens = int(cases[0].leaves[0].shape[0])
     name = device_name(device)
     command = command_line()
-    facts = {"device": name, "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
-             "batch": args.batch, "dim": args.dim, "tokens": tokens,
-             "copy_GB_per_s": copy_gbs, "timing": "triton.testing.do_bench median, L2 flushed before each run"}
+    facts = {
+        "device": name,
+        "torch": torch.__version__,
+        "dtype": str(dtype).removeprefix("torch."),
+        "batch": args.batch,
+        "dim": args.dim,
+        "tokens": tokens,
+        "copy_GB_per_s": copy_gbs,
+        "timing": "triton.testing.do_bench median, L2 flushed before each run",
+    }
     rows, sweep_rows = [], []
 
     def report() -> str:
@@ -245,12 +326,19 @@ def main() -> None:
         if sweep_rows:
             text += "\nLaunch shapes (Triton kernels alone, below autograd):\n\n" + sweep_table(sweep_rows)
         if not args.smoke:
-            write_results("ops", {**facts, "rows": rows, "sweep": sweep_rows}, (
-                f"# Non-attention ops (`{command}`)\n\n{name}, torch {torch.__version__}, {facts['dtype']}, "
-                f"{args.batch} sequences, {tokens:,} tokens, D {args.dim}. Bytes are the fewest each op must move "
-                "(inputs read once, outputs written once); `of copy` compares with a device-to-device copy timed "
-                "in the same run. `×` columns: reference time / Triton time (above 1: Triton is faster). fwd+bwd "
-                f"runs the forward with grad enabled, then autograd.grad.\n\n{text}"), device=device, out=args.out)
+            write_results(
+                "ops",
+                {**facts, "rows": rows, "sweep": sweep_rows},
+                (
+                    f"# Non-attention ops (`{command}`)\n\n{name}, torch {torch.__version__}, {facts['dtype']}, "
+                    f"{args.batch} sequences, {tokens:,} tokens, D {args.dim}. Bytes are the fewest each op must move "
+                    "(inputs read once, outputs written once); `of copy` compares with a device-to-device copy timed "
+                    "in the same run. `×` columns: reference time / Triton time (above 1: Triton is faster). fwd+bwd "
+                    f"runs the forward with grad enabled, then autograd.grad.\n\n{text}"
+                ),
+                device=device,
+                out=args.out,
+            )
         return text
 
     # Results are written after each phase; torch.compile comes last, since a failure inside a

@@ -69,20 +69,31 @@ def measure(size: str, work: Path, seed: int) -> dict:
     gen_s = time.perf_counter() - t
     read = _child(CHILD_READ, str(files.multi_event))
     run = _child(CHILD_PREPROCESS, str(raw_root), size, str(work / f"store-{size}"))
-    return {"size": size, "events": run["events"], "anchors": run["anchors"], "generate_s": gen_s,
-            "read_s": read["seconds"], "read_peak_rss": read["peak_rss"],
-            "preprocess_s": run["seconds"], "peak_rss": run["peak_rss"],
-            "events_per_s": run["events"] / run["seconds"]}
+    return {
+        "size": size,
+        "events": run["events"],
+        "anchors": run["anchors"],
+        "generate_s": gen_s,
+        "read_s": read["seconds"],
+        "read_peak_rss": read["peak_rss"],
+        "preprocess_s": run["seconds"],
+        "peak_rss": run["peak_rss"],
+        "events_per_s": run["events"] / run["seconds"],
+    }
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| size | events | preprocess s | M events/s | vs goal 2 M/s | vs parquet read | peak RSS GB | RSS vs smallest |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| size | events | preprocess s | M events/s | vs goal 2 M/s | vs parquet read | peak RSS GB | RSS vs smallest |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     base_rss = rows[0]["peak_rss"]
     for r in rows:
-        lines.append(f"| {r['size']} | {r['events']:,} | {r['preprocess_s']:.2f} | {r['events_per_s'] / 1e6:.2f} | "
-                     f"{r['events_per_s'] / GOAL_EVENTS_PER_S:.2f}x | {r['preprocess_s'] / r['read_s']:.1f}x slower | "
-                     f"{r['peak_rss'] / 2**30:.2f} | {r['peak_rss'] / base_rss:.2f}x |")
+        lines.append(
+            f"| {r['size']} | {r['events']:,} | {r['preprocess_s']:.2f} | {r['events_per_s'] / 1e6:.2f} | "
+            f"{r['events_per_s'] / GOAL_EVENTS_PER_S:.2f}x | {r['preprocess_s'] / r['read_s']:.1f}x slower | "
+            f"{r['peak_rss'] / 2**30:.2f} | {r['peak_rss'] / base_rss:.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -99,8 +110,9 @@ def main() -> None:
     print(text)
     info = {"goal_events_per_s": GOAL_EVENTS_PER_S, "goal_peak_rss_bytes": GOAL_RSS_BYTES, "rows": rows}
     out = Path(args.out)
-    write_results(out.name, info, f"`{command_line()}` on {os.cpu_count()} CPUs\n\n{text}", device="cpu",
-                  out=out.parent)
+    write_results(
+        out.name, info, f"`{command_line()}` on {os.cpu_count()} CPUs\n\n{text}", device="cpu", out=out.parent
+    )
 
 
 if __name__ == "__main__":

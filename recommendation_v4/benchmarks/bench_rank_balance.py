@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from harness import RESULTS, command_line, cpu_model, git_commit, write_results
 
 from dlrmv4.config import SamplerConfig, load_config
 from dlrmv4.data.hashing import NUM_CONTEXTUAL
@@ -30,14 +31,15 @@ from dlrmv4.data.loader import RANK_SLICINGS, BatchSlice, balanced_shares, plan_
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.sampler import build_batch, history_lengths, pack_item_sides
 from dlrmv4.data.store import open_store
-from harness import RESULTS, command_line, cpu_model, git_commit, write_results
 
 
 def share_loads(tokens: np.ndarray, part: BatchSlice, world: int, slicing: str) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, attention work) of every rank's share of one batch."""
     shares = [rank_share(part, r, world, slicing, tokens) - part.start for r in range(world)]
-    return (np.array([tokens[s].sum() for s in shares], dtype=np.float64),
-            np.array([np.square(tokens[s].astype(np.float64)).sum() for s in shares]))
+    return (
+        np.array([tokens[s].sum() for s in shares], dtype=np.float64),
+        np.array([np.square(tokens[s].astype(np.float64)).sum() for s in shares]),
+    )
 
 
 def main() -> None:
@@ -64,8 +66,9 @@ def main() -> None:
     sampler: SamplerConfig = cfg.sampler
     offsets = np.asarray(store.window_offsets)
     train_windows = range(store.num_windows - 1)
-    plan = plan_batches([(w, int(offsets[w + 1] - offsets[w])) for w in train_windows], args.global_batch,
-                        drop_last=True)[:args.batches]
+    plan = plan_batches(
+        [(w, int(offsets[w + 1] - offsets[w])) for w in train_windows], args.global_batch, drop_last=True
+    )[: args.batches]
     if not plan:
         raise SystemExit(f"the store's train windows hold no full global batch of {args.global_batch:,}")
     item_sides = pack_item_sides(store)
@@ -74,7 +77,7 @@ def main() -> None:
     for part in plan:
         if part.window not in orders:
             orders[part.window] = window_order(store, part.window, cfg.loader.window_order, False, cfg.seed)
-        anchors = orders[part.window][part.start:part.stop]
+        anchors = orders[part.window][part.start : part.stop]
         started = time.perf_counter()
         lengths = history_lengths(store, anchors, sampler)
         lengths_s = time.perf_counter() - started
@@ -89,9 +92,14 @@ def main() -> None:
                 per_rank, work = share_loads(tokens, local, world, slicing)
                 token_ratio.append(per_rank.max() / per_rank.mean())
                 work_ratio.append(work.max() / work.mean())
-            row = {"world": world, "slicing": slicing, "tokens_max_over_mean": float(np.mean(token_ratio)),
-                   "tokens_worst": float(np.max(token_ratio)), "work_max_over_mean": float(np.mean(work_ratio)),
-                   "work_worst": float(np.max(work_ratio))}
+            row = {
+                "world": world,
+                "slicing": slicing,
+                "tokens_max_over_mean": float(np.mean(token_ratio)),
+                "tokens_worst": float(np.max(token_ratio)),
+                "work_max_over_mean": float(np.mean(work_ratio)),
+                "work_worst": float(np.max(work_ratio)),
+            }
             if slicing == "balanced":
                 assign_s, build_s = [], []
                 for part, anchors, tokens, lengths_s in batches[:8]:
@@ -101,36 +109,56 @@ def main() -> None:
                     started = time.perf_counter()
                     build_batch(store, anchors[share], sampler, item_sides)
                     build_s.append(time.perf_counter() - started)
-                row.update(share_ms=1e3 * float(np.mean(assign_s)), build_ms=1e3 * float(np.mean(build_s)),
-                           share_over_build=float(np.mean(assign_s) / np.mean(build_s)))
+                row.update(
+                    share_ms=1e3 * float(np.mean(assign_s)),
+                    build_ms=1e3 * float(np.mean(build_s)),
+                    share_over_build=float(np.mean(assign_s) / np.mean(build_s)),
+                )
             rows.append(row)
             print(json.dumps(row), flush=True)
 
     mean_tokens = float(np.mean([t.mean() for _, _, t, _ in batches]))
-    result = {"commit": git_commit(), "device": f"{cpu_model()} CPU, one core", "preset": args.preset,
-              "max_seq_len": sampler.max_seq_len,
-              "store": path.name, "global_batch": args.global_batch, "batches": len(batches),
-              "windows": sorted({p.window for p, *_ in batches}), "mean_tokens": mean_tokens,
-              "command": command_line(), "rows": rows}
+    result = {
+        "commit": git_commit(),
+        "device": f"{cpu_model()} CPU, one core",
+        "preset": args.preset,
+        "max_seq_len": sampler.max_seq_len,
+        "store": path.name,
+        "global_batch": args.global_batch,
+        "batches": len(batches),
+        "windows": sorted({p.window for p, *_ in batches}),
+        "mean_tokens": mean_tokens,
+        "command": command_line(),
+        "rows": rows,
+    }
     name = "rank_balance" + (f"_{args.label}" if args.label else "")
     write_results(name, result, table(result), device="cpu", out=args.out)
     print(table(result))
 
 
 def table(r: dict) -> str:
-    lines = [f"Rank loads by rank slicing (commit {r['commit']}, {r['device']}): {r['batches']} consecutive global "
-             f"batches of {r['global_batch']:,} from the {r['preset']} store (windows {r['windows'][0]}-"
-             f"{r['windows'][-1]}, max_seq_len {r['max_seq_len']:,}, mean {r['mean_tokens']:,.0f} tokens per sample). max/mean: the fullest rank's "
-             "load over the mean rank's, averaged over the batches (worst batch in brackets); tokens, and the "
-             "attention's work (sum of squared lengths). Balancing cost: a loader worker's lengths of the whole "
-             "global batch plus the assignment, per batch, against building its own share.", "",
-             "| ranks | slicing | tokens max/mean (worst) | attention work max/mean (worst) | balancing ms / batch "
-             "| building the share ms | cost share |", "|---:|---|---|---|---:|---:|---:|"]
+    lines = [
+        f"Rank loads by rank slicing (commit {r['commit']}, {r['device']}): {r['batches']} consecutive global "
+        f"batches of {r['global_batch']:,} from the {r['preset']} store (windows {r['windows'][0]}-"
+        f"{r['windows'][-1]}, max_seq_len {r['max_seq_len']:,}, mean {r['mean_tokens']:,.0f} tokens per sample). max/mean: the fullest rank's "
+        "load over the mean rank's, averaged over the batches (worst batch in brackets); tokens, and the "
+        "attention's work (sum of squared lengths). Balancing cost: a loader worker's lengths of the whole "
+        "global batch plus the assignment, per batch, against building its own share.",
+        "",
+        "| ranks | slicing | tokens max/mean (worst) | attention work max/mean (worst) | balancing ms / batch "
+        "| building the share ms | cost share |",
+        "|---:|---|---|---|---:|---:|---:|",
+    ]
     for row in r["rows"]:
-        cost = (f"{row['share_ms']:.1f} | {row['build_ms']:.1f} | {100 * row['share_over_build']:.1f}%"
-                if "share_ms" in row else " | | ")
-        lines.append(f"| {row['world']} | {row['slicing']} | {row['tokens_max_over_mean']:.4f} "
-                     f"({row['tokens_worst']:.4f}) | {row['work_max_over_mean']:.4f} ({row['work_worst']:.4f}) | {cost} |")
+        cost = (
+            f"{row['share_ms']:.1f} | {row['build_ms']:.1f} | {100 * row['share_over_build']:.1f}%"
+            if "share_ms" in row
+            else " | | "
+        )
+        lines.append(
+            f"| {row['world']} | {row['slicing']} | {row['tokens_max_over_mean']:.4f} "
+            f"({row['tokens_worst']:.4f}) | {row['work_max_over_mean']:.4f} ({row['work_worst']:.4f}) | {cost} |"
+        )
     lines += ["", f"Command: `{r['command']}`", ""]
     return "\n".join(lines)
 

@@ -25,8 +25,10 @@ import time
 
 import numpy as np
 import torch
-
 from bench_end_to_end import random_batch, start_single_process_group
+from harness import command_line, device_name, git_commit, sync, write_results
+from length_mix import jagged_lengths
+
 from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.model.embeddings import make_embeddings, table_specs
@@ -34,8 +36,6 @@ from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS, make_memory_plan
 from dlrmv4.train.optim import FiniteMonitor
 from dlrmv4.train.step import TrainStep
-from harness import command_line, device_name, git_commit, sync, write_results
-from length_mix import jagged_lengths
 
 PLAN_WORLD = 8
 SLICE = 1_024  # GBS 8,192 over 8 ranks
@@ -49,18 +49,40 @@ def rank_config(plan, cfg: BenchmarkConfig, smoke: bool) -> tuple[BenchmarkConfi
     rows = {s.name: math.ceil(s.rows / PLAN_WORLD) for s in table_specs(cfg, *YAMBDA_5B_COUNTS)}
     if smoke:
         rows = {name: 1_000 for name in rows}
-    emb = dataclasses.replace(planned.embeddings, embedding_backend="torchrec", item_rows=rows["item"],
-                              artist_rows=rows["artist"], album_rows=rows["album"], sharding_types="*=row_wise")
+    emb = dataclasses.replace(
+        planned.embeddings,
+        embedding_backend="torchrec",
+        item_rows=rows["item"],
+        artist_rows=rows["artist"],
+        album_rows=rows["album"],
+        sharding_types="*=row_wise",
+    )
     sampler = dataclasses.replace(planned.sampler, **{f"{name}_rows": rows[name] for name in CONTEXTUAL_FEATURES})
     train = dataclasses.replace(planned.train, learning_rate=1e-4, warmup_steps=100)
     loader = dataclasses.replace(planned.loader, batch_size=SLICE)
     out = dataclasses.replace(planned, embeddings=emb, sampler=sampler, train=train, loader=loader)
     if smoke:
-        model = dataclasses.replace(out.model, embedding_dim=16, d_model=16, num_layers=1, num_heads=1, qk_dim=16,
-                                    v_dim=16, preprocessor_hidden=16, item_tower_hidden=16, head_hidden=16,
-                                    sequence_dtype="float32", num_position_buckets=256, kernels="pytorch")
-        out = dataclasses.replace(out, model=model, sampler=dataclasses.replace(sampler, max_seq_len=128),
-                                  embeddings=dataclasses.replace(emb, placement=""))
+        model = dataclasses.replace(
+            out.model,
+            embedding_dim=16,
+            d_model=16,
+            num_layers=1,
+            num_heads=1,
+            qk_dim=16,
+            v_dim=16,
+            preprocessor_hidden=16,
+            item_tower_hidden=16,
+            head_hidden=16,
+            sequence_dtype="float32",
+            num_position_buckets=256,
+            kernels="pytorch",
+        )
+        out = dataclasses.replace(
+            out,
+            model=model,
+            sampler=dataclasses.replace(sampler, max_seq_len=128),
+            embeddings=dataclasses.replace(emb, placement=""),
+        )
     return out, rows
 
 
@@ -77,12 +99,21 @@ def timed(step: TrainStep, batches, steps: int, first: int, device: torch.device
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50, help="timed steps of 1,024 samples")
-    parser.add_argument("--baseline-batches", type=int, nargs="+", default=[128, 256],
-                        help="single-chunk batch sizes to find the fastest one")
+    parser.add_argument(
+        "--baseline-batches",
+        type=int,
+        nargs="+",
+        default=[128, 256],
+        help="single-chunk batch sizes to find the fastest one",
+    )
     parser.add_argument("--baseline-steps", type=int, default=16)
     parser.add_argument("--id-skew", type=float, default=1.2, help="Zipf exponent of every table's ids")
-    parser.add_argument("--host-memory-gib", type=float, default=2048.0,
-                        help="host RAM of one 8-GPU node, for the plan's host-memory tables")
+    parser.add_argument(
+        "--host-memory-gib",
+        type=float,
+        default=2048.0,
+        help="host RAM of one 8-GPU node, for the plan's host-memory tables",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU; nothing saved")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -90,9 +121,16 @@ def main() -> None:
     device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 << 30
     cfg = load_config("yambda-5b")
     cfg = dataclasses.replace(cfg, embeddings=dataclasses.replace(cfg.embeddings, embedding_backend="torchrec"))
-    plan = make_memory_plan(cfg, world_size=PLAN_WORLD, gpus_per_node=PLAN_WORLD, device_kind="cuda",
-                            device_memory_bytes=device_bytes, host_memory_bytes=int(args.host_memory_gib * 2**30),
-                            table_counts=YAMBDA_5B_COUNTS, backend="torchrec")
+    plan = make_memory_plan(
+        cfg,
+        world_size=PLAN_WORLD,
+        gpus_per_node=PLAN_WORLD,
+        device_kind="cuda",
+        device_memory_bytes=device_bytes,
+        host_memory_bytes=int(args.host_memory_gib * 2**30),
+        table_counts=YAMBDA_5B_COUNTS,
+        backend="torchrec",
+    )
     print(plan.describe(), flush=True)
     if not plan.fits:
         sys.exit(f"[dlrmv4] error: {plan.refusal()}")
@@ -118,11 +156,20 @@ def main() -> None:
     seconds = timed(step, pool, args.steps, WARM_STEPS, device)
     step.finite.check()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    rehearsal = {"samples_per_s": args.steps * SLICE / seconds, "step_ms": 1e3 * seconds / args.steps,
-                 "chunks": step.chunks, "recompute": rcfg.model.recompute, "peak_gib": peak / 2**30,
-                 "resting_gib": resting / 2**30, "mean_tokens": float(np.mean(np.concatenate(lengths)))}
-    print(f"rehearsal: {rehearsal['samples_per_s']:,.0f} samples/s, {rehearsal['step_ms']:.0f} ms/step, "
-          f"peak {rehearsal['peak_gib']:.1f} GiB", flush=True)
+    rehearsal = {
+        "samples_per_s": args.steps * SLICE / seconds,
+        "step_ms": 1e3 * seconds / args.steps,
+        "chunks": step.chunks,
+        "recompute": rcfg.model.recompute,
+        "peak_gib": peak / 2**30,
+        "resting_gib": resting / 2**30,
+        "mean_tokens": float(np.mean(np.concatenate(lengths))),
+    }
+    print(
+        f"rehearsal: {rehearsal['samples_per_s']:,.0f} samples/s, {rehearsal['step_ms']:.0f} ms/step, "
+        f"peak {rehearsal['peak_gib']:.1f} GiB",
+        flush=True,
+    )
     baseline = []
     for batch in args.baseline_batches:
         single = TrainStep(model, embeddings, dataclasses.replace(rcfg.train, chunks=1), FiniteMonitor(device))
@@ -142,12 +189,22 @@ def main() -> None:
         print(f"single chunk of {batch}: {baseline[-1]['samples_per_s']:,.0f} samples/s", flush=True)
         del single, cut
     fastest = max((b for b in baseline if not b.get("oom")), key=lambda b: b["samples_per_s"], default=None)
-    result = {"device": name, "torch": torch.__version__, "commit": git_commit(), "plan": plan.describe(),
-              "placement": rcfg.embeddings.placement, "rank_rows": rows,
-              "table_gib": sum(rows.values()) * rcfg.model.embedding_dim * 4 / 2**30, "init_s": init_s,
-              "id_skew": args.id_skew, "steps": args.steps, "rehearsal": rehearsal, "baseline": baseline,
-              "ratio_to_fastest": rehearsal["samples_per_s"] / fastest["samples_per_s"] if fastest else None,
-              "command": command_line()}
+    result = {
+        "device": name,
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "plan": plan.describe(),
+        "placement": rcfg.embeddings.placement,
+        "rank_rows": rows,
+        "table_gib": sum(rows.values()) * rcfg.model.embedding_dim * 4 / 2**30,
+        "init_s": init_s,
+        "id_skew": args.id_skew,
+        "steps": args.steps,
+        "rehearsal": rehearsal,
+        "baseline": baseline,
+        "ratio_to_fastest": rehearsal["samples_per_s"] / fastest["samples_per_s"] if fastest else None,
+        "command": command_line(),
+    }
     table = _table(result)
     print(table)
     if not args.smoke:
@@ -159,15 +216,20 @@ def _table(result: dict) -> str:
     r = result["rehearsal"]
     fastest = max((b for b in result["baseline"] if not b.get("oom")), key=lambda b: b["samples_per_s"], default=None)
     ratio = f"{result['ratio_to_fastest']:.3f}" if result["ratio_to_fastest"] else "-"
-    lines = [f"One rank of Yambda-5B at GBS 8,192 on 8 GPUs, rehearsed on one {result['device']} (commit "
-             f"{result['commit']}): rank 0's share of the row-wise plan, {result['table_gib']:.1f} GiB of fp32 tables "
-             f"(placement: {result['placement'] or 'all in HBM'}), 1,024 samples per step, jagged length mix (mean "
-             f"{r['mean_tokens']:,.0f} tokens), Zipf({result['id_skew']:g}) ids, {result['steps']} timed steps.", "",
-             "| device | chunks | recompute | peak GiB | resting GiB | samples/s | ms/step | fastest single chunk | "
-             "ratio |", "|---|---:|---|---:|---:|---:|---:|---|---:|"]
+    lines = [
+        f"One rank of Yambda-5B at GBS 8,192 on 8 GPUs, rehearsed on one {result['device']} (commit "
+        f"{result['commit']}): rank 0's share of the row-wise plan, {result['table_gib']:.1f} GiB of fp32 tables "
+        f"(placement: {result['placement'] or 'all in HBM'}), 1,024 samples per step, jagged length mix (mean "
+        f"{r['mean_tokens']:,.0f} tokens), Zipf({result['id_skew']:g}) ids, {result['steps']} timed steps.",
+        "",
+        "| device | chunks | recompute | peak GiB | resting GiB | samples/s | ms/step | fastest single chunk | ratio |",
+        "|---|---:|---|---:|---:|---:|---:|---|---:|",
+    ]
     best = f"{fastest['samples_per_s']:,.0f} (batch {fastest['batch']})" if fastest else "-"
-    lines.append(f"| {result['device']} | {r['chunks']} | {r['recompute']} | {r['peak_gib']:.1f} | "
-                 f"{r['resting_gib']:.1f} | {r['samples_per_s']:,.0f} | {r['step_ms']:.0f} | {best} | {ratio} |")
+    lines.append(
+        f"| {result['device']} | {r['chunks']} | {r['recompute']} | {r['peak_gib']:.1f} | "
+        f"{r['resting_gib']:.1f} | {r['samples_per_s']:,.0f} | {r['step_ms']:.0f} | {best} | {ratio} |"
+    )
     lines += ["", "The memory plan (8 ranks of this GPU):", "", "```", result["plan"], "```"]
     return "\n".join(lines)
 

@@ -20,22 +20,23 @@ import time
 from pathlib import Path
 
 import numpy as np
+from harness import RESULTS, command_line, write_results
+from reference_sampler import reference_sample
+from store_factory import random_store
 
 from dlrmv4.config import SamplerConfig
 from dlrmv4.data.hashing import contextual_ids
 from dlrmv4.data.sampler import build_batch, item_side_ids, pack_item_sides, user_of
 from dlrmv4.data.store import open_store
-from harness import RESULTS, command_line, write_results
-from reference_sampler import reference_sample
-from store_factory import random_store
 
 GOAL_SAMPLES_PER_S = 2_500
 REFERENCE_MIN_HISTORY = 4_086
 YAMBDA_5B_ITEMS = 9_390_623
 
 
-def time_fast(store, batches: list[np.ndarray], cfg: SamplerConfig, repeats: int,
-              item_sides: np.ndarray | None) -> dict:
+def time_fast(
+    store, batches: list[np.ndarray], cfg: SamplerConfig, repeats: int, item_sides: np.ndarray | None
+) -> dict:
     """Best-of-repeats wall and CPU time over all batches (the box is shared; best is least disturbed)."""
     walls, cpus, tokens = [], [], 0
     for _ in range(repeats):
@@ -44,12 +45,17 @@ def time_fast(store, batches: list[np.ndarray], cfg: SamplerConfig, repeats: int
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
     n = sum(len(b) for b in batches)
-    return {"samples": n, "tokens_per_sample": tokens / n, "wall_s": min(walls), "cpu_s": min(cpus),
-            "samples_per_s": n / min(walls), "samples_per_cpu_s": n / min(cpus)}
+    return {
+        "samples": n,
+        "tokens_per_sample": tokens / n,
+        "wall_s": min(walls),
+        "cpu_s": min(cpus),
+        "samples_per_s": n / min(walls),
+        "samples_per_cpu_s": n / min(cpus),
+    }
 
 
-def time_crosses(store, batches: list[np.ndarray], cfg: SamplerConfig, repeats: int,
-                 item_sides: np.ndarray) -> float:
+def time_crosses(store, batches: list[np.ndarray], cfg: SamplerConfig, repeats: int, item_sides: np.ndarray) -> float:
     """Best-of-repeats wall time of ``contextual_ids`` alone over the batches' anchors (inputs gathered first)."""
     train = store.train
     offsets, item_id = np.asarray(train.user_offsets), np.asarray(train.item_id)
@@ -57,8 +63,16 @@ def time_crosses(store, batches: list[np.ndarray], cfg: SamplerConfig, repeats: 
     for b in batches:
         item = item_id[b].astype(np.int64)
         artist, album = item_side_ids(store, item, item_sides)
-        inputs.append((np.asarray(train.user_ids)[user_of(offsets, b)], item, artist, album,
-                       np.asarray(train.timestamp)[b], np.asarray(train.is_organic)[b]))
+        inputs.append(
+            (
+                np.asarray(train.user_ids)[user_of(offsets, b)],
+                item,
+                artist,
+                album,
+                np.asarray(train.timestamp)[b],
+                np.asarray(train.is_organic)[b],
+            )
+        )
     walls = []
     for _ in range(repeats):
         w0 = time.perf_counter()
@@ -91,61 +105,104 @@ def main() -> None:
     lengths = rng.integers(5_000, 30_001, size=args.users)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        store = open_store(random_store(Path(tmp) / "store", seed=args.seed, lengths=lengths, num_items=YAMBDA_5B_ITEMS,
-                                        num_artists=1_000_000, num_albums=3_000_000, min_history=REFERENCE_MIN_HISTORY,
-                                        window_seconds=86_400, num_windows=30, item_zipf=args.item_zipf or None))
+        store = open_store(
+            random_store(
+                Path(tmp) / "store",
+                seed=args.seed,
+                lengths=lengths,
+                num_items=YAMBDA_5B_ITEMS,
+                num_artists=1_000_000,
+                num_albums=3_000_000,
+                min_history=REFERENCE_MIN_HISTORY,
+                window_seconds=86_400,
+                num_windows=30,
+                item_zipf=args.item_zipf or None,
+            )
+        )
         build_s = time.perf_counter() - t0
         window = int(np.argmax(np.diff(store.window_offsets)))
         anchors = np.asarray(store.window_anchors(window))
         need = args.batches * args.batch_size
         if len(anchors) < need:
             raise SystemExit(f"window {window} has {len(anchors)} anchors, fewer than {need}; raise --users")
-        batches = [anchors[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.batches)]
+        batches = [anchors[i * args.batch_size : (i + 1) * args.batch_size] for i in range(args.batches)]
         item_sides = pack_item_sides(store)
         rows = []
-        for label, cfg in (("reference (max_seq_len 4096)", SamplerConfig()),
-                           ("history 1,024", SamplerConfig(max_seq_len=1_024 + 9))):
+        for label, cfg in (
+            ("reference (max_seq_len 4096)", SamplerConfig()),
+            ("history 1,024", SamplerConfig(max_seq_len=1_024 + 9)),
+        ):
             build_batch(store, batches[0], cfg)  # warm the page cache and allocator
             fast = time_fast(store, batches, cfg, args.repeats, item_sides)
             plain = time_fast(store, batches, cfg, args.repeats, None)
             crosses_s = time_crosses(store, batches, cfg, args.repeats, item_sides)
-            ref = time_reference(store, anchors[:args.reference_samples], cfg)
-            rows.append({"config": label, "max_seq_len": cfg.max_seq_len, "history_length": cfg.history_length,
-                         "per_pool_length": cfg.per_pool_length, "scan_window": cfg.scan_window,
-                         "batch_size": args.batch_size, **fast, "python_reference_samples_per_s": ref,
-                         "samples_per_s_without_item_sides": plain["samples_per_s"],
-                         "crosses_s": crosses_s, "crosses_us_per_sample": 1e6 * crosses_s / fast["samples"],
-                         "crosses_share": crosses_s / fast["wall_s"],
-                         "samples_per_s_without_crosses": fast["samples"] / (fast["wall_s"] - crosses_s),
-                         "speedup_vs_python": fast["samples_per_s"] / ref,
-                         "ratio_vs_goal": fast["samples_per_s"] / GOAL_SAMPLES_PER_S})
+            ref = time_reference(store, anchors[: args.reference_samples], cfg)
+            rows.append(
+                {
+                    "config": label,
+                    "max_seq_len": cfg.max_seq_len,
+                    "history_length": cfg.history_length,
+                    "per_pool_length": cfg.per_pool_length,
+                    "scan_window": cfg.scan_window,
+                    "batch_size": args.batch_size,
+                    **fast,
+                    "python_reference_samples_per_s": ref,
+                    "samples_per_s_without_item_sides": plain["samples_per_s"],
+                    "crosses_s": crosses_s,
+                    "crosses_us_per_sample": 1e6 * crosses_s / fast["samples"],
+                    "crosses_share": crosses_s / fast["wall_s"],
+                    "samples_per_s_without_crosses": fast["samples"] / (fast["wall_s"] - crosses_s),
+                    "speedup_vs_python": fast["samples_per_s"] / ref,
+                    "ratio_vs_goal": fast["samples_per_s"] / GOAL_SAMPLES_PER_S,
+                }
+            )
 
-    header = ("| config | history | tokens/sample | samples/s (wall) | samples/CPU-s | without item_sides "
-              "| crosses µs/sample (share) | samples/s without crosses "
-              "| python ref samples/s | × python | × goal 2,500/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    header = (
+        "| config | history | tokens/sample | samples/s (wall) | samples/CPU-s | without item_sides "
+        "| crosses µs/sample (share) | samples/s without crosses "
+        "| python ref samples/s | × python | × goal 2,500/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     table = header + "".join(
         f"| {r['config']} | {r['history_length']} ({r['per_pool_length']}/pool) | {r['tokens_per_sample']:.0f} "
         f"| {r['samples_per_s']:,.0f} | {r['samples_per_cpu_s']:,.0f} | {r['samples_per_s_without_item_sides']:,.0f} "
         f"| {r['crosses_us_per_sample']:.1f} ({100 * r['crosses_share']:.1f} %) "
         f"| {r['samples_per_s_without_crosses']:,.0f} "
         f"| {r['python_reference_samples_per_s']:.1f} "
-        f"| {r['speedup_vs_python']:,.0f} | {r['ratio_vs_goal']:.2f} |\n" for r in rows)
-    store_facts = {"users": args.users, "events": int(lengths.sum()), "events_per_user": [5_000, 30_000],
-                   "items": YAMBDA_5B_ITEMS, "item_zipf": args.item_zipf,
-                   "min_history": REFERENCE_MIN_HISTORY, "window": window, "window_anchors": len(anchors),
-                   "build_s": build_s}
-    result = write_results("sampler", {
-        "store": store_facts, "goal_samples_per_s": GOAL_SAMPLES_PER_S,
-        "timing": f"best of {args.repeats} over {args.batches} consecutive batches, one process, wall clock",
-        "rows": rows}, (
-        f"# Sampler throughput (`{command_line()}`)\n\n{table}\nOne process (numpy is single-threaded here), "
-        f"{os.cpu_count()} CPUs visible; synthetic store of {args.users} users with 5k-30k events each, "
-        f"{YAMBDA_5B_ITEMS:,} items (Zipf {args.item_zipf}), scan window {rows[0]['scan_window']:,}, "
-        f"batch {args.batch_size} (consecutive anchors of one window in the store's order), Yambda action mix. "
-        "`samples/CPU-s` discounts time lost to other processes on a shared box; `without item_sides` is "
-        "`build_batch` without the packed item table; "
-        "`crosses` is `contextual_ids` (7 xxh64 crosses, one C call per key) timed alone on the same anchors, "
-        "and `without crosses` subtracts its time."), device="cpu", out=args.out)
+        f"| {r['speedup_vs_python']:,.0f} | {r['ratio_vs_goal']:.2f} |\n"
+        for r in rows
+    )
+    store_facts = {
+        "users": args.users,
+        "events": int(lengths.sum()),
+        "events_per_user": [5_000, 30_000],
+        "items": YAMBDA_5B_ITEMS,
+        "item_zipf": args.item_zipf,
+        "min_history": REFERENCE_MIN_HISTORY,
+        "window": window,
+        "window_anchors": len(anchors),
+        "build_s": build_s,
+    }
+    result = write_results(
+        "sampler",
+        {
+            "store": store_facts,
+            "goal_samples_per_s": GOAL_SAMPLES_PER_S,
+            "timing": f"best of {args.repeats} over {args.batches} consecutive batches, one process, wall clock",
+            "rows": rows,
+        },
+        (
+            f"# Sampler throughput (`{command_line()}`)\n\n{table}\nOne process (numpy is single-threaded here), "
+            f"{os.cpu_count()} CPUs visible; synthetic store of {args.users} users with 5k-30k events each, "
+            f"{YAMBDA_5B_ITEMS:,} items (Zipf {args.item_zipf}), scan window {rows[0]['scan_window']:,}, "
+            f"batch {args.batch_size} (consecutive anchors of one window in the store's order), Yambda action mix. "
+            "`samples/CPU-s` discounts time lost to other processes on a shared box; `without item_sides` is "
+            "`build_batch` without the packed item table; "
+            "`crosses` is `contextual_ids` (7 xxh64 crosses, one C call per key) timed alone on the same anchors, "
+            "and `without crosses` subtracts its time."
+        ),
+        device="cpu",
+        out=args.out,
+    )
     print(table)
     print(json.dumps({"machine": result["machine"], "versions": result["versions"], "store": store_facts}))
 

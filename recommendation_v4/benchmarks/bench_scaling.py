@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 import torch
+from harness import cpu_model, device_name, save_labelled_row
 
 from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args
-from harness import cpu_model, device_name, save_labelled_row
 
 
 def _replace(cfg: BenchmarkConfig, overrides: dict) -> BenchmarkConfig:
@@ -56,10 +56,17 @@ def real_table_rows(plan_world: int, world: int, store_counts: tuple[int, int, i
         return -(-rows * world // plan_world)
 
     real = SamplerConfig()
-    out = {("embeddings", f"{name}_rows"): max(scaled(rows), count)
-           for name, rows, count in zip(("item", "artist", "album"), YAMBDA_5B_COUNTS, store_counts)}
-    out.update({("sampler", f"{name}_rows"): scaled(getattr(real, f"{name}_rows"))
-                for name in CONTEXTUAL_FEATURES if name != "uid"})
+    out = {
+        ("embeddings", f"{name}_rows"): max(scaled(rows), count)
+        for name, rows, count in zip(("item", "artist", "album"), YAMBDA_5B_COUNTS, store_counts)
+    }
+    out.update(
+        {
+            ("sampler", f"{name}_rows"): scaled(getattr(real, f"{name}_rows"))
+            for name in CONTEXTUAL_FEATURES
+            if name != "uid"
+        }
+    )
     return out
 
 
@@ -68,8 +75,8 @@ def worker(args: argparse.Namespace) -> None:
     from dlrmv4.data.loader import make_window_loader
     from dlrmv4.data.paths import store_dir
     from dlrmv4.data.store import open_store
-    from dlrmv4.train.distributed import start_cluster
     from dlrmv4.model.embeddings import store_table_counts
+    from dlrmv4.train.distributed import start_cluster
     from dlrmv4.train.run import seed_everything
     from dlrmv4.train.trainer import build_trainer
 
@@ -77,8 +84,9 @@ def worker(args: argparse.Namespace) -> None:
     base = config_from_args(args)
     gbs = args.per_rank_batch * world if args.scaling == "weak" else args.per_rank_batch
     store = open_store(store_dir(base.dataset))
-    cfg = _replace(base, {("loader", "batch_size"): gbs,
-                          **real_table_rows(args.real_tables_of, world, store_table_counts(store))})
+    cfg = _replace(
+        base, {("loader", "batch_size"): gbs, **real_table_rows(args.real_tables_of, world, store_table_counts(store))}
+    )
     cluster = start_cluster(cfg.distributed)
     device = cluster.device
     seed_everything(cfg.seed)
@@ -134,13 +142,25 @@ def worker(args: argparse.Namespace) -> None:
     digests = cluster.gather(digest.hexdigest())
     if cluster.is_main:
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        Path(args.worker_out).write_text(json.dumps({
-            "world_size": world, "global_batch": gbs, "per_rank_batch": gbs // world, "steps": steps,
-            "seconds": seconds, "samples_per_s": steps * gbs / seconds, "bare_steps": len(bare_batches),
-            "bare_samples_per_s": len(bare_batches) * gbs / bare_seconds,
-            "mean_history_tokens": sum(tokens_all) / (steps * gbs), "peak_gib_rank0": peak,
-            "replicas_identical": len(set(digests)) == 1, "backend": embeddings.backend,
-            "threads_per_rank": torch.get_num_threads()}))
+        Path(args.worker_out).write_text(
+            json.dumps(
+                {
+                    "world_size": world,
+                    "global_batch": gbs,
+                    "per_rank_batch": gbs // world,
+                    "steps": steps,
+                    "seconds": seconds,
+                    "samples_per_s": steps * gbs / seconds,
+                    "bare_steps": len(bare_batches),
+                    "bare_samples_per_s": len(bare_batches) * gbs / bare_seconds,
+                    "mean_history_tokens": sum(tokens_all) / (steps * gbs),
+                    "peak_gib_rank0": peak,
+                    "replicas_identical": len(set(digests)) == 1,
+                    "backend": embeddings.backend,
+                    "threads_per_rank": torch.get_num_threads(),
+                }
+            )
+        )
     cluster.shutdown()
 
 
@@ -164,18 +184,26 @@ def profile_bare_steps(trainer, batches, plan, first_step: int, print_it: bool) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_config_arguments(parser)
-    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="process counts (the first is the baseline)")
-    parser.add_argument("--per-rank-batch", type=int, default=256,
-                        help="batch per process (weak) or the global batch (strong)")
+    parser.add_argument(
+        "--worlds", type=int, nargs="+", default=[1, 2], help="process counts (the first is the baseline)"
+    )
+    parser.add_argument(
+        "--per-rank-batch", type=int, default=256, help="batch per process (weak) or the global batch (strong)"
+    )
     parser.add_argument("--scaling", choices=("weak", "strong"), default="weak")
     parser.add_argument("--warmup-samples", type=int, default=10_240, help="untimed samples first (compile, autotune)")
     parser.add_argument("--samples", type=int, default=25_600, help="timed samples")
     parser.add_argument("--label", default=None, help="row name in results/scaling (default: the device)")
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print a profile of 10 bare steps per process count")
-    parser.add_argument("--real-tables-of", type=int, default=0, metavar="N",
-                        help="every table at Yambda-5B's rows x processes / N: each rank holds its share of the "
-                             "N-GPU row-wise plan (0: the config's tables)")
+    parser.add_argument(
+        "--real-tables-of",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every table at Yambda-5B's rows x processes / N: each rank holds its share of the "
+        "N-GPU row-wise plan (0: the config's tables)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="times each world size runs, alternating")
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()
@@ -188,8 +216,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for repeat, world in ((r, w) for r in range(args.repeats) for w in args.worlds):
             out = Path(tmp) / f"world{world}.{repeat}.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                   __file__, *passthrough, "--worker-out", str(out)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={world}",
+                __file__,
+                *passthrough,
+                "--worker-out",
+                str(out),
+            ]
             env = dict(os.environ)
             if not torch.cuda.is_available():  # CPU: share the cores between the processes
                 env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
@@ -206,11 +243,20 @@ def main() -> None:
             r[f"{kind}speedup"] = r[f"{kind}samples_per_s"] / base[f"{kind}samples_per_s"]
             r[f"{kind}efficiency"] = r[f"{kind}speedup"] / (r["world_size"] / base["world_size"])
     cfg = config_from_args(args)
-    row = {"label": args.label or ("gpu" if torch.cuda.is_available() else "cpu"), "device": _device_name(),
-           "torch": torch.__version__, "scaling": args.scaling, "d_model": cfg.model.d_model,
-           "num_layers": cfg.model.num_layers, "max_seq_len": cfg.sampler.max_seq_len,
-           "num_workers": cfg.loader.num_workers, "real_tables_of": args.real_tables_of,
-           "qcomm": cfg.embeddings.qcomm, "rank_slicing": cfg.loader.rank_slicing, "results": results}
+    row = {
+        "label": args.label or ("gpu" if torch.cuda.is_available() else "cpu"),
+        "device": _device_name(),
+        "torch": torch.__version__,
+        "scaling": args.scaling,
+        "d_model": cfg.model.d_model,
+        "num_layers": cfg.model.num_layers,
+        "max_seq_len": cfg.sampler.max_seq_len,
+        "num_workers": cfg.loader.num_workers,
+        "real_tables_of": args.real_tables_of,
+        "qcomm": cfg.embeddings.qcomm,
+        "rank_slicing": cfg.loader.rank_slicing,
+        "results": results,
+    }
     print(_table([row]))
     if not args.no_save:
         _save(row)
@@ -223,21 +269,25 @@ def _device_name() -> str:
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| row | device | scaling | model D x layers, max seq | backend | tables, all-to-all, slicing | processes "
-             "| repeat | batch / process | global batch | mean history tokens | loop samples/s | loop speedup (efficiency) "
-             "| bare step samples/s | bare speedup (efficiency) | replicas identical |",
-             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| row | device | scaling | model D x layers, max seq | backend | tables, all-to-all, slicing | processes "
+        "| repeat | batch / process | global batch | mean history tokens | loop samples/s | loop speedup (efficiency) "
+        "| bare step samples/s | bare speedup (efficiency) | replicas identical |",
+        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for row in rows:
-        tables = (f"1/{row['real_tables_of']} of Yambda-5B per rank" if row.get("real_tables_of") else "config's")
+        tables = f"1/{row['real_tables_of']} of Yambda-5B per rank" if row.get("real_tables_of") else "config's"
         setup = f"{tables}, {row.get('qcomm', 'none')}, {row.get('rank_slicing', 'contiguous')}"
         for r in row["results"]:
-            lines.append(f"| {row['label']} | {row['device']} | {row['scaling']} | {row['d_model']} x "
-                         f"{row['num_layers']}, {row['max_seq_len']} | {r['backend']} | {setup} | {r['world_size']} "
-                         f"| {r.get('repeat', 0)} | "
-                         f"{r['per_rank_batch']} | {r['global_batch']} | {r['mean_history_tokens']:.0f} | "
-                         f"{r['samples_per_s']:,.0f} | {r['speedup']:.2f}x ({r['efficiency']:.0%}) | "
-                         f"{r['bare_samples_per_s']:,.0f} | {r['bare_speedup']:.2f}x ({r['bare_efficiency']:.0%}) | "
-                         f"{'yes' if r['replicas_identical'] else 'NO'} |")
+            lines.append(
+                f"| {row['label']} | {row['device']} | {row['scaling']} | {row['d_model']} x "
+                f"{row['num_layers']}, {row['max_seq_len']} | {r['backend']} | {setup} | {r['world_size']} "
+                f"| {r.get('repeat', 0)} | "
+                f"{r['per_rank_batch']} | {r['global_batch']} | {r['mean_history_tokens']:.0f} | "
+                f"{r['samples_per_s']:,.0f} | {r['speedup']:.2f}x ({r['efficiency']:.0%}) | "
+                f"{r['bare_samples_per_s']:,.0f} | {r['bare_speedup']:.2f}x ({r['bare_efficiency']:.0%}) | "
+                f"{'yes' if r['replicas_identical'] else 'NO'} |"
+            )
     spreads = [spread_line(row) for row in rows]
     return "\n".join(lines + ([""] if any(spreads) else []) + [line for line in spreads if line])
 
@@ -248,19 +298,28 @@ def spread_line(row: dict) -> str:
     for world in sorted({r["world_size"] for r in row["results"]})[1:]:
         speedups = sorted(r["speedup"] for r in row["results"] if r["world_size"] == world)
         if len(speedups) > 1:
-            parts.append(f"{world} processes: {speedups[0]:.2f}x / {statistics.median(speedups):.2f}x / "
-                         f"{speedups[-1]:.2f}x over {len(speedups)} repeats")
+            parts.append(
+                f"{world} processes: {speedups[0]:.2f}x / {statistics.median(speedups):.2f}x / "
+                f"{speedups[-1]:.2f}x over {len(speedups)} repeats"
+            )
     return f"- {row['label']}: loop speedup min / median / max: " + "; ".join(parts) if parts else ""
 
 
 def _save(row: dict) -> None:
-    save_labelled_row("scaling", row, (
-        "Scaling over processes of one machine, vs one process in the same call; efficiency = speedup / "
-        "process ratio. 'loop': the training step fed by the real loader (each rank builds its slice, pinned "
-        "host-to-device copy); 'bare step': the same step on batches already in device memory (DDP dense model "
-        "and the backend's table exchange included). Both cover the same span of the data for every process "
-        "count. 'replicas identical': every rank's dense weights (and plain-backend tables) hashed equal at "
-        "the end."), _table, device="cuda" if torch.cuda.is_available() else "cpu")
+    save_labelled_row(
+        "scaling",
+        row,
+        (
+            "Scaling over processes of one machine, vs one process in the same call; efficiency = speedup / "
+            "process ratio. 'loop': the training step fed by the real loader (each rank builds its slice, pinned "
+            "host-to-device copy); 'bare step': the same step on batches already in device memory (DDP dense model "
+            "and the backend's table exchange included). Both cover the same span of the data for every process "
+            "count. 'replicas identical': every rank's dense weights (and plain-backend tables) hashed equal at "
+            "the end."
+        ),
+        _table,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+    )
 
 
 if __name__ == "__main__":

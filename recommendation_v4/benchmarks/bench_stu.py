@@ -23,13 +23,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from harness import (
+    DATASHEET_BF16_TFLOPS,
+    RESULTS,
+    command_line,
+    device_name,
+    git_commit,
+    matmul_peak_tflops,
+    median_seconds,
+    write_results,
+)
+from length_mix import jagged_lengths
 
 from dlrmv4.config import ModelConfig, load_config
 from dlrmv4.model.flops import batch_flops
 from dlrmv4.model.stu import STUStack
-from harness import (DATASHEET_BF16_TFLOPS, RESULTS, command_line, device_name, git_commit, matmul_peak_tflops,
-                     median_seconds, write_results)
-from length_mix import jagged_lengths
 
 
 def stack_inputs(cfg: ModelConfig, lengths: np.ndarray, device: torch.device, seed: int):
@@ -59,10 +67,17 @@ def measure_stack(cfg: ModelConfig, batch: int, mix: str, device: torch.device, 
         seconds = median_seconds(step, reps)
     except torch.OutOfMemoryError:
         return {"kernels": cfg.kernels, "last_layer": cfg.last_layer, "batch": batch, "mix": mix, "oom": True}
-    out = {"kernels": cfg.kernels, "last_layer": cfg.last_layer, "batch": batch, "mix": mix,
-           "mean_len": float(lengths.mean()), "seconds": seconds, "samples_per_s": batch / seconds,
-           "tflops": batch_flops(cfg, lengths).stu / seconds / 1e12,
-           "tflops_executed": batch_flops(cfg, lengths, executed=True).stu / seconds / 1e12}
+    out = {
+        "kernels": cfg.kernels,
+        "last_layer": cfg.last_layer,
+        "batch": batch,
+        "mix": mix,
+        "mean_len": float(lengths.mean()),
+        "seconds": seconds,
+        "samples_per_s": batch / seconds,
+        "tflops": batch_flops(cfg, lengths).stu / seconds / 1e12,
+        "tflops_executed": batch_flops(cfg, lengths, executed=True).stu / seconds / 1e12,
+    }
     if device.type == "cuda":
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
@@ -87,9 +102,12 @@ def cold_start(batch: int) -> float:
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TRITON_CACHE_DIR": cache}
         start = time.time()
-        proc = subprocess.run([sys.executable, "-c", COLD_START.format(bench_dir=str(Path(__file__).parent),
-                                                                        batch=batch)],
-                              env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", COLD_START.format(bench_dir=str(Path(__file__).parent), batch=batch)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             raise SystemExit(proc.stderr)
         return time.time() - start
@@ -97,8 +115,9 @@ def cold_start(batch: int) -> float:
 
 def model_parity(device: torch.device) -> dict:
     """The full model on one jagged batch: Triton vs PyTorch ops, same weights, no dropout."""
-    from dlrmv4.model.hstu import DlrmHSTU
     from model_inputs import random_batch, random_embeddings
+
+    from dlrmv4.model.hstu import DlrmHSTU
 
     base = dataclasses.replace(load_config("yambda-5b").model, input_dropout=0.0, linear_dropout=0.0)
     lengths = jagged_lengths("jagged", 8, np.random.default_rng(1), max_len=4096) - 9
@@ -110,16 +129,20 @@ def model_parity(device: torch.device) -> dict:
             torch.manual_seed(0)
             model = DlrmHSTU(dataclasses.replace(base, kernels=kernels, sequence_dtype=dtype)).to(device)
             emb = random_embeddings(batch, base.embedding_dim, seed=3)
-            emb = dataclasses.replace(emb, **{f.name: getattr(emb, f.name).detach().to(device)
-                                             for f in dataclasses.fields(emb)})
+            emb = dataclasses.replace(
+                emb, **{f.name: getattr(emb, f.name).detach().to(device) for f in dataclasses.fields(emb)}
+            )
             result = model(batch, emb)
             result.loss.backward()
             grad = torch.cat([p.grad.flatten() for p in model.stu.parameters()])
             losses[kernels] = (float(result.loss.detach()), grad)
         ref, tri = losses["pytorch"], losses["triton"]
-        out[dtype] = {"loss_pytorch": ref[0], "loss_triton": tri[0],
-                      "loss_rel_diff": abs(tri[0] - ref[0]) / abs(ref[0]),
-                      "stu_grad_rel_diff": float((tri[1] - ref[1]).norm() / ref[1].norm())}
+        out[dtype] = {
+            "loss_pytorch": ref[0],
+            "loss_triton": tri[0],
+            "loss_rel_diff": abs(tri[0] - ref[0]) / abs(ref[0]),
+            "stu_grad_rel_diff": float((tri[1] - ref[1]).norm() / ref[1].norm()),
+        }
     return out
 
 
@@ -137,19 +160,31 @@ def main() -> None:
         args.batches, args.reference_batch = [2], 2
     rows = []
     peak = matmul_peak_tflops(device, n=512 if args.smoke else 8192, reps=2 if args.smoke else 20)
-    ref = measure_stack(dataclasses.replace(cfg, kernels="pytorch"), args.reference_batch, "jagged", device,
-                        reps=1 if args.smoke else 3)
+    ref = measure_stack(
+        dataclasses.replace(cfg, kernels="pytorch"), args.reference_batch, "jagged", device, reps=1 if args.smoke else 3
+    )
     rows.append(ref)
-    tri_same = measure_stack(dataclasses.replace(cfg, kernels="triton" if device.type == "cuda" else "pytorch"),
-                             args.reference_batch, "jagged", device, reps=1 if args.smoke else 5)
+    tri_same = measure_stack(
+        dataclasses.replace(cfg, kernels="triton" if device.type == "cuda" else "pytorch"),
+        args.reference_batch,
+        "jagged",
+        device,
+        reps=1 if args.smoke else 5,
+    )
     tri_same["vs_reference"] = ref["seconds"] / tri_same["seconds"]
     rows.append(tri_same)
     fast = "triton" if device.type == "cuda" else "pytorch"
     for b in args.batches:
-        full = measure_stack(dataclasses.replace(cfg, kernels=fast, last_layer="all"), b, "jagged", device,
-                             reps=1 if args.smoke else 5)
-        trimmed = measure_stack(dataclasses.replace(cfg, kernels=fast, last_layer="candidates"), b, "jagged", device,
-                                reps=1 if args.smoke else 5)
+        full = measure_stack(
+            dataclasses.replace(cfg, kernels=fast, last_layer="all"), b, "jagged", device, reps=1 if args.smoke else 5
+        )
+        trimmed = measure_stack(
+            dataclasses.replace(cfg, kernels=fast, last_layer="candidates"),
+            b,
+            "jagged",
+            device,
+            reps=1 if args.smoke else 5,
+        )
         if not full.get("oom") and not trimmed.get("oom"):
             trimmed["vs_full_last_layer"] = full["seconds"] / trimmed["seconds"]
         rows += [full, trimmed]
@@ -158,30 +193,44 @@ def main() -> None:
         extra["model_parity"] = model_parity(device)
         extra["cold_start_s"] = cold_start(256)
     name = device_name(device)
-    lines = [f"Device: {name}; "
-             f"commit {git_commit()}; torch {torch.__version__}; measured bf16 matmul peak {peak:.0f} TFLOP/s; datasheet {DATASHEET_BF16_TFLOPS:.0f}",
-             "",
-             "| ops | last layer | samples/step | mean tokens | step ms | samples/s | STU TFLOP/s (yardstick) "
-             "| executed | MFU datasheet | MFU measured peak | peak GiB | vs PyTorch ops | vs full last layer |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Device: {name}; "
+        f"commit {git_commit()}; torch {torch.__version__}; measured bf16 matmul peak {peak:.0f} TFLOP/s; datasheet {DATASHEET_BF16_TFLOPS:.0f}",
+        "",
+        "| ops | last layer | samples/step | mean tokens | step ms | samples/s | STU TFLOP/s (yardstick) "
+        "| executed | MFU datasheet | MFU measured peak | peak GiB | vs PyTorch ops | vs full last layer |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if r.get("oom"):
             lines.append(f"| {r['kernels']} | {r['last_layer']} | {r['batch']} | | out of memory | | | | | | | | |")
             continue
-        lines.append(f"| {r['kernels']} | {r['last_layer']} | {r['batch']} | {r['mean_len']:.0f} | "
-                     f"{r['seconds'] * 1e3:.1f} | {r['samples_per_s']:,.0f} | {r['tflops']:.0f} | "
-                     f"{r['tflops_executed']:.0f} | {r['tflops'] / DATASHEET_BF16_TFLOPS:.1%} | "
-                     f"{r['tflops'] / peak:.1%} | {r.get('peak_mem_gib', float('nan')):.1f} | "
-                     + (f"{r['vs_reference']:.1f}x |" if "vs_reference" in r else "- |")
-                     + (f" {r['vs_full_last_layer']:.2f}x |" if "vs_full_last_layer" in r else " - |"))
+        lines.append(
+            f"| {r['kernels']} | {r['last_layer']} | {r['batch']} | {r['mean_len']:.0f} | "
+            f"{r['seconds'] * 1e3:.1f} | {r['samples_per_s']:,.0f} | {r['tflops']:.0f} | "
+            f"{r['tflops_executed']:.0f} | {r['tflops'] / DATASHEET_BF16_TFLOPS:.1%} | "
+            f"{r['tflops'] / peak:.1%} | {r.get('peak_mem_gib', float('nan')):.1f} | "
+            + (f"{r['vs_reference']:.1f}x |" if "vs_reference" in r else "- |")
+            + (f" {r['vs_full_last_layer']:.2f}x |" if "vs_full_last_layer" in r else " - |")
+        )
     if "model_parity" in extra:
-        lines += ["", "Full model, Triton vs PyTorch ops (8 jagged samples, no dropout):", "",
-                  "| dtype | loss PyTorch | loss Triton | loss rel. diff | STU grad rel. diff |", "|---|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "Full model, Triton vs PyTorch ops (8 jagged samples, no dropout):",
+            "",
+            "| dtype | loss PyTorch | loss Triton | loss rel. diff | STU grad rel. diff |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for dtype, p in extra["model_parity"].items():
-            lines.append(f"| {dtype} | {p['loss_pytorch']:.6f} | {p['loss_triton']:.6f} | {p['loss_rel_diff']:.1e} | "
-                         f"{p['stu_grad_rel_diff']:.1e} |")
-        lines += ["", f"Cold start (fresh process, empty Triton cache, to the end of the first fwd+bwd at 256 "
-                      f"samples): {extra['cold_start_s']:.1f} s"]
+            lines.append(
+                f"| {dtype} | {p['loss_pytorch']:.6f} | {p['loss_triton']:.6f} | {p['loss_rel_diff']:.1e} | "
+                f"{p['stu_grad_rel_diff']:.1e} |"
+            )
+        lines += [
+            "",
+            f"Cold start (fresh process, empty Triton cache, to the end of the first fwd+bwd at 256 "
+            f"samples): {extra['cold_start_s']:.1f} s",
+        ]
     text = "\n".join(lines)
     print(text)
     if not args.smoke:

@@ -40,20 +40,27 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from bench_end_to_end import start_single_process_group
+from harness import (
+    DATASHEET_BF16_TFLOPS,
+    command_line,
+    device_name,
+    git_commit,
+    matmul_peak_tflops,
+    sync,
+    write_results,
+)
+
 from dlrmv4.config import config_from_args
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
 from dlrmv4.data.loader import make_window_loader
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
+from dlrmv4.data.windows import split_windows
 from dlrmv4.model.embeddings import store_table_counts, table_specs
 from dlrmv4.model.flops import batch_flops
-from dlrmv4.data.windows import split_windows
 from dlrmv4.train.schedule import EvalSchedule
 from dlrmv4.train.trainer import build_step
-from harness import (DATASHEET_BF16_TFLOPS, command_line, device_name, git_commit, matmul_peak_tflops, sync,
-                     write_results)
 
 WARM_STEPS = 5
 
@@ -64,21 +71,67 @@ def say(text: str) -> None:
 
 def overrides(args: argparse.Namespace) -> list[str]:
     """The flags both the run and the bare step use (the bare step reads them back through load_config)."""
-    flags = ["--num-train-days", str(args.train_days), "--batch-size", str(args.batch_size), "--embedding-backend", args.backend, "--chunks", "1",
-             "--recompute", args.recompute, "--last-layer", args.last_layer, "--seed", "1"]
+    flags = [
+        "--num-train-days",
+        str(args.train_days),
+        "--batch-size",
+        str(args.batch_size),
+        "--embedding-backend",
+        args.backend,
+        "--chunks",
+        "1",
+        "--recompute",
+        args.recompute,
+        "--last-layer",
+        args.last_layer,
+        "--seed",
+        "1",
+    ]
     for name in CONTEXTUAL_FEATURES:
         if name != "uid":
             flags += [f"--{name.replace('_', '-')}-rows", str(args.table_rows)]
     if args.smoke:
-        flags += ["--d-model", "32", "--embedding-dim", "32", "--num-heads", "2", "--qk-dim", "16", "--v-dim", "16",
-                  "--num-layers", "2", "--sequence-dtype", "float32", "--input-dropout", "0", "--linear-dropout", "0"]
+        flags += [
+            "--d-model",
+            "32",
+            "--embedding-dim",
+            "32",
+            "--num-heads",
+            "2",
+            "--qk-dim",
+            "16",
+            "--v-dim",
+            "16",
+            "--num-layers",
+            "2",
+            "--sequence-dtype",
+            "float32",
+            "--input-dropout",
+            "0",
+            "--linear-dropout",
+            "0",
+        ]
     return flags
 
 
 def cli(args: argparse.Namespace, command: str, *flags: str) -> tuple[subprocess.CompletedProcess, float]:
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "dlrmv4", command, "--preset", args.preset, "--data-path",
-                           args.data_path, "--no-progress", *flags], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlrmv4",
+            command,
+            "--preset",
+            args.preset,
+            "--data-path",
+            args.data_path,
+            "--no-progress",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"dlrmv4 {command} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc, time.perf_counter() - started
@@ -88,8 +141,9 @@ def run_config(args: argparse.Namespace):
     """The run's config as the CLI resolves it (preset + the shared flags)."""
     from dlrmv4.cli import build_parser
 
-    parsed = build_parser().parse_args(["train", "--preset", args.preset, "--data-path", args.data_path,
-                                        *overrides(args)])
+    parsed = build_parser().parse_args(
+        ["train", "--preset", args.preset, "--data-path", args.data_path, *overrides(args)]
+    )
     return config_from_args(parsed)
 
 
@@ -115,8 +169,10 @@ def window_rates(history: dict) -> list[dict]:
     """Each window's samples and the loop's rate over it, as the run's history records them."""
     ends = [s for _, s, _ in history["window_losses"]]
     samples = np.diff([0] + ends)
-    return [{"window": w, "samples": int(n), "samples_per_s": rate}
-            for (w, _, _), n, (_, rate) in zip(history["window_losses"], samples, history["throughput"])]
+    return [
+        {"window": w, "samples": int(n), "samples_per_s": rate}
+        for (w, _, _), n, (_, rate) in zip(history["window_losses"], samples, history["throughput"])
+    ]
 
 
 def loop_rates(windows: list[dict], warmup_samples: int) -> tuple[float, int, float]:
@@ -136,8 +192,7 @@ def gpu_busy_share(trace: Path) -> float | None:
     if not trace.exists():
         return None
     events = json.loads(trace.read_text()).get("traceEvents", [])
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("cat") == "kernel" and "dur" in e)
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e)
     if not spans:
         return None
     busy, (start, end) = 0.0, spans[0]
@@ -157,8 +212,12 @@ def bare_step(args: argparse.Namespace, device: torch.device) -> dict:
     cfg = run_config(args)
     store = open_store(store_dir(cfg.dataset))
     windows, _ = split_windows(store)
-    loader = make_window_loader(store, windows, dataclasses.replace(
-        cfg, loader=dataclasses.replace(cfg.loader, num_workers=min(cfg.loader.num_workers, 4))), drop_last=True)
+    loader = make_window_loader(
+        store,
+        windows,
+        dataclasses.replace(cfg, loader=dataclasses.replace(cfg.loader, num_workers=min(cfg.loader.num_workers, 4))),
+        drop_last=True,
+    )
     batches = []
     for batch in loader:
         batches.append(batch)
@@ -180,21 +239,28 @@ def bare_step(args: argparse.Namespace, device: torch.device) -> dict:
     seconds = time.perf_counter() - started
     step.finite.check()
     timed = lengths[WARM_STEPS:]
-    return {"steps": len(timed), "samples_per_s": len(timed) * cfg.loader.batch_size / seconds,
-            "step_ms": 1e3 * seconds / len(timed),
-            "mean_tokens": float(np.mean(np.concatenate(timed))),
-            "stu_tflops": sum(batch_flops(cfg.model, n).stu for n in timed) / seconds / 1e12,
-            "stu_tflops_executed": sum(batch_flops(cfg.model, n, executed=True).stu for n in timed) / seconds / 1e12,
-            "backend": step.embeddings.backend}
+    return {
+        "steps": len(timed),
+        "samples_per_s": len(timed) * cfg.loader.batch_size / seconds,
+        "step_ms": 1e3 * seconds / len(timed),
+        "mean_tokens": float(np.mean(np.concatenate(timed))),
+        "stu_tflops": sum(batch_flops(cfg.model, n).stu for n in timed) / seconds / 1e12,
+        "stu_tflops_executed": sum(batch_flops(cfg.model, n, executed=True).stu for n in timed) / seconds / 1e12,
+        "backend": step.embeddings.backend,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-path", default="data/bench50m", help="where the synthetic store is (made when missing)")
     parser.add_argument("--preset", default="synthetic-50m")
-    parser.add_argument("--train-days", type=int, default=30,
-                        help="train windows of the store: the eval cadence skips the first 2 %% of the train "
-                             "samples (the checker's rule), so fewer days reach evals in fewer steps")
+    parser.add_argument(
+        "--train-days",
+        type=int,
+        default=30,
+        help="train windows of the store: the eval cadence skips the first 2 %% of the train "
+        "samples (the checker's rule), so fewer days reach evals in fewer steps",
+    )
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=400, help="training steps of the run")
     parser.add_argument("--evals", type=int, default=3, help="evals the cadence should give within the steps")
@@ -205,9 +271,13 @@ def main() -> None:
     parser.add_argument("--last-layer", default="candidates", choices=("candidates", "all"))
     parser.add_argument("--table-rows", type=int, default=1_000_000, help="rows of each contextual table")
     parser.add_argument("--bare-steps", type=int, default=30)
-    parser.add_argument("--warmup-samples", type=int, default=10_240,
-                        help="windows starting before this many samples are warm-up (Triton autotunes each new "
-                             "sequence-length bucket in the first steps; the loader starts)")
+    parser.add_argument(
+        "--warmup-samples",
+        type=int,
+        default=10_240,
+        help="windows starting before this many samples are warm-up (Triton autotunes each new "
+        "sequence-length bucket in the first steps; the loader starts)",
+    )
     parser.add_argument("--label", default="", help="suffix of the results file names")
     parser.add_argument("--smoke", action="store_true", help="synthetic-tiny and a tiny model on the CPU")
     args = parser.parse_args()
@@ -224,11 +294,30 @@ def main() -> None:
     eval_pct = eval_cadence(train_samples, args.batch_size, args.steps, args.evals)
     run_dir = Path(args.data_path) / "bench_train_run"
     profile = f"{args.steps // 2}-{args.steps // 2 + 5}"
-    proc, run_s = cli(args, "train", *overrides(args), "--restart", "--run-dir", str(run_dir),
-                      "--num-workers", str(args.workers), "--max-steps", str(args.steps),
-                      "--eval-every-data-pct", repr(eval_pct), "--checkpoint-every-steps", str(args.checkpoint_every),
-                      "--checkpoint-every-window", "false", "--keep-last-checkpoints", "1",
-                      "--target-auc", "1.0", "--profile-steps", profile)
+    proc, run_s = cli(
+        args,
+        "train",
+        *overrides(args),
+        "--restart",
+        "--run-dir",
+        str(run_dir),
+        "--num-workers",
+        str(args.workers),
+        "--max-steps",
+        str(args.steps),
+        "--eval-every-data-pct",
+        repr(eval_pct),
+        "--checkpoint-every-steps",
+        str(args.checkpoint_every),
+        "--checkpoint-every-window",
+        "false",
+        "--keep-last-checkpoints",
+        "1",
+        "--target-auc",
+        "1.0",
+        "--profile-steps",
+        profile,
+    )
     say(f"train: {run_s:.0f} s")
     report = json.loads((run_dir / "report.json").read_text())
     checkpoints = proc.stdout.count("[dlrmv4] checkpoint step-")
@@ -248,22 +337,46 @@ def main() -> None:
     peak = matmul_peak_tflops(device, n=8192 if device.type == "cuda" else 256, reps=10)
     mfu_scale = loop / bare["samples_per_s"]
     result = {
-        "command": command_line(), "device": device_name(device),
-        "commit": git_commit(), "torch": torch.__version__, "preset": args.preset, "batch_size": args.batch_size,
-        "backend": args.backend, "workers": args.workers, "recompute": args.recompute, "last_layer": args.last_layer,
-        "table_rows": args.table_rows, "train_samples_in_store": train_samples,
-        "eval_samples": report["eval_samples"], "prepare_s": prepare_s, "run_wall_s": run_s,
-        "steps": history["steps"], "loop_samples_per_s": loop, "loop_samples_measured": loop_samples,
-        "loop_samples_per_s_with_warmup": loop_all, "warmup_samples": args.warmup_samples,
-        "bare": bare, "loop_vs_bare": mfu_scale, "evals": len(evals), "eval_seconds": eval_seconds,
-        "eval_samples_per_s": eval_rate, "eval_vs_train_rate": eval_rate / loop,
-        "train_seconds": train_seconds, "eval_seconds_total": float(sum(eval_seconds)),
-        "checkpoint_seconds": history.get("checkpoint_seconds", 0.0), "run_seconds": history["seconds"],
-        "gpu_busy_in_profiled_steps": busy, "matmul_peak_tflops": peak,
-        "mfu_yardstick": bare["stu_tflops"] * mfu_scale / peak, "mfu_executed": bare["stu_tflops_executed"] * mfu_scale / peak,
+        "command": command_line(),
+        "device": device_name(device),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "preset": args.preset,
+        "batch_size": args.batch_size,
+        "backend": args.backend,
+        "workers": args.workers,
+        "recompute": args.recompute,
+        "last_layer": args.last_layer,
+        "table_rows": args.table_rows,
+        "train_samples_in_store": train_samples,
+        "eval_samples": report["eval_samples"],
+        "prepare_s": prepare_s,
+        "run_wall_s": run_s,
+        "steps": history["steps"],
+        "loop_samples_per_s": loop,
+        "loop_samples_measured": loop_samples,
+        "loop_samples_per_s_with_warmup": loop_all,
+        "warmup_samples": args.warmup_samples,
+        "bare": bare,
+        "loop_vs_bare": mfu_scale,
+        "evals": len(evals),
+        "eval_seconds": eval_seconds,
+        "eval_samples_per_s": eval_rate,
+        "eval_vs_train_rate": eval_rate / loop,
+        "train_seconds": train_seconds,
+        "eval_seconds_total": float(sum(eval_seconds)),
+        "checkpoint_seconds": history.get("checkpoint_seconds", 0.0),
+        "run_seconds": history["seconds"],
+        "gpu_busy_in_profiled_steps": busy,
+        "matmul_peak_tflops": peak,
+        "mfu_yardstick": bare["stu_tflops"] * mfu_scale / peak,
+        "mfu_executed": bare["stu_tflops_executed"] * mfu_scale / peak,
         "mfu_yardstick_datasheet": bare["stu_tflops"] * mfu_scale / DATASHEET_BF16_TFLOPS,
-        "checkpoint_every": args.checkpoint_every, "checkpoints": checkpoints, "table_gib": table_gib,
-        "window_rates": windows}
+        "checkpoint_every": args.checkpoint_every,
+        "checkpoints": checkpoints,
+        "table_gib": table_gib,
+        "window_rates": windows,
+    }
     text = table(result)
     print(text)
     if not args.smoke:
@@ -277,29 +390,34 @@ def table(r: dict) -> str:
     # window and the report.
     other = r["run_wall_s"] - r["train_seconds"] - r["eval_seconds_total"] - r["checkpoint_seconds"]
     busy = "-" if r["gpu_busy_in_profiled_steps"] is None else f"{r['gpu_busy_in_profiled_steps']:.0%}"
-    return "\n".join([
-        f"`python -m dlrmv4 train` on one {r['device']} (commit {r['commit']}): preset {r['preset']}, batch "
-        f"{r['batch_size']}, {r['backend']} embeddings (contextual tables {r['table_rows']:,} rows each), "
-        f"{r['workers']} loader workers, recompute {r['recompute']}, last layer {r['last_layer']}, {r['steps']} steps, "
-        f"{r['evals']} evals of {r['eval_samples']:,} samples, a checkpoint every "
-        f"{r.get('checkpoint_every', '-')} steps; matmul peak measured in the same run "
-        f"{r['matmul_peak_tflops']:.0f} TFLOP/s.", "",
-        "| measure | value |", "|---|---:|",
-        f"| training loop samples/s (windows after the first {r['warmup_samples']:,} samples: "
-        f"{r['loop_samples_measured']:,} samples) | {r['loop_samples_per_s']:,.0f} |",
-        f"| training loop samples/s, every window (warm-up included) | {r['loop_samples_per_s_with_warmup']:,.0f} |",
-        f"| bare step samples/s (same store's batches in device memory, {r['bare']['mean_tokens']:,.0f} mean tokens) | "
-        f"{r['bare']['samples_per_s']:,.0f} |",
-        f"| loop / bare step | {r['loop_vs_bare']:.2f} |",
-        f"| eval samples/s (median of {r['evals']}) | {r['eval_samples_per_s']:,.0f} |",
-        f"| eval rate / training rate (goal >= 3) | {r['eval_vs_train_rate']:.2f} |",
-        f"| MFU, yardstick (every layer in full) / executed FLOPs, vs measured peak | {r['mfu_yardstick']:.1%} / "
-        f"{r['mfu_executed']:.1%} |",
-        f"| GPU busy in the profiled steps | {busy} |",
-        f"| the command's wall seconds: training / evals / checkpoints / rest (start-up, compilation, profiler) | "
-        f"{r['run_wall_s']:.0f}: {r['train_seconds']:.1f} / {r['eval_seconds_total']:.1f} / "
-        f"{r['checkpoint_seconds']:.1f} / {other:.1f} |",
-        f"| data preparation (generate + preprocess + verify; not in the run) s | {r['prepare_s']:.1f} |"])
+    return "\n".join(
+        [
+            f"`python -m dlrmv4 train` on one {r['device']} (commit {r['commit']}): preset {r['preset']}, batch "
+            f"{r['batch_size']}, {r['backend']} embeddings (contextual tables {r['table_rows']:,} rows each), "
+            f"{r['workers']} loader workers, recompute {r['recompute']}, last layer {r['last_layer']}, {r['steps']} steps, "
+            f"{r['evals']} evals of {r['eval_samples']:,} samples, a checkpoint every "
+            f"{r.get('checkpoint_every', '-')} steps; matmul peak measured in the same run "
+            f"{r['matmul_peak_tflops']:.0f} TFLOP/s.",
+            "",
+            "| measure | value |",
+            "|---|---:|",
+            f"| training loop samples/s (windows after the first {r['warmup_samples']:,} samples: "
+            f"{r['loop_samples_measured']:,} samples) | {r['loop_samples_per_s']:,.0f} |",
+            f"| training loop samples/s, every window (warm-up included) | {r['loop_samples_per_s_with_warmup']:,.0f} |",
+            f"| bare step samples/s (same store's batches in device memory, {r['bare']['mean_tokens']:,.0f} mean tokens) | "
+            f"{r['bare']['samples_per_s']:,.0f} |",
+            f"| loop / bare step | {r['loop_vs_bare']:.2f} |",
+            f"| eval samples/s (median of {r['evals']}) | {r['eval_samples_per_s']:,.0f} |",
+            f"| eval rate / training rate (goal >= 3) | {r['eval_vs_train_rate']:.2f} |",
+            f"| MFU, yardstick (every layer in full) / executed FLOPs, vs measured peak | {r['mfu_yardstick']:.1%} / "
+            f"{r['mfu_executed']:.1%} |",
+            f"| GPU busy in the profiled steps | {busy} |",
+            f"| the command's wall seconds: training / evals / checkpoints / rest (start-up, compilation, profiler) | "
+            f"{r['run_wall_s']:.0f}: {r['train_seconds']:.1f} / {r['eval_seconds_total']:.1f} / "
+            f"{r['checkpoint_seconds']:.1f} / {other:.1f} |",
+            f"| data preparation (generate + preprocess + verify; not in the run) s | {r['prepare_s']:.1f} |",
+        ]
+    )
 
 
 if __name__ == "__main__":

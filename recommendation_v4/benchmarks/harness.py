@@ -36,20 +36,22 @@ PACKAGES = ("torch", "triton", "fbgemm_gpu", "torchrec", "numpy")  # import name
 
 # --- the stamp ---------------------------------------------------------------------------------
 
+
 @functools.cache
 def git_commit() -> str:
     """The commit measured: DLRMV4_COMMIT where the checkout has no .git (a copied tree), else git's."""
     if os.environ.get("DLRMV4_COMMIT"):
         return os.environ["DLRMV4_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
 def device_type(device=None) -> str:
-    """"cuda" or "cpu" for a torch.device, a string, or None (a GPU where torch is loaded and sees one)."""
+    """ "cuda" or "cpu" for a torch.device, a string, or None (a GPU where torch is loaded and sees one)."""
     if device is None:
         torch = sys.modules.get("torch")
         return "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
@@ -70,15 +72,18 @@ def device_facts(device=None) -> dict:
     """The machine: CPU model and cores always; on a GPU run also the GPU's name, count, memory and
     compute capability."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    facts = {"cpu": cpu_model(), "cpu_cores": os.cpu_count(), "usable_cores": usable,
-             "platform": platform.platform()}
+    facts = {"cpu": cpu_model(), "cpu_cores": os.cpu_count(), "usable_cores": usable, "platform": platform.platform()}
     if device_type(device) == "cuda":
         import torch
 
         index = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
-        facts.update(gpu=torch.cuda.get_device_name(index), gpu_count=torch.cuda.device_count(),
-                     gpu_memory_gib=round(props.total_memory / 2**30, 1), capability=f"{props.major}.{props.minor}")
+        facts.update(
+            gpu=torch.cuda.get_device_name(index),
+            gpu_count=torch.cuda.device_count(),
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            capability=f"{props.major}.{props.minor}",
+        )
     return facts
 
 
@@ -128,8 +133,12 @@ def command_line(argv: list[str] | None = None) -> str:
 
 def stamp(device=None) -> dict:
     """What every result carries: command, commit, machine (``device_facts``) and versions."""
-    return {"command": command_line(), "commit": git_commit(), "machine": device_facts(device),
-            "versions": package_versions()}
+    return {
+        "command": command_line(),
+        "commit": git_commit(),
+        "machine": device_facts(device),
+        "versions": package_versions(),
+    }
 
 
 def stamp_line(stamped: dict, shown: str = "") -> str:
@@ -149,6 +158,7 @@ def stamp_line(stamped: dict, shown: str = "") -> str:
 
 
 # --- timers ------------------------------------------------------------------------------------
+
 
 def sync(device) -> None:
     if device_type(device) == "cuda":
@@ -242,6 +252,7 @@ def matmul_peak_tflops(device, n: int = 8192, reps: int = 20, timer: str = "even
 
 # --- the results files -------------------------------------------------------------------------
 
+
 def _replace(path: Path, text: str) -> None:
     """Write ``path`` whole (a reader never sees half a file, an interrupted run leaves the old one)."""
     tmp = path.with_name(path.name + ".tmp")
@@ -262,8 +273,9 @@ def write_results(name: str, result: dict, markdown: str, *, device=None, out: P
     return stamped
 
 
-def save_labelled_row(name: str, row: dict, intro: str, table: Callable[[list[dict]], str], *, device=None,
-                      out: Path | str = RESULTS) -> dict:
+def save_labelled_row(
+    name: str, row: dict, intro: str, table: Callable[[list[dict]], str], *, device=None, out: Path | str = RESULTS
+) -> dict:
     """Add ``row`` with the run's stamp to ``out/<name>.json`` (replacing an earlier row of its label;
     the other rows keep theirs) and rewrite ``out/<name>.md``: ``intro``, ``table`` of every row, and
     each row's command with its commit, machine and versions. Returns the stamped row."""

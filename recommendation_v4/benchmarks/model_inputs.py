@@ -17,16 +17,29 @@ def random_batch(lengths, seed: int) -> TorchJaggedBatch:
     b, t = len(lengths), int(lengths.sum())
     offsets = np.zeros(b + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    ts = np.concatenate([np.sort(rng.integers(0, 10**7, n)) for n in lengths]).astype(np.int64) if t else np.zeros(0, np.int64)
+    ts = (
+        np.concatenate([np.sort(rng.integers(0, 10**7, n)) for n in lengths]).astype(np.int64)
+        if t
+        else np.zeros(0, np.int64)
+    )
     query = np.array([ts[offsets[i + 1] - 1] if lengths[i] else rng.integers(0, 10**7) for i in range(b)], np.int64)
     batch = JaggedBatch(
-        history_lengths=lengths, history_offsets=offsets,
-        history_item_id=rng.integers(0, 100, t), history_artist_id=rng.integers(0, 100, t),
-        history_album_id=rng.integers(0, 100, t), history_action=rng.choice([1, 2, 4], t).astype(np.int64),
-        history_timestamp=ts, contextual_ids=rng.integers(0, 100, (b, NUM_CONTEXTUAL)),
-        candidate_item_id=rng.integers(0, 100, b), candidate_artist_id=rng.integers(0, 100, b),
-        candidate_album_id=rng.integers(0, 100, b), candidate_timestamp=query + rng.integers(0, 600, b),
-        query_time=query, label=rng.integers(0, 2, b).astype(np.float32), anchor_index=np.arange(b, dtype=np.int64))
+        history_lengths=lengths,
+        history_offsets=offsets,
+        history_item_id=rng.integers(0, 100, t),
+        history_artist_id=rng.integers(0, 100, t),
+        history_album_id=rng.integers(0, 100, t),
+        history_action=rng.choice([1, 2, 4], t).astype(np.int64),
+        history_timestamp=ts,
+        contextual_ids=rng.integers(0, 100, (b, NUM_CONTEXTUAL)),
+        candidate_item_id=rng.integers(0, 100, b),
+        candidate_artist_id=rng.integers(0, 100, b),
+        candidate_album_id=rng.integers(0, 100, b),
+        candidate_timestamp=query + rng.integers(0, 600, b),
+        query_time=query,
+        label=rng.integers(0, 2, b).astype(np.float32),
+        anchor_index=np.arange(b, dtype=np.int64),
+    )
     batch.validate()
     return batch.to_torch()
 
@@ -35,5 +48,10 @@ def random_embeddings(batch: TorchJaggedBatch, dim: int, seed: int, dtype=torch.
     g = torch.Generator().manual_seed(seed)
     t, b = batch.total_tokens, batch.num_samples
     r = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()  # noqa: E731
-    return SequenceEmbeddings(item=r(t + b, dim), artist=r(t + b, dim), album=r(t + b, dim),
-                              contextual=r(b, NUM_CONTEXTUAL, dim), candidate=r(b, 3 * dim))
+    return SequenceEmbeddings(
+        item=r(t + b, dim),
+        artist=r(t + b, dim),
+        album=r(t + b, dim),
+        contextual=r(b, NUM_CONTEXTUAL, dim),
+        candidate=r(b, 3 * dim),
+    )

@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from dlrmv4.mlperf.rules import REFERENCE_EVAL_SAMPLES, REFERENCE_TRAIN_SAMPLES
-from dlrmv4.train.schedule import EvalSchedule
 from harness import RESULTS, command_line, write_results
 
+from dlrmv4.mlperf.rules import REFERENCE_EVAL_SAMPLES, REFERENCE_TRAIN_SAMPLES
+from dlrmv4.train.schedule import EvalSchedule
+
 GLOBAL_BATCH = 8_192
-SAMPLES_TO_TARGET = 69_300_000       # the reference's mean convergence point (SPEC)
-REFERENCE_MINUTES = 2 * 60 + 39      # 8 MI350X
+SAMPLES_TO_TARGET = 69_300_000  # the reference's mean convergence point (SPEC)
+REFERENCE_MINUTES = 2 * 60 + 39  # 8 MI350X
 EVAL_EVERY = 0.001
 TABLE_GIB = 559.0
 SAMPLES_PER_WINDOW = REFERENCE_TRAIN_SAMPLES / 299
@@ -69,8 +70,11 @@ def project(gpu: str, nvlink_gbs: float, network_gbs: float) -> dict:
     rows = []
     for world in (8, 16, 32):
         per_gpu = GLOBAL_BATCH // world
-        rate = rehearsal["rehearsal"]["samples_per_s"] if per_gpu >= 1_024 else max(
-            r["samples_per_s"] for r in rehearsal["baseline"])
+        rate = (
+            rehearsal["rehearsal"]["samples_per_s"]
+            if per_gpu >= 1_024
+            else max(r["samples_per_s"] for r in rehearsal["baseline"])
+        )
         train_s = steps * per_gpu / rate
         comm_s = steps * alltoall_seconds(world, per_gpu, mean_tokens, nvlink_gbs, network_gbs)
         eval_s = evals * REFERENCE_EVAL_SAMPLES / (world * train["eval_samples_per_s"])
@@ -78,46 +82,78 @@ def project(gpu: str, nvlink_gbs: float, network_gbs: float) -> dict:
         checkpoint_s = windows * (TABLE_GIB / world) / gib_per_s
         upper = train_s + comm_s + eval_s + setup_s
         lower = train_s + eval_s + setup_s
-        rows.append({"gpus": world, "per_gpu_batch": per_gpu, "per_gpu_samples_per_s": rate,
-                     "train_min": train_s / 60, "alltoall_min": comm_s / 60, "eval_min": eval_s / 60,
-                     "setup_min": setup_s / 60, "checkpoint_min": checkpoint_s / 60,
-                     "total_min_overlapped": lower / 60, "total_min_not_overlapped": upper / 60,
-                     "total_min_with_checkpoints": (upper + checkpoint_s) / 60})
-    return {"gpu": rehearsal["device"], "commits": {"rehearsal": rehearsal["commit"], "train": train["commit"],
-                                                     "stu": stu["commit"]},
-            "steps": steps, "evals": evals, "eval_rate_per_gpu": train["eval_samples_per_s"],
-            "checkpoint_gib_per_s": gib_per_s, "windows": windows, "nvlink_gbs": nvlink_gbs,
-            "network_gbs": network_gbs, "mean_tokens": mean_tokens, "rows": rows,
-            "reference_minutes": REFERENCE_MINUTES}
+        rows.append(
+            {
+                "gpus": world,
+                "per_gpu_batch": per_gpu,
+                "per_gpu_samples_per_s": rate,
+                "train_min": train_s / 60,
+                "alltoall_min": comm_s / 60,
+                "eval_min": eval_s / 60,
+                "setup_min": setup_s / 60,
+                "checkpoint_min": checkpoint_s / 60,
+                "total_min_overlapped": lower / 60,
+                "total_min_not_overlapped": upper / 60,
+                "total_min_with_checkpoints": (upper + checkpoint_s) / 60,
+            }
+        )
+    return {
+        "gpu": rehearsal["device"],
+        "commits": {"rehearsal": rehearsal["commit"], "train": train["commit"], "stu": stu["commit"]},
+        "steps": steps,
+        "evals": evals,
+        "eval_rate_per_gpu": train["eval_samples_per_s"],
+        "checkpoint_gib_per_s": gib_per_s,
+        "windows": windows,
+        "nvlink_gbs": nvlink_gbs,
+        "network_gbs": network_gbs,
+        "mean_tokens": mean_tokens,
+        "rows": rows,
+        "reference_minutes": REFERENCE_MINUTES,
+    }
 
 
 def table(p: dict) -> str:
-    lines = [f"Projected time to AUC 0.75 ({SAMPLES_TO_TARGET / 1e6:.1f} M samples at GBS {GLOBAL_BATCH:,}: "
-             f"{p['steps']:,.0f} steps, {p['evals']} evals of {REFERENCE_EVAL_SAMPLES:,} samples, "
-             f"{p['windows']:.1f} windows) on {p['gpu']} GPUs, from the parts measured at commits "
-             f"{', '.join(f'{k} {v}' for k, v in p['commits'].items())}; all-to-all modelled at "
-             f"{p['nvlink_gbs']:g} GB/s per GPU and direction in a node, {p['network_gbs']:g} GB/s across nodes "
-             f"(fp16 rows, mean {p['mean_tokens']:,.0f} tokens). Reference: {p['reference_minutes'] // 60} h "
-             f"{p['reference_minutes'] % 60} min on 8 MI350X.", "",
-             "| GPUs | per GPU batch | per GPU samples/s | train min | all-to-all min | eval min | set-up min | "
-             "total min, all-to-all overlapped | not overlapped | + a checkpoint per window | vs reference "
-             "(not overlapped) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Projected time to AUC 0.75 ({SAMPLES_TO_TARGET / 1e6:.1f} M samples at GBS {GLOBAL_BATCH:,}: "
+        f"{p['steps']:,.0f} steps, {p['evals']} evals of {REFERENCE_EVAL_SAMPLES:,} samples, "
+        f"{p['windows']:.1f} windows) on {p['gpu']} GPUs, from the parts measured at commits "
+        f"{', '.join(f'{k} {v}' for k, v in p['commits'].items())}; all-to-all modelled at "
+        f"{p['nvlink_gbs']:g} GB/s per GPU and direction in a node, {p['network_gbs']:g} GB/s across nodes "
+        f"(fp16 rows, mean {p['mean_tokens']:,.0f} tokens). Reference: {p['reference_minutes'] // 60} h "
+        f"{p['reference_minutes'] % 60} min on 8 MI350X.",
+        "",
+        "| GPUs | per GPU batch | per GPU samples/s | train min | all-to-all min | eval min | set-up min | "
+        "total min, all-to-all overlapped | not overlapped | + a checkpoint per window | vs reference "
+        "(not overlapped) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in p["rows"]:
-        lines.append(f"| {r['gpus']} | {r['per_gpu_batch']:,} | {r['per_gpu_samples_per_s']:,.0f} | "
-                     f"{r['train_min']:.1f} | {r['alltoall_min']:.1f} | {r['eval_min']:.1f} | {r['setup_min']:.1f} | "
-                     f"{r['total_min_overlapped']:.1f} | {r['total_min_not_overlapped']:.1f} | "
-                     f"{r['total_min_with_checkpoints']:.1f} | "
-                     f"{p['reference_minutes'] / r['total_min_not_overlapped']:.2f}x |")
+        lines.append(
+            f"| {r['gpus']} | {r['per_gpu_batch']:,} | {r['per_gpu_samples_per_s']:,.0f} | "
+            f"{r['train_min']:.1f} | {r['alltoall_min']:.1f} | {r['eval_min']:.1f} | {r['setup_min']:.1f} | "
+            f"{r['total_min_overlapped']:.1f} | {r['total_min_not_overlapped']:.1f} | "
+            f"{r['total_min_with_checkpoints']:.1f} | "
+            f"{p['reference_minutes'] / r['total_min_not_overlapped']:.2f}x |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", default="h200", choices=("h200", "h100"), help="whose rehearsal to use")
-    parser.add_argument("--nvlink-gbs", type=float, default=350.0,
-                        help="all-to-all GB/s per GPU and direction within a node (NVLink 4: 450 peak)")
-    parser.add_argument("--network-gbs", type=float, default=45.0,
-                        help="GB/s per GPU and direction across nodes (400 Gb/s NDR: 50 peak)")
+    parser.add_argument(
+        "--nvlink-gbs",
+        type=float,
+        default=350.0,
+        help="all-to-all GB/s per GPU and direction within a node (NVLink 4: 450 peak)",
+    )
+    parser.add_argument(
+        "--network-gbs",
+        type=float,
+        default=45.0,
+        help="GB/s per GPU and direction across nodes (400 Gb/s NDR: 50 peak)",
+    )
     args = parser.parse_args()
     p = project(args.gpu, args.nvlink_gbs, args.network_gbs)
     p["command"] = command_line()

@@ -23,10 +23,15 @@ def py_cross(keys, rows: int) -> int:
 def py_contextual(uid: int, item: int, artist: int, album: int, ts: int, organic: int, cfg: SamplerConfig) -> list[int]:
     """SPEC §9 written out with Python integers and struct (no numpy, no code under test)."""
     hour = (ts // 3600) % 24
-    crosses = [((uid, artist), cfg.user_artist_rows), ((uid, album), cfg.user_album_rows),
-               ((uid, hour), cfg.user_hour_rows), ((item, hour), cfg.item_hour_rows),
-               ((artist, hour), cfg.artist_hour_rows), ((uid, organic), cfg.user_organic_rows),
-               ((uid, artist, hour), cfg.user_artist_hour_rows)]
+    crosses = [
+        ((uid, artist), cfg.user_artist_rows),
+        ((uid, album), cfg.user_album_rows),
+        ((uid, hour), cfg.user_hour_rows),
+        ((item, hour), cfg.item_hour_rows),
+        ((artist, hour), cfg.artist_hour_rows),
+        ((uid, organic), cfg.user_organic_rows),
+        ((uid, artist, hour), cfg.user_artist_hour_rows),
+    ]
     return [uid] + [py_cross(keys, rows) for keys, rows in crosses]
 
 
@@ -55,10 +60,20 @@ def reference_sample(store, g: int, cfg: SamplerConfig) -> dict:
     uid = int(store.train.user_ids[u])
     if uid >= cfg.uid_rows:  # the raw uid is its row: the reference has no row for it
         raise UserError(f"uid {uid} beyond {cfg.uid_rows}")
-    ctx = py_contextual(uid, cand, side(cand, store.artist_id), side(cand, store.album_id), cand_ts,
-                        int(store.train.is_organic[g]), cfg)
-    return dict(items=items, artists=[side(i, store.artist_id) for i in items],
-                albums=[side(i, store.album_id) for i in items], actions=[int(action[i]) for i in picked],
-                stamps=stamps, ctx=ctx, cand=cand, cand_artist=side(cand, store.artist_id),
-                cand_album=side(cand, store.album_id), cand_ts=cand_ts, query_time=stamps[-1] if stamps else cand_ts,
-                label=1.0 if int(action[g]) == 1 else 0.0)
+    ctx = py_contextual(
+        uid, cand, side(cand, store.artist_id), side(cand, store.album_id), cand_ts, int(store.train.is_organic[g]), cfg
+    )
+    return dict(
+        items=items,
+        artists=[side(i, store.artist_id) for i in items],
+        albums=[side(i, store.album_id) for i in items],
+        actions=[int(action[i]) for i in picked],
+        stamps=stamps,
+        ctx=ctx,
+        cand=cand,
+        cand_artist=side(cand, store.artist_id),
+        cand_album=side(cand, store.album_id),
+        cand_ts=cand_ts,
+        query_time=stamps[-1] if stamps else cand_ts,
+        label=1.0 if int(action[g]) == 1 else 0.0,
+    )

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from dlrmv4.data.store import EVENT_COLUMNS, META_FILE, STORE_SCHEMA_VERSION, save_array, write_md5s
-from dlrmv4.files import atomic_directory, write_json
 from dlrmv4.data.yambda_schema import ACTION_LIKE, ACTION_LISTEN_PLUS, ACTION_SKIP, DISLIKE, LIKE, LISTEN
+from dlrmv4.files import atomic_directory, write_json
 
 # Event kinds the factory draws: (event_code, action); "none" uses a random non-history code.
 KINDS = ((LISTEN, ACTION_LISTEN_PLUS), (LIKE, ACTION_LIKE), (LISTEN, ACTION_SKIP), (DISLIKE, 0))
@@ -38,9 +38,16 @@ def random_items(rng: np.random.Generator, size: int, num_items: int, zipf: floa
     return rng.permutation(num_items).astype(np.uint32)[rank]
 
 
-def random_events(rng: np.random.Generator, lengths: np.ndarray, *, num_items: int, train_start: int,
-                  train_end: int, action_probs=YAMBDA_ACTION_PROBS, item_zipf: float | None = None
-                  ) -> dict[str, np.ndarray]:
+def random_events(
+    rng: np.random.Generator,
+    lengths: np.ndarray,
+    *,
+    num_items: int,
+    train_start: int,
+    train_end: int,
+    action_probs=YAMBDA_ACTION_PROBS,
+    item_zipf: float | None = None,
+) -> dict[str, np.ndarray]:
     """Event columns for users with the given event counts, time-sorted inside each user."""
     total = int(lengths.sum())
     kind = rng.choice(len(KINDS), size=total, p=np.asarray(action_probs) / np.sum(action_probs))
@@ -71,8 +78,16 @@ def session_ids(user_offsets: np.ndarray, timestamp: np.ndarray, gap: int = SESS
     return (running - np.repeat(running[starts], lengths[lengths > 0])).astype(np.uint32)
 
 
-def anchor_index(user_offsets: np.ndarray, timestamp: np.ndarray, event_code: np.ndarray, *, min_history: int,
-                 train_start: int, window_seconds: int, num_windows: int) -> tuple[np.ndarray, np.ndarray]:
+def anchor_index(
+    user_offsets: np.ndarray,
+    timestamp: np.ndarray,
+    event_code: np.ndarray,
+    *,
+    min_history: int,
+    train_start: int,
+    window_seconds: int,
+    num_windows: int,
+) -> tuple[np.ndarray, np.ndarray]:
     """(event_index, window_offsets): listens at user-local index >= min_history, by (window, index)."""
     total = len(timestamp)
     user = np.repeat(np.arange(len(user_offsets) - 1), np.diff(user_offsets))
@@ -85,8 +100,9 @@ def anchor_index(user_offsets: np.ndarray, timestamp: np.ndarray, event_code: np
     return idx.astype(np.int64), window_offsets
 
 
-def _write_split(root: Path, split: str, user_ids: np.ndarray, user_offsets: np.ndarray,
-                 events: dict[str, np.ndarray]) -> None:
+def _write_split(
+    root: Path, split: str, user_ids: np.ndarray, user_offsets: np.ndarray, events: dict[str, np.ndarray]
+) -> None:
     save_array(root / split / "user_offsets.npy", user_offsets.astype(np.int64))
     save_array(root / split / "user_ids.npy", user_ids.astype(np.uint32))
     columns = dict(events)
@@ -95,15 +111,31 @@ def _write_split(root: Path, split: str, user_ids: np.ndarray, user_offsets: np.
         save_array(root / split / f"{name}.npy", np.asarray(columns[name]).astype(dtype))
 
 
-def write_store(path: Path, *, user_ids: np.ndarray, user_offsets: np.ndarray, events: dict[str, np.ndarray],
-                artist_id: np.ndarray, album_id: np.ndarray, min_history: int, window_seconds: int,
-                num_windows: int, train_start: int = 0) -> Path:
+def write_store(
+    path: Path,
+    *,
+    user_ids: np.ndarray,
+    user_offsets: np.ndarray,
+    events: dict[str, np.ndarray],
+    artist_id: np.ndarray,
+    album_id: np.ndarray,
+    min_history: int,
+    window_seconds: int,
+    num_windows: int,
+    train_start: int = 0,
+) -> Path:
     """A complete store at ``path`` from train-span arrays (the test split is left empty)."""
     path = Path(path)
     user_offsets = np.asarray(user_offsets, dtype=np.int64)
-    anchors, window_offsets = anchor_index(user_offsets, events["timestamp"], events["event_code"],
-                                           min_history=min_history, train_start=train_start,
-                                           window_seconds=window_seconds, num_windows=num_windows)
+    anchors, window_offsets = anchor_index(
+        user_offsets,
+        events["timestamp"],
+        events["event_code"],
+        min_history=min_history,
+        train_start=train_start,
+        window_seconds=window_seconds,
+        num_windows=num_windows,
+    )
     num_items = len(artist_id)
     popularity = np.bincount(events["item_id"].astype(np.int64), minlength=num_items)[:num_items]
     train_end = train_start + num_windows * window_seconds
@@ -117,29 +149,57 @@ def write_store(path: Path, *, user_ids: np.ndarray, user_offsets: np.ndarray, e
         save_array(tmp / "anchors" / "event_index.npy", anchors)
         save_array(tmp / "anchors" / "window_offsets.npy", window_offsets)
         write_md5s(tmp)
-        write_json(tmp / META_FILE, {
-            "schema_version": STORE_SCHEMA_VERSION,
-            "source": "benchmarks/store_factory",
-            "constants": {"window_seconds": window_seconds, "min_history": min_history,
-                          "num_train_days": num_windows, "session_gap_seconds": SESSION_GAP_SECONDS},
-            "split": {"train_start": train_start, "train_end": train_end,
-                      "test_start": train_end + SESSION_GAP_SECONDS,
-                      "t_end": train_end + SESSION_GAP_SECONDS + window_seconds,
-                      "t_min": train_start, "num_windows": num_windows,
-                      "t_last": int(events["timestamp"][anchors].max()) if len(anchors) else None},
-            "counts": {"users": len(user_ids), "train_events": int(user_offsets[-1]), "test_events": 0,
-                       "items": num_items, "anchors": len(anchors), "windows": num_windows,
-                       "train_samples": int(window_offsets[-2]),
-                       "eval_samples": int(window_offsets[-1] - window_offsets[-2])},
-        })
+        write_json(
+            tmp / META_FILE,
+            {
+                "schema_version": STORE_SCHEMA_VERSION,
+                "source": "benchmarks/store_factory",
+                "constants": {
+                    "window_seconds": window_seconds,
+                    "min_history": min_history,
+                    "num_train_days": num_windows,
+                    "session_gap_seconds": SESSION_GAP_SECONDS,
+                },
+                "split": {
+                    "train_start": train_start,
+                    "train_end": train_end,
+                    "test_start": train_end + SESSION_GAP_SECONDS,
+                    "t_end": train_end + SESSION_GAP_SECONDS + window_seconds,
+                    "t_min": train_start,
+                    "num_windows": num_windows,
+                    "t_last": int(events["timestamp"][anchors].max()) if len(anchors) else None,
+                },
+                "counts": {
+                    "users": len(user_ids),
+                    "train_events": int(user_offsets[-1]),
+                    "test_events": 0,
+                    "items": num_items,
+                    "anchors": len(anchors),
+                    "windows": num_windows,
+                    "train_samples": int(window_offsets[-2]),
+                    "eval_samples": int(window_offsets[-1] - window_offsets[-2]),
+                },
+            },
+        )
     return path
 
 
-def random_store(path: Path, *, seed: int, lengths: np.ndarray | list[int], num_items: int = 1_000,
-                 item_table_size: int | None = None, num_artists: int = 100, num_albums: int = 300,
-                 min_history: int = 0, window_seconds: int = 1_000, num_windows: int = 5,
-                 action_probs=YAMBDA_ACTION_PROBS, item_zipf: float | None = None,
-                 uid_limit: int = 1_000_001) -> Path:
+def random_store(
+    path: Path,
+    *,
+    seed: int,
+    lengths: np.ndarray | list[int],
+    num_items: int = 1_000,
+    item_table_size: int | None = None,
+    num_artists: int = 100,
+    num_albums: int = 300,
+    min_history: int = 0,
+    window_seconds: int = 1_000,
+    num_windows: int = 5,
+    action_probs=YAMBDA_ACTION_PROBS,
+    item_zipf: float | None = None,
+    uid_limit: int = 1_000_001,
+) -> Path:
     """A random store; users get ``lengths`` events each, spread over ``num_windows`` windows.
 
     Raw uids are drawn from ``[0, uid_limit)`` (default: Yambda's, which fit the reference's uid table).
@@ -151,12 +211,25 @@ def random_store(path: Path, *, seed: int, lengths: np.ndarray | list[int], num_
     lengths = np.asarray(lengths, dtype=np.int64)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    events = random_events(rng, lengths, num_items=num_items, train_start=0,
-                           train_end=num_windows * window_seconds, action_probs=action_probs,
-                           item_zipf=item_zipf)
+    events = random_events(
+        rng,
+        lengths,
+        num_items=num_items,
+        train_start=0,
+        train_end=num_windows * window_seconds,
+        action_probs=action_probs,
+        item_zipf=item_zipf,
+    )
     table = num_items if item_table_size is None else item_table_size
     user_ids = np.sort(rng.choice(uid_limit, size=len(lengths), replace=False)).astype(np.uint32)
-    return write_store(path, user_ids=user_ids, user_offsets=offsets, events=events,
-                       artist_id=rng.integers(0, num_artists, size=table, dtype=np.uint32),
-                       album_id=rng.integers(0, num_albums, size=table, dtype=np.uint32),
-                       min_history=min_history, window_seconds=window_seconds, num_windows=num_windows)
+    return write_store(
+        path,
+        user_ids=user_ids,
+        user_offsets=offsets,
+        events=events,
+        artist_id=rng.integers(0, num_artists, size=table, dtype=np.uint32),
+        album_id=rng.integers(0, num_albums, size=table, dtype=np.uint32),
+        min_history=min_history,
+        window_seconds=window_seconds,
+        num_windows=num_windows,
+    )

@@ -63,15 +63,18 @@ def cmd_preprocess(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     files, revision = _raw_files(cfg, _show_progress(args))
     out = store_dir(cfg.dataset)
     _say(f"preprocessing into {out}")
-    meta = preprocess(files, out, cfg.dataset, cfg.preprocess, resolved_revision=revision,
-                      progress=_show_progress(args))
+    meta = preprocess(
+        files, out, cfg.dataset, cfg.preprocess, resolved_revision=revision, progress=_show_progress(args)
+    )
     c = meta["counts"]
     n = meta["split"]["num_windows"]
-    _say(f"store ready: {c['train_events']:,} train events of {c['train_users']:,} users, "
-         f"{c['test_events']:,} test events, {c['anchors']:,} anchors in {n} windows ({c['train_samples']:,} in the "
-         f"train windows 0..{max(n - 2, 0)}, {c['eval_samples']:,} in the holdout window {max(n - 1, 0)}), "
-         f"{c['num_items']:,} items ({meta['seconds']:.1f} s, "
-         f"{c['raw_events'] / max(meta['seconds'], 1e-9) / 1e6:.2f} M raw events/s)")
+    _say(
+        f"store ready: {c['train_events']:,} train events of {c['train_users']:,} users, "
+        f"{c['test_events']:,} test events, {c['anchors']:,} anchors in {n} windows ({c['train_samples']:,} in the "
+        f"train windows 0..{max(n - 2, 0)}, {c['eval_samples']:,} in the holdout window {max(n - 1, 0)}), "
+        f"{c['num_items']:,} items ({meta['seconds']:.1f} s, "
+        f"{c['raw_events'] / max(meta['seconds'], 1e-9) / 1e6:.2f} M raw events/s)"
+    )
     if c["dropped_null_ratio_listens"]:
         _say(f"dropped {c['dropped_null_ratio_listens']:,} listens with a null played_ratio_pct")
     elif c["null_ratio_listens"]:
@@ -85,8 +88,10 @@ def _discover_store(data_path: Path) -> Path:
     if not stores:
         raise UserError(f"no processed store under {root} (run download_dataset.sh with --data-path {data_path})")
     if len(stores) > 1:
-        raise UserError(f"{len(stores)} processed stores under {root}: {', '.join(p.name for p in stores)}; name one "
-                        "with --size (and --source synthetic) or --store")
+        raise UserError(
+            f"{len(stores)} processed stores under {root}: {', '.join(p.name for p in stores)}; name one "
+            "with --size (and --source synthetic) or --store"
+        )
     return stores[0]
 
 
@@ -143,8 +148,10 @@ def _store_current(cfg: BenchmarkConfig) -> bool:
     except (OSError, ValueError):
         version = None
     if version != STORE_SCHEMA_VERSION:
-        _say(f"the store at {meta.parent} has schema version {version}, this code writes {STORE_SCHEMA_VERSION}: "
-             "rebuilding it")
+        _say(
+            f"the store at {meta.parent} has schema version {version}, this code writes {STORE_SCHEMA_VERSION}: "
+            "rebuilding it"
+        )
         return False
     return True
 
@@ -176,9 +183,11 @@ def cmd_sample(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
         if i >= args.batches:
             break
         samples += batch.num_samples
-        _say(f"window {window} batch {i}: {batch.num_samples} samples, {batch.total_tokens:,} history tokens "
-             f"(max {batch.max_history_length}, mean {batch.total_tokens / batch.num_samples:.0f}), "
-             f"label mean {float(batch.label.float().mean()):.3f}")
+        _say(
+            f"window {window} batch {i}: {batch.num_samples} samples, {batch.total_tokens:,} history tokens "
+            f"(max {batch.max_history_length}, mean {batch.total_tokens / batch.num_samples:.0f}), "
+            f"label mean {float(batch.label.float().mean()):.3f}"
+        )
     seconds = time.perf_counter() - started
     _say(f"assembled {samples} samples in {seconds:.2f} s with {cfg.loader.num_workers} workers")
 
@@ -195,13 +204,16 @@ def cmd_train(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not _store_current(cfg):
         cmd_prepare(cfg, args)
     config_filename = Path(args.config).name if args.config else f"{args.preset or 'defaults'}.toml"
-    history, report = run_training(cfg, log=_say, progress=_show_progress(args), restart=args.restart,
-                                   config_filename=config_filename)
+    history, report = run_training(
+        cfg, log=_say, progress=_show_progress(args), restart=args.restart, config_filename=config_filename
+    )
     if os.environ.get("RANK", "0") != "0":
         return  # rank 0 speaks for the run
     best = max((e.auc for e in history.evals), default=float("nan"))
-    _say(f"run {history.status}: {history.steps:,} steps, {history.samples:,} samples, {len(history.evals)} evals, "
-         f"best AUC {best:.4f} (target {cfg.train.target_auc}); report {report}")
+    _say(
+        f"run {history.status}: {history.steps:,} steps, {history.samples:,} samples, {len(history.evals)} evals, "
+        f"best AUC {best:.4f} (target {cfg.train.target_auc}); report {report}"
+    )
 
 
 def cmd_plan(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
@@ -218,9 +230,15 @@ def cmd_check_log(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
 
     from dlrmv4.data.paths import store_dir
     from dlrmv4.data.store import open_store
-    from dlrmv4.mlperf.rules import (RULESET, check_reference_counts, is_reference_dataset, run_checker, run_seconds,
-                                     write_dataset_rules)
     from dlrmv4.data.windows import sample_counts
+    from dlrmv4.mlperf.rules import (
+        RULESET,
+        check_reference_counts,
+        is_reference_dataset,
+        run_checker,
+        run_seconds,
+        write_dataset_rules,
+    )
     from dlrmv4.train.run import run_log_path
     from dlrmv4.train.schedule import EvalSchedule
 
@@ -233,8 +251,9 @@ def cmd_check_log(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     rules = None
     if not is_reference_dataset(train_samples, eval_samples):
         schedule = EvalSchedule(train_samples, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
-        rules = write_dataset_rules(log.parent / "mlperf_rules", cfg, train_samples, eval_samples,
-                                    schedule.interval, schedule.first)
+        rules = write_dataset_rules(
+            log.parent / "mlperf_rules", cfg, train_samples, eval_samples, schedule.interval, schedule.first
+        )
     passed, output = run_checker(log, rules)
     which = "the official closed_dlrmv4 rules" if rules is None else f"the project rules for this dataset ({rules})"
     if not passed:
@@ -242,8 +261,11 @@ def cmd_check_log(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
         raise UserError(f"{log} FAILED the MLPerf compliance checker (training {RULESET}, {which})")
     _say(f"{log} PASSED the MLPerf compliance checker (training {RULESET}, {which})")
     started, seconds = run_seconds(log)
-    print(f"RESULT,dlrmv4,{cfg.seed},{seconds:.0f},{getpass.getuser()},"
-          f"{time.strftime('%Y-%m-%d %I:%M:%S %p', time.localtime(started))}", flush=True)
+    print(
+        f"RESULT,dlrmv4,{cfg.seed},{seconds:.0f},{getpass.getuser()},"
+        f"{time.strftime('%Y-%m-%d %I:%M:%S %p', time.localtime(started))}",
+        flush=True,
+    )
 
 
 def cmd_merge_traces(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
@@ -266,9 +288,15 @@ COMMANDS: dict[str, tuple[Callable[[BenchmarkConfig, argparse.Namespace], None],
     "sample": (cmd_sample, "assemble a few jagged batches from the first window and print them"),
     "pipeline": (cmd_pipeline, "prepare + sample: the data path end to end"),
     "train": (cmd_train, "the benchmark: prepare the data if needed, then train to the target AUC"),
-    "plan": (cmd_plan, "print the memory plan of a run (--plan-world-size, --plan-device-memory-gib, ...); exit 1 "
-                       "when it does not fit"),
-    "merge-traces": (cmd_merge_traces, "merge the per-rank profiler traces of train.profile_steps into one file per window"),
+    "plan": (
+        cmd_plan,
+        "print the memory plan of a run (--plan-world-size, --plan-device-memory-gib, ...); exit 1 "
+        "when it does not fit",
+    ),
+    "merge-traces": (
+        cmd_merge_traces,
+        "merge the per-rank profiler traces of train.profile_steps into one file per window",
+    ),
     "check-log": (cmd_check_log, "run the official MLPerf compliance checker on a run's log; print RESULT"),
     "show-config": (cmd_show_config, "print the resolved configuration as TOML"),
 }
@@ -280,24 +308,38 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_config_arguments(p)
-        p.add_argument("--no-progress", action="store_true",
-                       help="no progress bars (they are off anyway when stderr is not a terminal)")
+        p.add_argument(
+            "--no-progress",
+            action="store_true",
+            help="no progress bars (they are off anyway when stderr is not a terminal)",
+        )
         if name in ("verify", "prepare", "pipeline", "train"):
-            p.add_argument("--reference-md5s", default=None,
-                           help="published checksum file (the repository's md5sums) to compare the store with")
+            p.add_argument(
+                "--reference-md5s",
+                default=None,
+                help="published checksum file (the repository's md5sums) to compare the store with",
+            )
         if name == "prepare":
             p.add_argument("--if-missing", action="store_true", help="do nothing when the store already exists")
         if name == "verify":
             p.add_argument("--store", default=None, help="store directory (default: from the dataset config)")
-            p.add_argument("--discover", action="store_true",
-                           help="verify the one store under --data-path/processed (several: name one)")
+            p.add_argument(
+                "--discover",
+                action="store_true",
+                help="verify the one store under --data-path/processed (several: name one)",
+            )
         if name == "train":
-            p.add_argument("--restart", action="store_true",
-                           help="start cold: delete run_dir's checkpoints and report instead of resuming")
+            p.add_argument(
+                "--restart",
+                action="store_true",
+                help="start cold: delete run_dir's checkpoints and report instead of resuming",
+            )
         if name == "merge-traces":
             p.add_argument("--traces", default=None, help="trace folder (default: <run_dir>/traces)")
         if name == "check-log":
-            p.add_argument("--log", default=None, help="the run log (default: mlperf.log_file or <run_dir>/mlperf_log.txt)")
+            p.add_argument(
+                "--log", default=None, help="the run log (default: mlperf.log_file or <run_dir>/mlperf_log.txt)"
+            )
         if name in ("sample", "pipeline"):
             p.add_argument("--batches", type=int, default=3, help="batches to assemble")
     return parser

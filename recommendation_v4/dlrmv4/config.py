@@ -24,17 +24,20 @@ YAMBDA_SIZES = ("50m", "500m", "5b")
 SYNTHETIC_SIZES = ("tiny", "small", "medium", "50m")
 
 
-def _field(default: Any, help: str, *, min: float | None = None, max: float | None = None,
-           choices: Sequence[Any] | None = None) -> Any:
+def _field(
+    default: Any, help: str, *, min: float | None = None, max: float | None = None, choices: Sequence[Any] | None = None
+) -> Any:
     return field(default=default, metadata={"help": help, "min": min, "max": max, "choices": choices})
 
 
 @dataclass(frozen=True)
 class DatasetConfig:
-    source: str = _field("synthetic", "where the raw Yambda-schema parquet comes from",
-                         choices=("synthetic", "yambda"))
-    size: str = _field("tiny", "dataset size: 50m/500m/5b for yambda, tiny/small/medium/50m for synthetic",
-                       choices=tuple(dict.fromkeys(YAMBDA_SIZES + SYNTHETIC_SIZES)))
+    source: str = _field("synthetic", "where the raw Yambda-schema parquet comes from", choices=("synthetic", "yambda"))
+    size: str = _field(
+        "tiny",
+        "dataset size: 50m/500m/5b for yambda, tiny/small/medium/50m for synthetic",
+        choices=tuple(dict.fromkeys(YAMBDA_SIZES + SYNTHETIC_SIZES)),
+    )
     # dataset.size admits both families here; validate_relations narrows it per source.
     data_path: str = _field("data", "root folder for raw files, the hub cache and processed stores")
     hub_repo_id: str = _field("yandex/yambda", "Hugging Face dataset repository")
@@ -48,30 +51,42 @@ class DatasetConfig:
 
 @dataclass(frozen=True)
 class PreprocessConfig:
-    last_timestamp: int = _field(0, "end of the data (exclusive); 0: the data's largest timestamp (its own events "
-                                 "are dropped, as the reference does)",
-                                 min=0, max=2**32 - 1)
+    last_timestamp: int = _field(
+        0,
+        "end of the data (exclusive); 0: the data's largest timestamp (its own events "
+        "are dropped, as the reference does)",
+        min=0,
+        max=2**32 - 1,
+    )
     test_span_seconds: int = _field(86_400, "length of the held-out test span at the end", min=1)
     split_gap_seconds: int = _field(1_800, "gap between the train span and the test span", min=0)
-    num_train_days: int = _field(300, "number of one-window days in the train span (last one is the eval holdout)",
-                                 min=2, max=100_000)
+    num_train_days: int = _field(
+        300, "number of one-window days in the train span (last one is the eval holdout)", min=2, max=100_000
+    )
     window_seconds: int = _field(86_400, "length of one streaming window", min=1)
     session_gap_seconds: int = _field(1_800, "inactivity that starts a new session", min=1)
-    listen_threshold_pct: int = _field(50, "played_ratio_pct at or above which a listen is listen_plus",
-                                       min=0, max=65_535)
+    listen_threshold_pct: int = _field(
+        50, "played_ratio_pct at or above which a listen is listen_plus", min=0, max=65_535
+    )
     min_history: int = _field(4_086, "user-local event index an anchor needs at least", min=0)
-    null_ratio_policy: str = _field("skip", "listens whose played_ratio_pct is null: skip (the reference: the ratio "
-                                    "reads 0, a skip, label 0), drop, or error",
-                                    choices=("skip", "drop", "error"))
-    rows_per_chunk: int = _field(4_000_000, "at most this many raw rows per chunk (bounds memory; parquet row groups cap it too)", min=1_000)
+    null_ratio_policy: str = _field(
+        "skip",
+        "listens whose played_ratio_pct is null: skip (the reference: the ratio "
+        "reads 0, a skip, label 0), drop, or error",
+        choices=("skip", "drop", "error"),
+    )
+    rows_per_chunk: int = _field(
+        4_000_000, "at most this many raw rows per chunk (bounds memory; parquet row groups cap it too)", min=1_000
+    )
 
 
 @dataclass(frozen=True)
 class SamplerConfig:
     max_seq_len: int = _field(4_096, "tokens per sample: history + 8 contextual + 1 candidate", min=10)
     scan_window: int = _field(20_000, "events before the anchor scanned for the history pools", min=1)
-    uid_rows: int = _field(1_000_001, "rows of the uid table: the raw uid is the row (no modulo; a larger uid is "
-                           "refused)", min=1)
+    uid_rows: int = _field(
+        1_000_001, "rows of the uid table: the raw uid is the row (no modulo; a larger uid is refused)", min=1
+    )
     user_artist_rows: int = _field(100_000_000, "rows of the hashed user x artist table", min=1)
     user_album_rows: int = _field(40_000_000, "rows of the hashed user x album table", min=1)
     user_hour_rows: int = _field(24_000_000, "rows of the hashed user x hour table", min=1)
@@ -92,17 +107,27 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class LoaderConfig:
-    batch_size: int = _field(1_024, "global batch size: samples per optimizer step over all processes (each of "
-                             "the world's processes takes an equal contiguous slice)", min=1)
+    batch_size: int = _field(
+        1_024,
+        "global batch size: samples per optimizer step over all processes (each of "
+        "the world's processes takes an equal contiguous slice)",
+        min=1,
+    )
     num_workers: int = _field(2, "loader worker processes (0 builds batches in the main process)", min=0, max=256)
     shuffle_within_window: bool = _field(False, "seeded shuffle of anchors inside each window")
-    window_order: str = _field("index", "order of a window's anchors: index (ascending event index, user-major, "
-                               "the reference's) or time (ascending timestamp, ties by index)",
-                               choices=("index", "time"))
-    rank_slicing: str = _field("strided", "how the processes share a global batch: strided (rank r takes samples "
-                               "r, r + W, ..., the reference's), contiguous (equal consecutive slices) or "
-                               "balanced (equal sample counts, token sums balanced)",
-                               choices=("strided", "contiguous", "balanced"))
+    window_order: str = _field(
+        "index",
+        "order of a window's anchors: index (ascending event index, user-major, "
+        "the reference's) or time (ascending timestamp, ties by index)",
+        choices=("index", "time"),
+    )
+    rank_slicing: str = _field(
+        "strided",
+        "how the processes share a global batch: strided (rank r takes samples "
+        "r, r + W, ..., the reference's), contiguous (equal consecutive slices) or "
+        "balanced (equal sample counts, token sums balanced)",
+        choices=("strided", "contiguous", "balanced"),
+    )
     prefetch_batches: int = _field(2, "batches each worker prepares ahead", min=1, max=64)
 
 
@@ -125,44 +150,71 @@ class ModelConfig:
     linear_dropout: float = _field(0.1, "dropout on each STU layer's [u, attn, u*LN(attn)]", min=0.0, max=0.99)
     layer_norm_eps: float = _field(1e-6, "epsilon of the STU layer norms", min=0.0, max=1.0)
     loss_scale: float = _field(0.2, "multiplier of the mean BCE loss", min=0.0)
-    kernels: str = _field("auto", "operator implementation: Triton kernels, the PyTorch reference, or auto "
-                          "(Triton on GPUs)", choices=("auto", "triton", "pytorch"))
-    sequence_dtype: str = _field("bfloat16", "autocast dtype of the sequence model (head and loss stay fp32)",
-                                 choices=("bfloat16", "float16", "float32"))
-    recompute: str = _field("auto", "activations the STU layers recompute in the backward instead of keeping: none, "
-                            "cheap (the normed input, uvqk and the output block's y), layer (everything but the "
-                            "layer's input), or auto (the memory plan picks)",
-                            choices=("auto", "none", "cheap", "layer"))
-    last_layer: str = _field("candidates", "rows the last STU layer computes: candidates (U, Q, attention and the "
-                             "output block for each sequence's candidate row only, K and V for all rows; the "
-                             "reference's, the same function) or all", choices=("candidates", "all"))
+    kernels: str = _field(
+        "auto",
+        "operator implementation: Triton kernels, the PyTorch reference, or auto (Triton on GPUs)",
+        choices=("auto", "triton", "pytorch"),
+    )
+    sequence_dtype: str = _field(
+        "bfloat16",
+        "autocast dtype of the sequence model (head and loss stay fp32)",
+        choices=("bfloat16", "float16", "float32"),
+    )
+    recompute: str = _field(
+        "auto",
+        "activations the STU layers recompute in the backward instead of keeping: none, "
+        "cheap (the normed input, uvqk and the output block's y), layer (everything but the "
+        "layer's input), or auto (the memory plan picks)",
+        choices=("auto", "none", "cheap", "layer"),
+    )
+    last_layer: str = _field(
+        "candidates",
+        "rows the last STU layer computes: candidates (U, Q, attention and the "
+        "output block for each sequence's candidate row only, K and V for all rows; the "
+        "reference's, the same function) or all",
+        choices=("candidates", "all"),
+    )
 
 
 @dataclass(frozen=True)
 class EmbeddingConfig:
-    embedding_backend: str = _field("auto", "embedding engine: TorchRec (FBGEMM fused row-wise Adagrad), plain "
-                                    "PyTorch (same math), or auto (TorchRec where it imports)",
-                                    choices=("auto", "torchrec", "plain"))
+    embedding_backend: str = _field(
+        "auto",
+        "embedding engine: TorchRec (FBGEMM fused row-wise Adagrad), plain "
+        "PyTorch (same math), or auto (TorchRec where it imports)",
+        choices=("auto", "torchrec", "plain"),
+    )
     item_rows: int = _field(0, "rows of the item table (0: the store's item count)", min=0)
     artist_rows: int = _field(0, "rows of the artist table (0: from the store)", min=0)
     album_rows: int = _field(0, "rows of the album table (0: from the store)", min=0)
     embedding_init_std: float = _field(0.01, "std of the normal init of every table row", min=0.0)
-    sharding_types: str = _field("", "TorchRec sharding type per table, 'table=type,...' ('*' for every table; "
-                                 "types: row_wise, column_wise, table_wise); a table not named: row_wise (the "
-                                 "reference)")
-    placement: str = _field("", "TorchRec table placement, 'table=where,...' ('*' for every table; where: hbm, "
-                            "uvm, uvm_caching: host memory mapped into the device, uncached or with an HBM cache); "
-                            "a table not named: hbm, unless the memory plan moves it to host memory")
-    hbm_cap_gib: float = _field(0.0, "device memory per rank the TorchRec planner may fill with tables (GiB; 0: "
-                                "the device's own size)", min=0.0)
-    qcomm: str = _field("none", "TorchRec quantized embedding all-to-all: forward and backward in fp16 or bf16",
-                        choices=("none", "fp16", "bf16"))
+    sharding_types: str = _field(
+        "",
+        "TorchRec sharding type per table, 'table=type,...' ('*' for every table; "
+        "types: row_wise, column_wise, table_wise); a table not named: row_wise (the "
+        "reference)",
+    )
+    placement: str = _field(
+        "",
+        "TorchRec table placement, 'table=where,...' ('*' for every table; where: hbm, "
+        "uvm, uvm_caching: host memory mapped into the device, uncached or with an HBM cache); "
+        "a table not named: hbm, unless the memory plan moves it to host memory",
+    )
+    hbm_cap_gib: float = _field(
+        0.0, "device memory per rank the TorchRec planner may fill with tables (GiB; 0: the device's own size)", min=0.0
+    )
+    qcomm: str = _field(
+        "none",
+        "TorchRec quantized embedding all-to-all: forward and backward in fp16 or bf16",
+        choices=("none", "fp16", "bf16"),
+    )
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    learning_rate: float = _field(1e-6, "peak learning rate of both optimizers (closed division: "
-                                  "[0.5, 1.5] x 1e-6 x GBS/8192)", min=0.0, max=10.0)
+    learning_rate: float = _field(
+        1e-6, "peak learning rate of both optimizers (closed division: [0.5, 1.5] x 1e-6 x GBS/8192)", min=0.0, max=10.0
+    )
     warmup_steps: int = _field(24_000, "linear warm-up from 0 to the peak over this many steps", min=0)
     adam_beta1: float = _field(0.95, "Adam beta1 (dense parameters)", min=0.0, max=1.0)
     adam_beta2: float = _field(0.999, "Adam beta2", min=0.0, max=1.0)
@@ -170,56 +222,87 @@ class TrainConfig:
     weight_decay: float = _field(0.0, "Adam weight decay", min=0.0)
     grad_clip_norm: float = _field(1.0, "clip the dense gradients' global norm to this (0: off)", min=0.0)
     adagrad_eps: float = _field(1e-8, "row-wise Adagrad epsilon (embedding tables)", min=0.0)
-    eval_mode: str = _field("holdout", "evaluate on the fixed last train window, or on window T+1 after T",
-                            choices=("holdout", "next_window"))
+    eval_mode: str = _field(
+        "holdout",
+        "evaluate on the fixed last train window, or on window T+1 after T",
+        choices=("holdout", "next_window"),
+    )
     eval_every_data_pct: float = _field(0.001, "eval interval as a fraction of the train samples", min=1e-9, max=1.0)
     target_auc: float = _field(0.75, "stop at the first eval with AUC at or above this", min=0.0, max=1.0)
-    chunks: int = _field(0, "dense forward/backward passes per optimizer step over this rank's slice of the global "
-                         "batch (one lookup, one sparse update, one Adam step; the same step for any count); 0: the "
-                         "memory plan picks", min=0, max=65_536)
-    max_steps: int = _field(0, "stop after this many optimizer steps (0: run to the target or the end of the data)",
-                            min=0)
+    chunks: int = _field(
+        0,
+        "dense forward/backward passes per optimizer step over this rank's slice of the global "
+        "batch (one lookup, one sparse update, one Adam step; the same step for any count); 0: the "
+        "memory plan picks",
+        min=0,
+        max=65_536,
+    )
+    max_steps: int = _field(
+        0, "stop after this many optimizer steps (0: run to the target or the end of the data)", min=0
+    )
     run_dir: str = _field("runs/default", "where checkpoints, the run log and the report go")
     checkpoint_every_steps: int = _field(0, "checkpoint every N steps (0: off)", min=0)
     checkpoint_every_seconds: float = _field(0.0, "checkpoint every N seconds (0: off)", min=0.0)
     checkpoint_every_window: bool = _field(True, "checkpoint at the end of every train window")
     keep_last_checkpoints: int = _field(2, "complete checkpoints kept on disk", min=1)
-    profile_steps: str = _field("", "step windows to record with the torch profiler on every rank, 'start-end,...' "
-                                "(half-open; Chrome traces in <run_dir>/traces, merge with merge-traces)")
-    allow_changed_settings: bool = _field(False, "resume a checkpoint even when settings that shape the run (the "
-                                          "seed, data, model, optimizers, schedule) differ from the ones it was "
-                                          "written with (they are named in the log); without it such a resume stops")
+    profile_steps: str = _field(
+        "",
+        "step windows to record with the torch profiler on every rank, 'start-end,...' "
+        "(half-open; Chrome traces in <run_dir>/traces, merge with merge-traces)",
+    )
+    allow_changed_settings: bool = _field(
+        False,
+        "resume a checkpoint even when settings that shape the run (the "
+        "seed, data, model, optimizers, schedule) differ from the ones it was "
+        "written with (they are named in the log); without it such a resume stops",
+    )
 
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    backend: str = _field("auto", "torch.distributed backend of multi-process runs (auto: nccl on GPUs, gloo on "
-                          "the CPU)", choices=("auto", "nccl", "gloo"))
-    timeout_seconds: float = _field(600.0, "a collective that waits longer than this fails the run (a rank died "
-                                    "or hangs)", min=1.0)
+    backend: str = _field(
+        "auto",
+        "torch.distributed backend of multi-process runs (auto: nccl on GPUs, gloo on the CPU)",
+        choices=("auto", "nccl", "gloo"),
+    )
+    timeout_seconds: float = _field(
+        600.0, "a collective that waits longer than this fails the run (a rank died or hangs)", min=1.0
+    )
 
 
 @dataclass(frozen=True)
 class PlanConfig:
-    plan_world_size: int = _field(0, "processes (GPUs) the memory plan is made for (0: this run's world size)",
-                                  min=0, max=1_000_000)
-    plan_gpus_per_node: int = _field(0, "processes per node the plan assumes, for host memory (0: this run's, at "
-                                     "most 8)", min=0, max=1_024)
-    plan_device_memory_gib: float = _field(0.0, "memory of one device in GiB (0: this device's; on the CPU, this "
-                                           "machine's RAM)", min=0.0)
+    plan_world_size: int = _field(
+        0, "processes (GPUs) the memory plan is made for (0: this run's world size)", min=0, max=1_000_000
+    )
+    plan_gpus_per_node: int = _field(
+        0, "processes per node the plan assumes, for host memory (0: this run's, at most 8)", min=0, max=1_024
+    )
+    plan_device_memory_gib: float = _field(
+        0.0, "memory of one device in GiB (0: this device's; on the CPU, this machine's RAM)", min=0.0
+    )
     plan_host_memory_gib: float = _field(0.0, "host RAM of one node in GiB (0: this machine's)", min=0.0)
-    plan_headroom_fraction: float = _field(0.06, "share of device memory kept free for the allocator's slack, "
-                                           "the runtime and the communication library", min=0.0, max=0.9)
+    plan_headroom_fraction: float = _field(
+        0.06,
+        "share of device memory kept free for the allocator's slack, the runtime and the communication library",
+        min=0.0,
+        max=0.9,
+    )
 
 
 @dataclass(frozen=True)
 class MlperfConfig:
-    division: str = _field("closed", "MLPerf division: closed pins every hyperparameter but the LR and the batch "
-                           "size (checked before the run starts on the reference dataset)", choices=("closed", "open"))
+    division: str = _field(
+        "closed",
+        "MLPerf division: closed pins every hyperparameter but the LR and the batch "
+        "size (checked before the run starts on the reference dataset)",
+        choices=("closed", "open"),
+    )
     submission_org: str = _field("reference", "submitting organisation (submission_org)")
     submission_platform: str = _field("unspecified", "system name (submission_platform)")
-    submission_status: str = _field("onprem", "availability (submission_status)",
-                                    choices=("onprem", "cloud", "preview", "research"))
+    submission_status: str = _field(
+        "onprem", "availability (submission_status)", choices=("onprem", "cloud", "preview", "research")
+    )
     log_file: str = _field("", "the MLPerf run log (:::MLLOG lines); empty: <run_dir>/mlperf_log.txt")
 
 
@@ -277,8 +360,9 @@ def _parse_bool(text: str) -> bool:
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One typed flag per config field (flat names, unique across sections)."""
-    parser.add_argument("--preset", default=DEFAULT_PRESET,
-                        help=f"named preset from {PRESET_DIR.name}/ (default {DEFAULT_PRESET})")
+    parser.add_argument(
+        "--preset", default=DEFAULT_PRESET, help=f"named preset from {PRESET_DIR.name}/ (default {DEFAULT_PRESET})"
+    )
     parser.add_argument("--config", default=None, help="TOML file applied on top of the preset")
     group = parser.add_argument_group("configuration (CLI wins over files)")
     for section, f in _section_fields():
@@ -286,13 +370,20 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         kind = parsers[_field_type(f)]
         meta = f.metadata
         extra = f" [{meta['min']}..{meta['max']}]" if meta.get("min") is not None else ""
-        group.add_argument(_flag(f.name), dest=f"cfg__{section or ''}__{f.name}", type=kind, default=None,
-                           metavar=_field_type(f).__name__.upper(),
-                           help=f"{meta.get('help', '')}{extra} ({section or 'run'})")
+        group.add_argument(
+            _flag(f.name),
+            dest=f"cfg__{section or ''}__{f.name}",
+            type=kind,
+            default=None,
+            metavar=_field_type(f).__name__.upper(),
+            help=f"{meta.get('help', '')}{extra} ({section or 'run'})",
+        )
 
 
 def _field_type(f: dataclasses.Field) -> type:
-    return {"int": int, "float": float, "str": str, "bool": bool}[f.type if isinstance(f.type, str) else f.type.__name__]
+    return {"int": int, "float": float, "str": str, "bool": bool}[
+        f.type if isinstance(f.type, str) else f.type.__name__
+    ]
 
 
 def list_presets() -> list[str]:
@@ -337,8 +428,10 @@ def _check(section: str | None, f: dataclasses.Field, value: Any) -> Any:
         raise UserError(f"config field {name}={value!r} is not one of {', '.join(map(str, meta['choices']))}")
     lo, hi = meta.get("min"), meta.get("max")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise UserError(f"config field {name}={value} is outside the allowed range "
-                        f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]")
+        raise UserError(
+            f"config field {name}={value} is outside the allowed range "
+            f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        )
     return value
 
 
@@ -363,18 +456,27 @@ def validate_relations(cfg: BenchmarkConfig) -> None:
     ds = cfg.dataset
     allowed = YAMBDA_SIZES if ds.source == "yambda" else SYNTHETIC_SIZES
     if ds.size not in allowed:
-        raise UserError(f"config field dataset.size={ds.size!r} is not valid for source {ds.source!r}; "
-                        f"choose one of {', '.join(allowed)}")
+        raise UserError(
+            f"config field dataset.size={ds.size!r} is not valid for source {ds.source!r}; "
+            f"choose one of {', '.join(allowed)}"
+        )
     if cfg.model.num_position_buckets < cfg.sampler.max_seq_len:
-        raise UserError(f"config field model.num_position_buckets={cfg.model.num_position_buckets} must be at least "
-                        f"sampler.max_seq_len={cfg.sampler.max_seq_len} (one position per token)")
+        raise UserError(
+            f"config field model.num_position_buckets={cfg.model.num_position_buckets} must be at least "
+            f"sampler.max_seq_len={cfg.sampler.max_seq_len} (one position per token)"
+        )
     if cfg.sampler.per_pool_length < 1:
-        raise UserError(f"config field sampler.max_seq_len={cfg.sampler.max_seq_len} leaves no history "
-                        "(needs at least 12: 9 reserved tokens + 3 pools)")
+        raise UserError(
+            f"config field sampler.max_seq_len={cfg.sampler.max_seq_len} leaves no history "
+            "(needs at least 12: 9 reserved tokens + 3 pools)"
+        )
 
 
-def load_config(preset: str | None = DEFAULT_PRESET, config_file: str | None = None,
-                overrides: dict[tuple[str | None, str], Any] | None = None) -> BenchmarkConfig:
+def load_config(
+    preset: str | None = DEFAULT_PRESET,
+    config_file: str | None = None,
+    overrides: dict[tuple[str | None, str], Any] | None = None,
+) -> BenchmarkConfig:
     values: dict[tuple[str | None, str], Any] = {}
     if preset:
         path = PRESET_DIR / f"{preset}.toml"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from model_inputs import random_batch
+from test_chunked_step import LENGTHS, config, dense_grads
 from torch.nn.parallel import DistributedDataParallel
 
 from dlrmv4.data.loader import BatchSlice, rank_share
@@ -18,8 +20,6 @@ from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.distributed import Cluster
 from dlrmv4.train.optim import FiniteMonitor
 from dlrmv4.train.step import TrainStep
-from model_inputs import random_batch
-from test_chunked_step import LENGTHS, config, dense_grads
 
 
 def one_step(backend: str, chunks: int, batch, cluster: Cluster, out: Path) -> None:
@@ -36,15 +36,18 @@ def one_step(backend: str, chunks: int, batch, cluster: Cluster, out: Path) -> N
     dist.all_reduce(loss)
     tables = embeddings.state_for_checkpoint()  # a collective: every rank calls it
     if cluster.is_main:
-        torch.save({"loss": loss, "dense": model.state_dict(), "grads": dense_grads(model),
-                    "tables": tables["tables"]}, out / f"chunks{chunks}.pt")
+        torch.save(
+            {"loss": loss, "dense": model.state_dict(), "grads": dense_grads(model), "tables": tables["tables"]},
+            out / f"chunks{chunks}.pt",
+        )
 
 
 def main(backend: str, out: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cluster = Cluster(rank, world, rank, world, torch.device("cpu"), backend="gloo",
-                      control=dist.new_group(backend="gloo"))
+    cluster = Cluster(
+        rank, world, rank, world, torch.device("cpu"), backend="gloo", control=dist.new_group(backend="gloo")
+    )
     share = rank_share(BatchSlice(0, 0, len(LENGTHS)), rank, world, "contiguous")
     batch = random_batch(LENGTHS, seed=5).samples(int(share[0]), int(share[-1]) + 1)
     for chunks in (1, 2, 3):

@@ -36,15 +36,18 @@ def yambda_files(size: str, rows: int, seed: int = 0) -> dict[str, bytes]:
     items = rng.integers(1, 1_000, rows, dtype=np.uint32)
     codes = rng.integers(0, len(EVENT_TYPES), rows, dtype=np.int8)
     listen = codes == 0
-    events = pa.table({
-        "uid": np.sort(rng.integers(1, 50, rows, dtype=np.uint32)),
-        "item_id": items,
-        "timestamp": np.arange(rows, dtype=np.uint32) * 5,
-        "is_organic": rng.integers(0, 2, rows, dtype=np.uint8),
-        "event_type": pa.DictionaryArray.from_arrays(pa.array(codes), pa.array(EVENT_TYPES)),
-        "played_ratio_pct": pa.array(rng.integers(0, 120, rows, dtype=np.uint16), mask=~listen),
-        "track_length_seconds": pa.array(rng.integers(30, 600, rows, dtype=np.uint32), mask=~listen),
-    }, schema=MULTI_EVENT_SCHEMA)
+    events = pa.table(
+        {
+            "uid": np.sort(rng.integers(1, 50, rows, dtype=np.uint32)),
+            "item_id": items,
+            "timestamp": np.arange(rows, dtype=np.uint32) * 5,
+            "is_organic": rng.integers(0, 2, rows, dtype=np.uint8),
+            "event_type": pa.DictionaryArray.from_arrays(pa.array(codes), pa.array(EVENT_TYPES)),
+            "played_ratio_pct": pa.array(rng.integers(0, 120, rows, dtype=np.uint16), mask=~listen),
+            "track_length_seconds": pa.array(rng.integers(30, 600, rows, dtype=np.uint32), mask=~listen),
+        },
+        schema=MULTI_EVENT_SCHEMA,
+    )
     catalog = np.arange(1, 1_000, dtype=np.uint32)
     artists = pa.table({"artist_id": catalog // 7, "item_id": catalog})
     albums = pa.table({"album_id": catalog // 3, "item_id": catalog})
@@ -56,8 +59,14 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def build_hub_cache(cache_dir: Path, files: dict[str, bytes], *, commit: str = COMMIT,
-                    refs: tuple[str, ...] = ("main",), repo_id: str = REPO_ID) -> Path:
+def build_hub_cache(
+    cache_dir: Path,
+    files: dict[str, bytes],
+    *,
+    commit: str = COMMIT,
+    refs: tuple[str, ...] = ("main",),
+    repo_id: str = REPO_ID,
+) -> Path:
     """Lay ``files`` out as huggingface_hub does: blobs named by etag (sha256 for LFS files), relative
     snapshot symlinks, and ``refs/<name>`` holding the commit (no newline). Returns the repo folder."""
     storage = cache_dir / ("datasets--" + repo_id.replace("/", "--"))
@@ -92,8 +101,15 @@ class FakeHub:
     cleared, so the client's own in-call retry fails too. The server stops itself after ``max_seconds``.
     """
 
-    def __init__(self, files: dict[str, bytes], *, repo_id: str = REPO_ID, commit: str = COMMIT,
-                 branches: tuple[str, ...] = ("main",), max_seconds: float = 30.0):
+    def __init__(
+        self,
+        files: dict[str, bytes],
+        *,
+        repo_id: str = REPO_ID,
+        commit: str = COMMIT,
+        branches: tuple[str, ...] = ("main",),
+        max_seconds: float = 30.0,
+    ):
         self.files, self.repo_id, self.commit, self.branches = files, repo_id, commit, branches
         self.max_seconds = max_seconds
         self.cut_next_get: set[str] = set()
@@ -141,8 +157,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self._answer(head=False)
 
-    def _reply(self, status: int, headers: dict[str, str], body: bytes = b"", *, head: bool, path: str = "",
-               cut: bool = False) -> None:
+    def _reply(
+        self, status: int, headers: dict[str, str], body: bytes = b"", *, head: bool, path: str = "", cut: bool = False
+    ) -> None:
         sent = body[: len(body) // 2] if cut else body
         # Recorded before answering, so the client never sees a reply the log does not hold yet.
         self.hub.record(Seen(self.command, path, self.headers.get("Range"), status, 0 if head else len(sent)))
@@ -161,7 +178,7 @@ class _Handler(BaseHTTPRequestHandler):
         hub = self.hub
         prefix = f"/datasets/{hub.repo_id}/resolve/"
         in_repo = self.path.startswith(prefix)
-        quoted_rev, _, quoted_path = self.path[len(prefix):].partition("/") if in_repo else ("", "", self.path)
+        quoted_rev, _, quoted_path = self.path[len(prefix) :].partition("/") if in_repo else ("", "", self.path)
         revision, path = unquote(quoted_rev), unquote(quoted_path)
         if hub.down:
             return self._reply(503, {}, head=head, path=path)

@@ -12,26 +12,56 @@ import sys
 from pathlib import Path
 
 import pytest
+from raw_factory import random_events, write_raw
 
 from dlrmv4.config import load_config
 from dlrmv4.data.preprocess import preprocess
-from raw_factory import random_events, write_raw
 
 REPO = Path(__file__).resolve().parents[2]
 # A small store and model (fp32, PyTorch kernels): a run of 70 steps takes seconds per process.
 OVERRIDES = {
-    "preprocess.last_timestamp": 0, "preprocess.num_train_days": 6, "preprocess.min_history": 20,
-    "sampler.max_seq_len": 48, "sampler.scan_window": 200,
-    **{f"sampler.{name}_rows": 1_000 for name in ("uid", "user_artist", "user_album", "user_hour", "item_hour",
-                                                  "artist_hour", "user_organic", "user_artist_hour")},
-    "loader.batch_size": 16, "loader.num_workers": 0,
-    "model.embedding_dim": 8, "model.d_model": 8, "model.num_layers": 1, "model.num_heads": 1,
-    "model.qk_dim": 16, "model.v_dim": 16, "model.preprocessor_hidden": 8, "model.action_dim": 2,
-    "model.item_tower_hidden": 8, "model.head_hidden": 8, "model.num_position_buckets": 64,
-    "model.num_time_buckets": 16, "model.sequence_dtype": "float32", "model.kernels": "pytorch",
-    "model.input_dropout": 0.0, "model.linear_dropout": 0.0,
-    "train.learning_rate": 0.01, "train.warmup_steps": 5, "train.eval_every_data_pct": 0.1,
-    "train.target_auc": 1.0, "train.checkpoint_every_window": False, "train.checkpoint_every_steps": 10,
+    "preprocess.last_timestamp": 0,
+    "preprocess.num_train_days": 6,
+    "preprocess.min_history": 20,
+    "sampler.max_seq_len": 48,
+    "sampler.scan_window": 200,
+    **{
+        f"sampler.{name}_rows": 1_000
+        for name in (
+            "uid",
+            "user_artist",
+            "user_album",
+            "user_hour",
+            "item_hour",
+            "artist_hour",
+            "user_organic",
+            "user_artist_hour",
+        )
+    },
+    "loader.batch_size": 16,
+    "loader.num_workers": 0,
+    "model.embedding_dim": 8,
+    "model.d_model": 8,
+    "model.num_layers": 1,
+    "model.num_heads": 1,
+    "model.qk_dim": 16,
+    "model.v_dim": 16,
+    "model.preprocessor_hidden": 8,
+    "model.action_dim": 2,
+    "model.item_tower_hidden": 8,
+    "model.head_hidden": 8,
+    "model.num_position_buckets": 64,
+    "model.num_time_buckets": 16,
+    "model.sequence_dtype": "float32",
+    "model.kernels": "pytorch",
+    "model.input_dropout": 0.0,
+    "model.linear_dropout": 0.0,
+    "train.learning_rate": 0.01,
+    "train.warmup_steps": 5,
+    "train.eval_every_data_pct": 0.1,
+    "train.target_auc": 1.0,
+    "train.checkpoint_every_window": False,
+    "train.checkpoint_every_steps": 10,
     "distributed.timeout_seconds": 60.0,
 }
 STEPS = 70  # two windows and a half; resumes split it at PAUSE
@@ -49,16 +79,24 @@ def run_flags(data_path: Path, run_dir: Path, **extra) -> list[str]:
 
 
 def launch_env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO / "recommendation_v4"), OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "recommendation_v4"), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
 
 
 def torchrun(nproc: int, flags: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "dlrmv4", "train", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "dlrmv4",
+        "train",
+        *flags,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=launch_env())
 
 
@@ -73,7 +111,8 @@ def assert_same_trajectory(got: dict, want: dict, loss_rtol: float = LOSS_RTOL, 
     assert (g["steps"], g["samples"], g["status"]) == (w["steps"], w["samples"], w["status"])
     assert [(win, n) for win, n, _ in g["window_losses"]] == [(win, n) for win, n, _ in w["window_losses"]]
     assert [loss for *_, loss in g["window_losses"]] == pytest.approx(
-        [loss for *_, loss in w["window_losses"]], rel=loss_rtol)
+        [loss for *_, loss in w["window_losses"]], rel=loss_rtol
+    )
     assert [e["samples_count"] for e in g["evals"]] == [e["samples_count"] for e in w["evals"]]
     assert [e["auc"] for e in g["evals"]] == pytest.approx([e["auc"] for e in w["evals"]], abs=auc_atol)
 
@@ -82,7 +121,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
 
 
 def make_data(root: Path) -> Path:

@@ -25,8 +25,9 @@ class RawEvents:
     played_ratio_pct: np.ndarray  # ignored (null) where event_type != listen; an object array may hold None
 
 
-def random_events(seed: int, num_users: int = 30, max_events: int = 400, span_days: int = 12,
-                  num_items: int = 300) -> RawEvents:
+def random_events(
+    seed: int, num_users: int = 30, max_events: int = 400, span_days: int = 12, num_items: int = 300
+) -> RawEvents:
     """Users with bursts of events over ``span_days``, sorted by (uid, timestamp)."""
     rng = np.random.default_rng(seed)
     uids = np.sort(rng.choice(10 * num_users, num_users, replace=False)).astype(np.uint32)
@@ -38,10 +39,14 @@ def random_events(seed: int, num_users: int = 30, max_events: int = 400, span_da
         parts.append(((start + np.cumsum(gaps)) // 5 * 5).astype(np.uint32))
     ts = np.concatenate(parts)
     n = len(ts)
-    return RawEvents(uid=np.repeat(uids, counts), item_id=rng.integers(0, num_items, n).astype(np.uint32),
-                     timestamp=ts, is_organic=rng.integers(0, 2, n).astype(np.uint8),
-                     event_type=rng.choice(5, n, p=[0.9, 0.05, 0.02, 0.02, 0.01]).astype(np.int8),
-                     played_ratio_pct=rng.integers(0, 200, n).astype(np.uint16))
+    return RawEvents(
+        uid=np.repeat(uids, counts),
+        item_id=rng.integers(0, num_items, n).astype(np.uint32),
+        timestamp=ts,
+        is_organic=rng.integers(0, 2, n).astype(np.uint8),
+        event_type=rng.choice(5, n, p=[0.9, 0.05, 0.02, 0.02, 0.01]).astype(np.int8),
+        played_ratio_pct=rng.integers(0, 200, n).astype(np.uint16),
+    )
 
 
 def events_table(ev: RawEvents, event_type_kind: str = "dictionary") -> pa.Table:
@@ -55,15 +60,17 @@ def events_table(ev: RawEvents, event_type_kind: str = "dictionary") -> pa.Table
         etype = pa.array(names, pa.large_string())
     else:
         raise ValueError(event_type_kind)
-    return pa.table({
-        "uid": pa.array(ev.uid, pa.uint32()),
-        "item_id": pa.array(ev.item_id, pa.uint32()),
-        "timestamp": pa.array(ev.timestamp, pa.uint32()),
-        "is_organic": pa.array(ev.is_organic, pa.uint8()),
-        "event_type": etype,
-        "played_ratio_pct": _ratio_array(ev.played_ratio_pct, listen),
-        "track_length_seconds": pa.array(np.full(len(ev.uid), 180, np.uint32), pa.uint32(), mask=~listen),
-    })
+    return pa.table(
+        {
+            "uid": pa.array(ev.uid, pa.uint32()),
+            "item_id": pa.array(ev.item_id, pa.uint32()),
+            "timestamp": pa.array(ev.timestamp, pa.uint32()),
+            "is_organic": pa.array(ev.is_organic, pa.uint8()),
+            "event_type": etype,
+            "played_ratio_pct": _ratio_array(ev.played_ratio_pct, listen),
+            "track_length_seconds": pa.array(np.full(len(ev.uid), 180, np.uint32), pa.uint32(), mask=~listen),
+        }
+    )
 
 
 def _ratio_array(ratio: np.ndarray, listen: np.ndarray) -> pa.Array:
@@ -74,12 +81,26 @@ def _ratio_array(ratio: np.ndarray, listen: np.ndarray) -> pa.Array:
 
 def write_mapping(path: Path, id_column: str, rows: list[tuple[int, int]]) -> None:
     """A mapping file with exactly these (item_id, id) rows, in this order."""
-    pq.write_table(pa.table({id_column: pa.array([r[1] for r in rows], pa.uint32()),
-                             "item_id": pa.array([r[0] for r in rows], pa.uint32())}), path)
+    pq.write_table(
+        pa.table(
+            {
+                id_column: pa.array([r[1] for r in rows], pa.uint32()),
+                "item_id": pa.array([r[0] for r in rows], pa.uint32()),
+            }
+        ),
+        path,
+    )
 
 
-def write_raw(root: Path, ev: RawEvents, *, event_type_kind: str = "dictionary", num_items: int = 300,
-              table: pa.Table | None = None, row_group_size: int = 5_000) -> RawFiles:
+def write_raw(
+    root: Path,
+    ev: RawEvents,
+    *,
+    event_type_kind: str = "dictionary",
+    num_items: int = 300,
+    table: pa.Table | None = None,
+    row_group_size: int = 5_000,
+) -> RawFiles:
     files = RawFiles.under(root, SIZE)
     files.multi_event.parent.mkdir(parents=True, exist_ok=True)
     if event_type_kind == "enum":
@@ -94,6 +115,13 @@ def write_raw(root: Path, ev: RawEvents, *, event_type_kind: str = "dictionary",
     items = np.arange(num_items, dtype=np.uint32)
     mapped = items[items % 17 != 5]  # a few items without mapping rows: they join to 0
     pq.write_table(pa.table({"artist_id": mapped // 7 + 1, "item_id": mapped}), files.artist_mapping)
-    pq.write_table(pa.table({"album_id": np.concatenate([mapped // 3 + 2, mapped // 3 + 9]),
-                             "item_id": np.concatenate([mapped, mapped])}), files.album_mapping)
+    pq.write_table(
+        pa.table(
+            {
+                "album_id": np.concatenate([mapped // 3 + 2, mapped // 3 + 9]),
+                "item_id": np.concatenate([mapped, mapped]),
+            }
+        ),
+        files.album_mapping,
+    )
     return files

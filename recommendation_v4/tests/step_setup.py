@@ -8,14 +8,18 @@ from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 
 
-def small_table_config(preset: str, backend: str, rows: int, *, model: dict | None = None,
-                       train: dict | None = None) -> BenchmarkConfig:
+def small_table_config(
+    preset: str, backend: str, rows: int, *, model: dict | None = None, train: dict | None = None
+) -> BenchmarkConfig:
     """``preset`` with every table ``rows`` rows (random_batch draws ids below 100) and the given
     model / train fields changed."""
     cfg = load_config(preset)
     return dataclasses.replace(
-        cfg, embeddings=dataclasses.replace(cfg.embeddings, embedding_backend=backend, item_rows=rows,
-                                            artist_rows=rows, album_rows=rows),
+        cfg,
+        embeddings=dataclasses.replace(
+            cfg.embeddings, embedding_backend=backend, item_rows=rows, artist_rows=rows, album_rows=rows
+        ),
         sampler=dataclasses.replace(cfg.sampler, **{f"{name}_rows": rows for name in CONTEXTUAL_FEATURES}),
         model=dataclasses.replace(cfg.model, **(model or {})),
-        train=dataclasses.replace(cfg.train, **(train or {})))
+        train=dataclasses.replace(cfg.train, **(train or {})),
+    )

@@ -12,15 +12,23 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from raw_factory import events_table, random_events, write_raw
 
 from dlrmv4.config import load_config
 from dlrmv4.data.preprocess import preprocess
 from dlrmv4.data.store import read_md5s
 from dlrmv4.errors import UserError
-from raw_factory import events_table, random_events, write_raw
 
-CFG = load_config(None, None, {("preprocess", "last_timestamp"): 0, ("preprocess", "num_train_days"): 9,
-                               ("preprocess", "min_history"): 40, ("preprocess", "rows_per_chunk"): 1_000})
+CFG = load_config(
+    None,
+    None,
+    {
+        ("preprocess", "last_timestamp"): 0,
+        ("preprocess", "num_train_days"): 9,
+        ("preprocess", "min_history"): 40,
+        ("preprocess", "rows_per_chunk"): 1_000,
+    },
+)
 
 
 def _fails(tmp_path: Path, raw, match: str, cfg=CFG) -> str:
@@ -68,7 +76,7 @@ def test_corrupt_row_group(tmp_path, events):
     data = bytearray(raw.multi_event.read_bytes())
     # Keep the footer intact so the file opens, damage the column chunks in the middle.
     middle = len(data) // 3
-    data[middle:middle + 4096] = os.urandom(4096)
+    data[middle : middle + 4096] = os.urandom(4096)
     raw.multi_event.write_bytes(bytes(data))
     _fails(tmp_path, raw, str(raw.multi_event))
 
@@ -115,8 +123,14 @@ def test_null_ratio_listen_with_error_policy(tmp_path, events):
     ratio[first_listen] = None
     table = _with_column(table, "played_ratio_pct", pa.array(ratio, pa.uint16()))
     raw = write_raw(tmp_path / "raw", events, table=table)
-    cfg = load_config(None, None, {**{("preprocess", k): v for k, v in dataclasses.asdict(CFG.preprocess).items()},
-                                   ("preprocess", "null_ratio_policy"): "error"})
+    cfg = load_config(
+        None,
+        None,
+        {
+            **{("preprocess", k): v for k, v in dataclasses.asdict(CFG.preprocess).items()},
+            ("preprocess", "null_ratio_policy"): "error",
+        },
+    )
     msg = _fails(tmp_path, raw, "null played_ratio_pct", cfg)
     assert f"row {first_listen}" in msg
 
@@ -146,8 +160,9 @@ def test_empty_dataset(tmp_path, events):
 
 
 def test_no_events_in_train_span(tmp_path, events):
-    cfg = load_config(None, None, {("preprocess", "last_timestamp"): 4_000_000_000,
-                                   ("preprocess", "num_train_days"): 2})
+    cfg = load_config(
+        None, None, {("preprocess", "last_timestamp"): 4_000_000_000, ("preprocess", "num_train_days"): 2}
+    )
     raw = write_raw(tmp_path / "raw", events)
     _fails(tmp_path, raw, "no events fall in the train span", cfg)
 
@@ -179,8 +194,12 @@ def test_cli_reports_one_line_and_exit_1(tmp_path, events):
     raw_root = tmp_path / "data" / "raw" / "synthetic-tiny"
     write_raw(raw_root, events)
     (raw_root / "flat" / "tiny" / "multi_event.parquet").write_bytes(b"PAR1 definitely not parquet")
-    proc = subprocess.run([sys.executable, "-m", "dlrmv4", "preprocess", "--data-path", str(tmp_path / "data"),
-                           "--no-progress"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dlrmv4", "preprocess", "--data-path", str(tmp_path / "data"), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("[dlrmv4] error:") and "multi_event.parquet" in lines[0]

@@ -10,9 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import harness
+import pytest
 
 BENCHMARKS = Path(harness.__file__).resolve().parent
 
@@ -46,8 +45,13 @@ def test_facts_and_versions():
 
 
 def test_write_results_stamps_both_files(tmp_path, argv):
-    stamped = harness.write_results("demo", {"rows": [{"x": 1}], "device": "my device"}, "| x |\n|---|\n| 1 |\n",
-                                    device="cpu", out=tmp_path / "results")
+    stamped = harness.write_results(
+        "demo",
+        {"rows": [{"x": 1}], "device": "my device"},
+        "| x |\n|---|\n| 1 |\n",
+        device="cpu",
+        out=tmp_path / "results",
+    )
     data = json.loads((tmp_path / "results" / "demo.json").read_text())
     assert data == stamped
     assert data["rows"] == [{"x": 1}] and data["device"] == "my device"
@@ -64,8 +68,10 @@ def test_write_results_stamps_both_files(tmp_path, argv):
 
 def test_the_footer_leaves_out_what_the_text_shows(tmp_path, argv):
     versions = ", ".join(f"{k} {v}" for k, v in harness.package_versions().items())
-    text = (f"Run `{harness.command_line()}` at commit abc1234 on {harness.cpu_model()} ({versions}).\n\n"
-            "| x |\n|---|\n| 1 |")
+    text = (
+        f"Run `{harness.command_line()}` at commit abc1234 on {harness.cpu_model()} ({versions}).\n\n"
+        "| x |\n|---|\n| 1 |"
+    )
     harness.write_results("shown", {}, text, device="cpu", out=tmp_path)
     assert (tmp_path / "shown.md").read_text() == text + "\n"
 
@@ -92,10 +98,27 @@ def test_labelled_rows_keep_one_row_per_label(tmp_path, argv, monkeypatch):
 
 def test_sampler_benchmark_writes_stamped_results(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent), DLRMV4_COMMIT="feed123")
-    args = ["--users", "4", "--batches", "1", "--batch-size", "8", "--repeats", "1", "--reference-samples", "1",
-            "--out", str(tmp_path)]
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_sampler.py"), *args], capture_output=True,
-                          text=True, env=env, timeout=300)
+    args = [
+        "--users",
+        "4",
+        "--batches",
+        "1",
+        "--batch-size",
+        "8",
+        "--repeats",
+        "1",
+        "--reference-samples",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_sampler.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "sampler.json").read_text())
     command = "python benchmarks/bench_sampler.py " + " ".join(args)

@@ -13,8 +13,14 @@ import pytest
 import torch
 
 from dlrmv4.config import TrainConfig
-from dlrmv4.train.checkpoint import (CheckpointCadence, CheckpointPosition, ModelAndOptimizers,
-                                     latest_checkpoint, load_checkpoint, save_checkpoint)
+from dlrmv4.train.checkpoint import (
+    CheckpointCadence,
+    CheckpointPosition,
+    ModelAndOptimizers,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from dlrmv4.train.rng import capture_rng_state, restore_rng_state
 
 
@@ -37,8 +43,9 @@ class _Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = torch.nn.Embedding(10, 8)
-        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                                        torch.nn.Linear(16, 1))
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1)
+        )
 
     def forward(self, ids, noise):
         return self.body(self.emb(ids) + noise).squeeze(-1)
@@ -83,8 +90,9 @@ def _assert_bit_equal(a, b):
 
 
 def _position(step):
-    return CheckpointPosition(step=step, samples_seen=6 * step, window=step // 2, batch_in_window=step % 2,
-                              evals_done=step // 3)
+    return CheckpointPosition(
+        step=step, samples_seen=6 * step, window=step // 2, batch_in_window=step % 2, evals_done=step // 3
+    )
 
 
 def test_resume_is_bit_exact(tmp_path, deterministic):
@@ -95,8 +103,11 @@ def test_resume_is_bit_exact(tmp_path, deterministic):
     net, opts, gen = _build(0)
     _train(net, opts, gen, 3)
     at_save = _flat_state(net, opts)
-    state = {"train": ModelAndOptimizers(net, opts), "rng": capture_rng_state({"noise": gen}),
-             "metrics": {"auc_sum": 1.5}}
+    state = {
+        "train": ModelAndOptimizers(net, opts),
+        "rng": capture_rng_state({"noise": gen}),
+        "metrics": {"auc_sum": 1.5},
+    }
     save_checkpoint(tmp_path, _position(3), state, keep_last=2)
 
     # A "new process": other init, other RNG positions, optimizers that never stepped.
@@ -120,8 +131,12 @@ def test_rng_round_trip_and_mismatch():
     state = capture_rng_state({"loader": gen})
 
     def draw():
-        return (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist(),
-                torch.rand(3, generator=gen).tolist())
+        return (
+            random.random(),
+            np.random.rand(3).tolist(),
+            torch.rand(3).tolist(),
+            torch.rand(3, generator=gen).tolist(),
+        )
 
     first = draw()
     draw()
@@ -203,6 +218,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # kills writer processes
 def test_kill_during_write_never_leaves_a_partial_checkpoint(tmp_path):
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
@@ -227,8 +243,7 @@ def test_kill_during_write_never_leaves_a_partial_checkpoint(tmp_path):
             assert state["step"] == position.step == int(path.name[5:]), where
             assert all(bool((p == position.step).all()) for p in net.parameters()), where
 
-        save_checkpoint(run_dir, CheckpointPosition(10_000, 0, 0, 0, 0), {"model": torch.nn.Linear(2, 2)},
-                        keep_last=2)
+        save_checkpoint(run_dir, CheckpointPosition(10_000, 0, 0, 0, 0), {"model": torch.nn.Linear(2, 2)}, keep_last=2)
         assert latest_checkpoint(run_dir).name == "step-00010000", where
         assert not [p.name for p in root.iterdir() if p.name.startswith(".")], where
     # The writes take most of the child's time: some kill must have landed inside one.

@@ -27,32 +27,42 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from dlrmv4.train.chunks import chunk_bounds, chunked_logits
 from model_inputs import random_batch
-from dlrmv4.train.trainer import build_step
 from step_setup import small_table_config
 
-TORCHREC = pytest.param("torchrec", marks=pytest.mark.skipif(
-    __import__("importlib").util.find_spec("torchrec") is None, reason="torchrec not installed"))
+from dlrmv4.train.chunks import chunk_bounds, chunked_logits
+from dlrmv4.train.trainer import build_step
+
+TORCHREC = pytest.param(
+    "torchrec",
+    marks=pytest.mark.skipif(
+        __import__("importlib").util.find_spec("torchrec") is None, reason="torchrec not installed"
+    ),
+)
 BACKENDS = ["plain", TORCHREC]
 ROWS = 100  # random_batch draws ids below 100: duplicates within and across samples
 LENGTHS = [0, 7, 30, 1, 12, 25, 3, 0, 19, 8, 30, 2, 14, 5, 22, 9, 0, 16, 11, 27, 4, 6, 13, 1]
 DROPOUT = {"input_dropout": 0.2, "linear_dropout": 0.1, "kernels": "pytorch", "last_layer": "all"}
 CANDIDATE_LAST_LAYER = {**DROPOUT, "last_layer": "candidates"}
 LR = 0.01
-GRAD_RTOL = 1e-5   # of the gradient tensor's largest element: fp32 sums over the slice in another order
+GRAD_RTOL = 1e-5  # of the gradient tensor's largest element: fp32 sums over the slice in another order
 STEP_ATOL = 1e-3 * LR  # a thousandth of one Adam step
 
 
 def assert_dense_close(run: dict, reference: dict, label: str) -> None:
     for name, grad in reference["grads"].items():
         scale = float(grad.abs().max()) or 1.0
-        torch.testing.assert_close(run["grads"][name], grad, rtol=0, atol=GRAD_RTOL * scale,
-                                   msg=lambda m, n=name: f"{label}, gradient of {n}: {m}")
+        torch.testing.assert_close(
+            run["grads"][name],
+            grad,
+            rtol=0,
+            atol=GRAD_RTOL * scale,
+            msg=lambda m, n=name: f"{label}, gradient of {n}: {m}",
+        )
     for name, value in reference["dense"].items():
-        torch.testing.assert_close(run["dense"][name], value, rtol=0, atol=STEP_ATOL,
-                                   msg=lambda m, n=name: f"{label}, {n}: {m}")
+        torch.testing.assert_close(
+            run["dense"][name], value, rtol=0, atol=STEP_ATOL, msg=lambda m, n=name: f"{label}, {n}: {m}"
+        )
 
 
 def assert_tables_equal(run: dict, reference: dict, label: str) -> None:
@@ -62,8 +72,9 @@ def assert_tables_equal(run: dict, reference: dict, label: str) -> None:
 
 
 def config(backend: str, chunks: int, model: dict = DROPOUT):
-    return small_table_config("synthetic-tiny", backend, ROWS, model=model,
-                              train={"chunks": chunks, "learning_rate": LR, "warmup_steps": 0})
+    return small_table_config(
+        "synthetic-tiny", backend, ROWS, model=model, train={"chunks": chunks, "learning_rate": LR, "warmup_steps": 0}
+    )
 
 
 pytestmark = pytest.mark.usefixtures("gloo_world_of_one")
@@ -73,8 +84,13 @@ def run_steps(backend: str, chunks: int, batches, model: dict = DROPOUT) -> dict
     step = build_step(config(backend, chunks, model), (0, 0, 0), "cpu", seed=3)
     losses = [step(batch, i, 0) for i, batch in enumerate(batches)]
     tables = step.embeddings.state_for_checkpoint()["tables"]
-    return {"losses": torch.stack(losses), "dense": {k: v.clone() for k, v in step.model.state_dict().items()},
-            "grads": dense_grads(step.model), "tables": tables, "step": step}
+    return {
+        "losses": torch.stack(losses),
+        "dense": {k: v.clone() for k, v in step.model.state_dict().items()},
+        "grads": dense_grads(step.model),
+        "tables": tables,
+        "step": step,
+    }
 
 
 def dense_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -105,8 +121,13 @@ def assert_tables_close(run: dict, reference: dict, start: dict, label: str) -> 
     """The sparse updates to fp32 rounding of the largest update (and the Adagrad momentum)."""
     for name, table in reference["tables"].items():
         update = table["weight"] - start[name]["weight"]
-        torch.testing.assert_close(run["tables"][name]["weight"] - start[name]["weight"], update, rtol=0,
-                                   atol=1e-5 * float(update.abs().max()), msg=lambda m, n=name: f"{label}: {n}: {m}")
+        torch.testing.assert_close(
+            run["tables"][name]["weight"] - start[name]["weight"],
+            update,
+            rtol=0,
+            atol=1e-5 * float(update.abs().max()),
+            msg=lambda m, n=name: f"{label}: {n}: {m}",
+        )
         torch.testing.assert_close(run["tables"][name]["momentum"], table["momentum"], rtol=1e-5, atol=0)
 
 
@@ -114,7 +135,9 @@ def assert_tables_close(run: dict, reference: dict, start: dict, label: str) -> 
 def test_chunked_step_with_the_candidate_last_layer(backend):
     batch = random_batch(LENGTHS, seed=5)
     runs = {k: run_steps(backend, k, [batch], CANDIDATE_LAST_LAYER) for k in (1, 2, 3)}
-    start = build_step(config(backend, 1, CANDIDATE_LAST_LAYER), (0, 0, 0), "cpu", seed=3).embeddings.state_for_checkpoint()
+    start = build_step(
+        config(backend, 1, CANDIDATE_LAST_LAYER), (0, 0, 0), "cpu", seed=3
+    ).embeddings.state_for_checkpoint()
     for k in (2, 3):
         assert_tables_close(runs[k], runs[1], start["tables"], f"{k} chunks")
         torch.testing.assert_close(runs[k]["losses"], runs[1]["losses"], rtol=1e-6, atol=0)
@@ -157,8 +180,9 @@ def test_chunks_use_the_slice_dropout_masks():
         rows = emb.samples(start, stop, batch.history_row(start), batch.history_row(stop))
         parts.append(model(part, rows, context.at_row(model.sequence_row(batch, start))).logits)
     assert torch.equal(torch.cat(parts), whole)
-    naive = model(batch.samples(0, 8), emb.samples(0, 8, 0, batch.history_row(8)),
-                  model.slice_context(batch.samples(0, 8))).logits
+    naive = model(
+        batch.samples(0, 8), emb.samples(0, 8, 0, batch.history_row(8)), model.slice_context(batch.samples(0, 8))
+    ).logits
     assert not torch.allclose(naive, whole[:8], rtol=1e-3)
 
 
@@ -178,12 +202,19 @@ def test_chunked_step_on_two_ranks(backend, tmp_path):
     same tables (bit-equal) and dense weights (fp32 rounding) after a step."""
     worker = Path(__file__).parent / "chunk_worker.py"
     paths = [Path(__file__).parents[1], Path(__file__).parent, Path(__file__).parents[1] / "benchmarks"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker),
-           backend, str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(worker),
+        backend,
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     runs = {k: torch.load(tmp_path / f"chunks{k}.pt") for k in (1, 2, 3)}

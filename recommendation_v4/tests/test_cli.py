@@ -13,8 +13,9 @@ PUBLISHED = REPO / "md5sums"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dlrmv4", *args, "--no-progress"], capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "dlrmv4", *args, "--no-progress"], capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +29,13 @@ def test_pipeline_runs_the_data_path(tiny):
     data, proc = tiny
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for step in ("generating synthetic Yambda-schema data (tiny", "store ready:", "verified ",
-                 "window 0 batch 1:", "assembled 256 samples"):
+    for step in (
+        "generating synthetic Yambda-schema data (tiny",
+        "store ready:",
+        "verified ",
+        "window 0 batch 1:",
+        "assembled 256 samples",
+    ):
         assert step in out, out
     assert (data / "processed" / "synthetic-tiny" / "meta.json").exists()
 
@@ -45,7 +51,7 @@ def test_verify_fails_on_a_published_sum_mismatch(tiny, tmp_path):
     data, _ = tiny
     altered = tmp_path / "md5sums"
     text = PUBLISHED.read_text()
-    line = next(l for l in text.splitlines() if l.endswith("synthetic-tiny/train/item_id.npy"))
+    line = next(ln for ln in text.splitlines() if ln.endswith("synthetic-tiny/train/item_id.npy"))
     altered.write_text(text.replace(line, "0" * 32 + line[32:]))
     proc = _run("verify", "--data-path", str(data), "--reference-md5s", str(altered))
     assert proc.returncode == 1
@@ -65,21 +71,42 @@ def test_download_dataset_script_from_an_offline_hub_cache(tmp_path):
     import json
     import os
 
-    from dlrmv4.data.synthetic import generate
     from hub_fixtures import COMMIT, build_hub_cache
 
+    from dlrmv4.data.synthetic import generate
+
     raw = generate(tmp_path / "raw", "tiny", 3, progress=False)
-    files = {"flat/50m/multi_event.parquet": raw.multi_event.read_bytes(),
-             "artist_item_mapping.parquet": raw.artist_mapping.read_bytes(),
-             "album_item_mapping.parquet": raw.album_mapping.read_bytes()}
+    files = {
+        "flat/50m/multi_event.parquet": raw.multi_event.read_bytes(),
+        "artist_item_mapping.parquet": raw.artist_mapping.read_bytes(),
+        "album_item_mapping.parquet": raw.album_mapping.read_bytes(),
+    }
     data = tmp_path / "data"
     build_hub_cache(data / "hub_cache", files)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "DLRMV4_NO_VENV": "1"}
     # The tiny data spans 20 days: shrink the Yambda constants to fit it.
-    proc = subprocess.run([str(REPO / "download_dataset.sh"), "--size", "50m", "--data-path", str(data),
-                           "--hub-revision", COMMIT, "--last-timestamp", "0", "--num-train-days", "18",
-                           "--min-history", "100", "--no-progress"],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [
+            str(REPO / "download_dataset.sh"),
+            "--size",
+            "50m",
+            "--data-path",
+            str(data),
+            "--hub-revision",
+            COMMIT,
+            "--last-timestamp",
+            "0",
+            "--num-train-days",
+            "18",
+            "--min-history",
+            "100",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "no published sums for yambda-50m" in proc.stdout
     meta = json.loads((data / "processed" / "yambda-50m" / "meta.json").read_text())
@@ -103,17 +130,22 @@ def test_verify_dataset_script_finds_the_store_under_a_data_path(tiny, tmp_path)
     proc = subprocess.run([*script, "--data-path", str(two)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 1 and proc.stderr.strip() == (
         f"[dlrmv4] error: 2 processed stores under {two / 'processed'}: synthetic-tiny, yambda-5b; name one with "
-        "--size (and --source synthetic) or --store")
-    proc = subprocess.run([*script, "--data-path", str(tmp_path / "none")], capture_output=True, text=True,
-                          timeout=300, env=env)
+        "--size (and --source synthetic) or --store"
+    )
+    proc = subprocess.run(
+        [*script, "--data-path", str(tmp_path / "none")], capture_output=True, text=True, timeout=300, env=env
+    )
     assert proc.returncode == 1 and "no processed store under" in proc.stderr
 
 
 def test_no_bar_redraws_in_a_redirected_log(tmp_path):
     """Progress bars are on by default, but only on a terminal: with stderr redirected (a log file,
     here a pipe) the output has no carriage-return redraws."""
-    proc = subprocess.run([sys.executable, "-m", "dlrmv4", "prepare", "--data-path", str(tmp_path / "data")],
-                          capture_output=True, timeout=600)  # bytes: text mode would turn "\r" into "\n"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dlrmv4", "prepare", "--data-path", str(tmp_path / "data")],
+        capture_output=True,
+        timeout=600,
+    )  # bytes: text mode would turn "\r" into "\n"
     assert proc.returncode == 0, proc.stderr
     assert b"store ready:" in proc.stdout and b"\r" not in proc.stderr + proc.stdout
     assert b"preprocess:" not in proc.stderr  # no bar at all

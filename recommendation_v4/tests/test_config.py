@@ -9,8 +9,15 @@ import sys
 
 import pytest
 
-from dlrmv4.config import (SECTIONS, BenchmarkConfig, add_config_arguments, config_from_args, list_presets,
-                           load_config, to_toml)
+from dlrmv4.config import (
+    SECTIONS,
+    BenchmarkConfig,
+    add_config_arguments,
+    config_from_args,
+    list_presets,
+    load_config,
+    to_toml,
+)
 from dlrmv4.errors import UserError
 
 
@@ -36,11 +43,20 @@ def test_reference_preset_carries_spec_numbers():
     assert p.null_ratio_policy == "skip" and cfg.sampler.uid_rows == 1_000_001
     assert cfg.dataset.hub_revision == "dd6f3a19eef5866e346c3270e098baa641a44948"
     assert (cfg.loader.window_order, cfg.loader.rank_slicing) == ("index", "strided")
-    assert (p.window_seconds, p.session_gap_seconds, p.listen_threshold_pct, p.min_history) == (86_400, 1_800, 50, 4_086)
+    assert (p.window_seconds, p.session_gap_seconds, p.listen_threshold_pct, p.min_history) == (
+        86_400,
+        1_800,
+        50,
+        4_086,
+    )
     s = cfg.sampler
     assert (s.max_seq_len, s.history_length, s.per_pool_length, s.scan_window) == (4_096, 4_087, 1_362, 20_000)
-    assert (s.user_artist_rows, s.user_album_rows, s.user_hour_rows, s.item_hour_rows) == (100_000_000, 40_000_000,
-                                                                                           24_000_000, 40_000_000)
+    assert (s.user_artist_rows, s.user_album_rows, s.user_hour_rows, s.item_hour_rows) == (
+        100_000_000,
+        40_000_000,
+        24_000_000,
+        40_000_000,
+    )
     assert (s.artist_hour_rows, s.user_organic_rows, s.user_artist_hour_rows) == (32_000_000, 2_000_000, 40_000_000)
 
 
@@ -68,14 +84,17 @@ def test_every_field_has_one_typed_flag():
     assert cfg.loader.shuffle_within_window is True and cfg.seed == 3 and cfg.dataset.hub_revision == "abc"
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({("loader", "batch_size"): 0}, r"loader.batch_size=0 is outside the allowed range \[1, inf\]"),
-    ({("dataset", "source"): "kaggle"}, r"dataset.source='kaggle' is not one of synthetic, yambda"),
-    ({("dataset", "source"): "yambda", ("dataset", "size"): "tiny"}, r"not valid for source 'yambda'"),
-    ({("sampler", "max_seq_len"): 11}, r"leaves no history"),
-    ({("preprocess", "min_history"): "10"}, r"preprocess.min_history must be int"),
-    ({("loader", "shuffle_within_window"): 1}, r"loader.shuffle_within_window must be bool"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({("loader", "batch_size"): 0}, r"loader.batch_size=0 is outside the allowed range \[1, inf\]"),
+        ({("dataset", "source"): "kaggle"}, r"dataset.source='kaggle' is not one of synthetic, yambda"),
+        ({("dataset", "source"): "yambda", ("dataset", "size"): "tiny"}, r"not valid for source 'yambda'"),
+        ({("sampler", "max_seq_len"): 11}, r"leaves no history"),
+        ({("preprocess", "min_history"): "10"}, r"preprocess.min_history must be int"),
+        ({("loader", "shuffle_within_window"): 1}, r"loader.shuffle_within_window must be bool"),
+    ],
+)
 def test_validation_names_field_and_range(overrides, message):
     with pytest.raises(UserError, match=message):
         load_config("synthetic-tiny", None, overrides)
@@ -103,16 +122,25 @@ def test_toml_round_trip(tmp_path):
 
 
 def test_cli_error_is_one_line_with_exit_1():
-    proc = subprocess.run([sys.executable, "-m", "dlrmv4", "show-config", "--num-train-days", "1"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dlrmv4", "show-config", "--num-train-days", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1
-    assert proc.stderr.strip() == ("[dlrmv4] error: config field preprocess.num_train_days=1 is outside the "
-                                   "allowed range [2, 100000]")
+    assert proc.stderr.strip() == (
+        "[dlrmv4] error: config field preprocess.num_train_days=1 is outside the allowed range [2, 100000]"
+    )
 
 
 def test_source_and_size_select_the_matching_preset():
-    proc = subprocess.run([sys.executable, "-m", "dlrmv4", "show-config", "--source", "yambda", "--size", "50m"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dlrmv4", "show-config", "--source", "yambda", "--size", "50m"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert 'size = "50m"' in proc.stdout
     assert "dd6f3a19eef5866e346c3270e098baa641a44948" in proc.stdout  # the preset pins the revision

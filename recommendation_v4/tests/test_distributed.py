@@ -14,9 +14,21 @@ import time
 from pathlib import Path
 
 import pytest
+from multi_process import (
+    PAUSE,
+    QCOMM_LOSS_RTOL,
+    REPO,
+    STEPS,
+    assert_same_trajectory,
+    free_port,
+    launch_env,
+    make_data,
+    run_flags,
+    torchrun,
+    train_report,
+)
 
-from multi_process import (PAUSE, QCOMM_LOSS_RTOL, REPO, STEPS, assert_same_trajectory, free_port,
-                           launch_env, make_data, run_flags, torchrun, train_report)
+pytestmark = pytest.mark.slow  # every test launches several processes
 
 pytest.importorskip("torchrec")
 
@@ -33,15 +45,31 @@ def one_process(data_path, tmp_path_factory):
     return train_report(1, data_path, run_dir, **{"train.max_steps": STEPS, "embeddings.embedding_backend": "torchrec"})
 
 
-@pytest.mark.parametrize("backend, sharding, qcomm, slicing", [
-    ("torchrec", "*=row_wise", "none", "strided"), ("torchrec", "*=table_wise", "none", "strided"),
-    ("torchrec", "*=row_wise", "bf16", "strided"), ("torchrec", "*=row_wise", "none", "balanced"),
-    ("plain", "", "none", "strided")])
-def test_two_processes_follow_the_one_process_trajectory(data_path, tmp_path, one_process, backend, sharding, qcomm,
-                                                         slicing):
-    report = train_report(2, data_path, tmp_path / "run", **{
-        "train.max_steps": STEPS, "embeddings.embedding_backend": backend, "embeddings.sharding_types": sharding,
-        "embeddings.qcomm": qcomm, "loader.rank_slicing": slicing})
+@pytest.mark.parametrize(
+    "backend, sharding, qcomm, slicing",
+    [
+        ("torchrec", "*=row_wise", "none", "strided"),
+        ("torchrec", "*=table_wise", "none", "strided"),
+        ("torchrec", "*=row_wise", "bf16", "strided"),
+        ("torchrec", "*=row_wise", "none", "balanced"),
+        ("plain", "", "none", "strided"),
+    ],
+)
+def test_two_processes_follow_the_one_process_trajectory(
+    data_path, tmp_path, one_process, backend, sharding, qcomm, slicing
+):
+    report = train_report(
+        2,
+        data_path,
+        tmp_path / "run",
+        **{
+            "train.max_steps": STEPS,
+            "embeddings.embedding_backend": backend,
+            "embeddings.sharding_types": sharding,
+            "embeddings.qcomm": qcomm,
+            "loader.rank_slicing": slicing,
+        },
+    )
     assert report["world_size"] == 2 and report["embedding_backend"] == backend
     if backend == "torchrec":
         kinds = {row["sharding_type"] for row in report["sharding_plan"]}
@@ -119,8 +147,17 @@ def _wait_for(path: Path, deadline: float) -> None:
 def test_a_killed_rank_ends_the_torchrun_job(data_path, tmp_path):
     """SIGKILL one rank mid-run: the launcher stops the rest and exits non-zero, naming the rank."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "dlrmv4",
-           "train", *run_flags(data_path, run_dir, **{"train.checkpoint_every_steps": 2})]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "dlrmv4",
+        "train",
+        *run_flags(data_path, run_dir, **{"train.checkpoint_every_steps": 2}),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
     deadline = time.time() + 300
     pids = _rank_pids(proc.pid, 2, deadline)
@@ -140,10 +177,21 @@ def test_a_killed_rank_ends_the_others_without_a_launcher(data_path, tmp_path):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(launch_env(), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
-                   SLURM_NTASKS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DLRMV4_NO_VENV="1")
-        cmd = ["bash", str(REPO / "run_and_time.sh"), *run_flags(data_path, run_dir, **{
-            "train.checkpoint_every_steps": 2, "distributed.timeout_seconds": 20.0})]
+        env = dict(
+            launch_env(),
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NTASKS="2",
+            SLURM_NTASKS_PER_NODE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            DLRMV4_NO_VENV="1",
+        )
+        cmd = [
+            "bash",
+            str(REPO / "run_and_time.sh"),
+            *run_flags(data_path, run_dir, **{"train.checkpoint_every_steps": 2, "distributed.timeout_seconds": 20.0}),
+        ]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     deadline = time.time() + 300
     trainer = _rank_pids(procs[1].pid, 1, deadline)[1]  # the python under rank 1's run_and_time.sh
@@ -166,11 +214,24 @@ def test_a_rank_out_of_memory_ends_every_rank_naming_it(data_path, tmp_path):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(launch_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DLRMV4_TEST_OOM="1:5")
+        env = dict(
+            launch_env(),
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            DLRMV4_TEST_OOM="1:5",
+        )
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "failure_injection"), env["PYTHONPATH"]])
-        cmd = [sys.executable, "-m", "dlrmv4", "train", *run_flags(data_path, tmp_path / "run", **{
-            "distributed.timeout_seconds": 20.0})]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dlrmv4",
+            "train",
+            *run_flags(data_path, tmp_path / "run", **{"distributed.timeout_seconds": 20.0}),
+        ]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     started = time.time()
     outputs = [proc.communicate(timeout=300) for proc in procs]
@@ -192,11 +253,23 @@ def test_the_slurm_path_trains_checks_the_log_and_traces(data_path, tmp_path):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(launch_env(), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
-                   SLURM_NTASKS_PER_NODE="2(x1)", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   DLRMV4_NO_VENV="1")
-        cmd = ["bash", str(REPO / "run_and_time.sh"), *run_flags(data_path, run_dir, **{
-            "train.max_steps": 0, "train.target_auc": 0.0, "train.profile_steps": "2-4"})]
+        env = dict(
+            launch_env(),
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NTASKS="2",
+            SLURM_NTASKS_PER_NODE="2(x1)",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            DLRMV4_NO_VENV="1",
+        )
+        cmd = [
+            "bash",
+            str(REPO / "run_and_time.sh"),
+            *run_flags(
+                data_path, run_dir, **{"train.max_steps": 0, "train.target_auc": 0.0, "train.profile_steps": "2-4"}
+            ),
+        ]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
@@ -205,8 +278,12 @@ def test_the_slurm_path_trains_checks_the_log_and_traces(data_path, tmp_path):
     report = json.loads((run_dir / "report.json").read_text())
     assert report["world_size"] == 2 and report["history"]["status"] == "success"
     assert sorted(p.name for p in (run_dir / "traces").iterdir()) == ["steps-2-4.rank0.json", "steps-2-4.rank1.json"]
-    merge = subprocess.run([sys.executable, "-m", "dlrmv4", "merge-traces", "--preset=", f"--run-dir={run_dir}"],
-                           capture_output=True, text=True, env=launch_env())
+    merge = subprocess.run(
+        [sys.executable, "-m", "dlrmv4", "merge-traces", "--preset=", f"--run-dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        env=launch_env(),
+    )
     assert merge.returncode == 0, merge.stderr
     events = json.loads((run_dir / "traces" / "steps-2-4.merged.json").read_text())["traceEvents"]
     assert {e["pid"] >> 32 for e in events if isinstance(e.get("pid"), int)} == {0, 1}
@@ -217,8 +294,13 @@ def test_run_and_time_launches_torchrun_with_gpus_per_node(data_path, tmp_path):
     with two processes (gloo on the CPU) and checks the log."""
     run_dir = tmp_path / "run"
     env = dict(launch_env(), GPUS_PER_NODE="2", DLRMV4_NO_VENV="1")
-    proc = subprocess.run(["bash", str(REPO / "run_and_time.sh"), *run_flags(data_path, run_dir, **{
-        "train.target_auc": 0.0})], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        ["bash", str(REPO / "run_and_time.sh"), *run_flags(data_path, run_dir, **{"train.target_auc": 0.0})],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "nothing to prepare" in proc.stdout and "training on 2 processes" in proc.stdout
     assert "PASSED the MLPerf compliance checker" in proc.stdout and "RESULT,dlrmv4," in proc.stdout

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 import pytest
+from hub_fixtures import COMMIT, FakeHub, build_hub_cache, sha256, yambda_files
 from huggingface_hub import constants
 
 from dlrmv4.config import DatasetConfig
 from dlrmv4.data.download import download_yambda, validate_revision
 from dlrmv4.errors import UserError
-from hub_fixtures import COMMIT, FakeHub, build_hub_cache, sha256, yambda_files
 
 SIZE = "50m"
 EVENTS = f"flat/{SIZE}/multi_event.parquet"
@@ -58,6 +58,7 @@ def point_at(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setenv("HF_ENDPOINT", url)
         monkeypatch.setattr(constants, "ENDPOINT", url)
         monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+
     return point
 
 
@@ -187,8 +188,7 @@ def test_network_failure_uses_cache_or_explains(tmp_path: Path, point_at) -> Non
     assert commit == COMMIT and raw.multi_event.read_bytes() == files[EVENTS]
 
 
-def test_disk_space_is_checked_before_downloading(tmp_path: Path, point_at,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_space_is_checked_before_downloading(tmp_path: Path, point_at, monkeypatch: pytest.MonkeyPatch) -> None:
     with FakeHub(yambda_files(SIZE, rows=100)) as hub:
         point_at(hub.url)
         monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**9, used=10**9, free=10))

@@ -14,14 +14,22 @@ import pytest
 
 from dlrmv4.config import load_config
 
+pytestmark = pytest.mark.slow  # the whole main job from nothing
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_run_and_time_reaches_the_target_from_nothing(tmp_path):
     # DLRMV4_NO_VENV: this interpreter already has the packages; DATA_PATH is a submission knob.
     env = {**os.environ, "DLRMV4_NO_VENV": "1", "DATA_PATH": str(tmp_path / "data")}
-    proc = subprocess.run([str(REPO / "run_and_time.sh"), "--run-dir", str(tmp_path / "run"), "--no-progress"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [str(REPO / "run_and_time.sh"), "--run-dir", str(tmp_path / "run"), "--no-progress"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "generating synthetic Yambda-schema data (tiny" in out

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import dataclasses
+import importlib.util
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,7 +16,14 @@ from dlrmv4.data.batch import JaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings import (
-    SequenceEmbeddings, TableSpec, init_rows, make_embeddings, resolve_backend, store_table_counts, table_specs)
+    SequenceEmbeddings,
+    TableSpec,
+    init_rows,
+    make_embeddings,
+    resolve_backend,
+    store_table_counts,
+    table_specs,
+)
 
 # The plain backend is tested everywhere; TorchRec only where it is installed.
 needs_torchrec = pytest.mark.skipif(importlib.util.find_spec("torchrec") is None, reason="torchrec not installed")
@@ -30,11 +37,21 @@ LR = 0.05  # large, so that the updates are far above fp32 noise
 def config(backend: str, lr: float = LR, sequence_dtype: str = "float32") -> BenchmarkConfig:
     cfg = BenchmarkConfig()
     sampler = dataclasses.replace(cfg.sampler, **{f"{n}_rows": ROWS[n] for n in CONTEXTUAL_FEATURES})
-    emb = dataclasses.replace(cfg.embeddings, embedding_backend=backend, item_rows=ROWS["item"],
-                              artist_rows=ROWS["artist"], album_rows=ROWS["album"], embedding_init_std=0.1)
-    return dataclasses.replace(cfg, sampler=sampler, embeddings=emb,
-                               model=dataclasses.replace(cfg.model, embedding_dim=DIM, sequence_dtype=sequence_dtype),
-                               train=dataclasses.replace(cfg.train, learning_rate=lr))
+    emb = dataclasses.replace(
+        cfg.embeddings,
+        embedding_backend=backend,
+        item_rows=ROWS["item"],
+        artist_rows=ROWS["artist"],
+        album_rows=ROWS["album"],
+        embedding_init_std=0.1,
+    )
+    return dataclasses.replace(
+        cfg,
+        sampler=sampler,
+        embeddings=emb,
+        model=dataclasses.replace(cfg.model, embedding_dim=DIM, sequence_dtype=sequence_dtype),
+        train=dataclasses.replace(cfg.train, learning_rate=lr),
+    )
 
 
 pytestmark = pytest.mark.usefixtures("gloo_world_of_one")
@@ -55,11 +72,22 @@ def batch(seed: int, lengths=(5, 0, 9, 3)):
     contextual = np.stack([rng.integers(0, ROWS[n], b) for n in CONTEXTUAL_FEATURES], 1).astype(np.int64)
     zeros_t, zeros_b = np.zeros(t, np.int64), np.zeros(b, np.int64)
     jb = JaggedBatch(
-        history_lengths=lengths, history_offsets=offsets, history_item_id=ids("item", t),
-        history_artist_id=ids("artist", t), history_album_id=ids("album", t), history_action=zeros_t + 1,
-        history_timestamp=zeros_t, contextual_ids=contextual, candidate_item_id=ids("item", b),
-        candidate_artist_id=ids("artist", b), candidate_album_id=ids("album", b), candidate_timestamp=zeros_b,
-        query_time=zeros_b, label=np.zeros(b, np.float32), anchor_index=np.arange(b, dtype=np.int64))
+        history_lengths=lengths,
+        history_offsets=offsets,
+        history_item_id=ids("item", t),
+        history_artist_id=ids("artist", t),
+        history_album_id=ids("album", t),
+        history_action=zeros_t + 1,
+        history_timestamp=zeros_t,
+        contextual_ids=contextual,
+        candidate_item_id=ids("item", b),
+        candidate_artist_id=ids("artist", b),
+        candidate_album_id=ids("album", b),
+        candidate_timestamp=zeros_b,
+        query_time=zeros_b,
+        label=np.zeros(b, np.float32),
+        anchor_index=np.arange(b, dtype=np.int64),
+    )
     jb.validate()
     return jb.to_torch()
 
@@ -89,8 +117,9 @@ def tables(module) -> dict:
 def assert_tables_close(a: dict, b: dict, rtol: float = 1e-6, atol: float = 1e-9) -> None:
     for name in a:
         for key in ("weight", "momentum"):
-            torch.testing.assert_close(a[name][key], b[name][key], rtol=rtol, atol=atol,
-                                       msg=lambda m, where=f"{name}.{key}": f"{where}: {m}")
+            torch.testing.assert_close(
+                a[name][key], b[name][key], rtol=rtol, atol=atol, msg=lambda m, where=f"{name}.{key}": f"{where}: {m}"
+            )
 
 
 def test_table_specs_from_store_and_config():
@@ -190,9 +219,14 @@ def test_set_learning_rate_takes_effect(backend):
     assert not torch.equal(tables(module)["item"]["weight"], init["item"]["weight"])
 
 
-@pytest.mark.parametrize("source,target", [
-    ("plain", "plain"), pytest.param("torchrec", "torchrec", marks=needs_torchrec),
-    pytest.param("plain", "torchrec", marks=needs_torchrec)])
+@pytest.mark.parametrize(
+    "source,target",
+    [
+        ("plain", "plain"),
+        pytest.param("torchrec", "torchrec", marks=needs_torchrec),
+        pytest.param("plain", "torchrec", marks=needs_torchrec),
+    ],
+)
 def test_checkpoint_round_trip_and_resume(source, target):
     reference = build(source)
     train(reference, [31, 32])
@@ -286,8 +320,12 @@ def test_plain_sequence_rows_in_the_sequence_dtype():
     """With a bf16 sequence model the plain backend looks the sequence rows up in bf16 (the values
     the model's first layers would cast them to) and the candidate's item-tower rows in fp32; the
     update from those gradients is the fp32 one."""
-    fp32, bf16 = (make_embeddings(table_specs(config("plain", sequence_dtype=d), 0, 0, 0),
-                                  config("plain", sequence_dtype=d), "cpu", 7) for d in ("float32", "bfloat16"))
+    fp32, bf16 = (
+        make_embeddings(
+            table_specs(config("plain", sequence_dtype=d), 0, 0, 0), config("plain", sequence_dtype=d), "cpu", 7
+        )
+        for d in ("float32", "bfloat16")
+    )
     b = batch(70)
     out32, out16 = fp32(b), bf16(b)
     for name in ("item", "artist", "album", "contextual"):
@@ -296,8 +334,10 @@ def test_plain_sequence_rows_in_the_sequence_dtype():
     assert out16.candidate.dtype == torch.float32 and torch.equal(out16.candidate, out32.candidate)
     gen = torch.Generator().manual_seed(5)
     # bf16-exact weights: both gradients are exactly these numbers, in either dtype.
-    weights = {f.name: torch.randn(getattr(out32, f.name).shape, generator=gen).to(torch.bfloat16)
-               for f in dataclasses.fields(out32)}
+    weights = {
+        f.name: torch.randn(getattr(out32, f.name).shape, generator=gen).to(torch.bfloat16)
+        for f in dataclasses.fields(out32)
+    }
     for out in (out32, out16):
         sum((getattr(out, n).float() * w.float()).sum() for n, w in weights.items()).backward()
     fp32.sparse_step()

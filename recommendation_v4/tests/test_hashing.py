@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from reference_sampler import py_contextual, py_cross
 
 from dlrmv4.config import SamplerConfig
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, CROSSES, contextual_ids, hash_rows, table_rows
 from dlrmv4.errors import UserError
-from reference_sampler import py_contextual, py_cross
 
 # (keys, rows, row): the reference's xxhash_cross with salt/seed 0 (SPEC §9).
 GOLDEN = [
@@ -44,9 +44,13 @@ def test_vectorised_equals_struct_pack(width, seed):
     rng = np.random.default_rng(seed)
     n = 300
     # Negative, small, > 2**32 and extreme int64 values, in every key position.
-    keys = np.concatenate([rng.integers(-2**63, 2**63 - 1, (n, width), dtype=np.int64, endpoint=True),
-                           rng.integers(-5, 2**33, (n, width), dtype=np.int64),
-                           np.array([[-2**63] * width, [2**63 - 1] * width, [0] * width], dtype=np.int64)])
+    keys = np.concatenate(
+        [
+            rng.integers(-(2**63), 2**63 - 1, (n, width), dtype=np.int64, endpoint=True),
+            rng.integers(-5, 2**33, (n, width), dtype=np.int64),
+            np.array([[-(2**63)] * width, [2**63 - 1] * width, [0] * width], dtype=np.int64),
+        ]
+    )
     for rows in (1, 7, 1000, 2**30, 2**62 + 11):
         got = hash_rows(keys, rows)
         assert got.dtype == np.int64
@@ -66,9 +70,14 @@ def test_non_contiguous_and_narrow_inputs():
 
 def test_contextual_ids_follow_the_reference():
     cfg = SamplerConfig()
-    inputs = dict(uid=[0, 1, 123456, 1_000_000], item=[0, 7, 9_390_622, 4_294_967_295],
-                  artist=[0, 3, 1_293_394, 4_294_967_295], album=[0, 5, 3_367_691, 4_294_967_295],
-                  timestamp=[0, 3_600, 25_999_999, 4_294_967_295], is_organic=[0, 1, 1, 0])
+    inputs = dict(
+        uid=[0, 1, 123456, 1_000_000],
+        item=[0, 7, 9_390_622, 4_294_967_295],
+        artist=[0, 3, 1_293_394, 4_294_967_295],
+        album=[0, 5, 3_367_691, 4_294_967_295],
+        timestamp=[0, 3_600, 25_999_999, 4_294_967_295],
+        is_organic=[0, 1, 1, 0],
+    )
     out = contextual_ids(cfg=cfg, **{k: np.array(v, dtype=np.uint32) for k, v in inputs.items()})
     assert out.dtype == np.int64 and out.shape == (4, len(CONTEXTUAL_FEATURES))
     want = [py_contextual(*(inputs[k][i] for k in inputs), cfg) for i in range(4)]
@@ -79,13 +88,18 @@ def test_contextual_ids_follow_the_reference():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_contextual_ids_random(seed):
     rng = np.random.default_rng(seed)
-    cfg = SamplerConfig(uid_rows=2**32, user_artist_rows=int(rng.integers(1, 10**9)), user_artist_hour_rows=7,
-                        user_organic_rows=1)
+    cfg = SamplerConfig(
+        uid_rows=2**32, user_artist_rows=int(rng.integers(1, 10**9)), user_artist_hour_rows=7, user_organic_rows=1
+    )
     n = 200
-    inputs = dict(uid=rng.integers(0, 2**32, n, dtype=np.uint32), item=rng.integers(0, 2**32, n, dtype=np.uint32),
-                  artist=rng.integers(0, 2**32, n, dtype=np.uint32), album=rng.integers(0, 2**32, n, dtype=np.uint32),
-                  timestamp=rng.integers(0, 2**32, n, dtype=np.uint32),
-                  is_organic=rng.integers(0, 2, n, dtype=np.uint8))
+    inputs = dict(
+        uid=rng.integers(0, 2**32, n, dtype=np.uint32),
+        item=rng.integers(0, 2**32, n, dtype=np.uint32),
+        artist=rng.integers(0, 2**32, n, dtype=np.uint32),
+        album=rng.integers(0, 2**32, n, dtype=np.uint32),
+        timestamp=rng.integers(0, 2**32, n, dtype=np.uint32),
+        is_organic=rng.integers(0, 2, n, dtype=np.uint8),
+    )
     out = contextual_ids(cfg=cfg, **inputs)
     for i in range(n):
         assert out[i].tolist() == py_contextual(*(int(inputs[k][i]) for k in inputs), cfg)
@@ -95,12 +109,28 @@ def test_contextual_ids_random(seed):
 
 
 def test_cross_table_matches_spec():
-    assert CONTEXTUAL_FEATURES == ("uid", "user_artist", "user_album", "user_hour", "item_hour", "artist_hour",
-                                   "user_organic", "user_artist_hour")
+    assert CONTEXTUAL_FEATURES == (
+        "uid",
+        "user_artist",
+        "user_album",
+        "user_hour",
+        "item_hour",
+        "artist_hour",
+        "user_organic",
+        "user_artist_hour",
+    )
     assert dict(CROSSES)["user_artist_hour"] == ("uid", "artist", "hour")
     cfg = SamplerConfig()
-    assert table_rows(cfg) == (1_000_001, 100_000_000, 40_000_000, 24_000_000, 40_000_000, 32_000_000, 2_000_000,
-                               40_000_000)
+    assert table_rows(cfg) == (
+        1_000_001,
+        100_000_000,
+        40_000_000,
+        24_000_000,
+        40_000_000,
+        32_000_000,
+        2_000_000,
+        40_000_000,
+    )
 
 
 def test_uid_beyond_the_table_is_refused():

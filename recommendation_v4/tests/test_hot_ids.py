@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # two processes with TorchRec tables
+
 pytest.importorskip("torchrec")
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hot_ids.py"
@@ -21,8 +23,26 @@ def test_zipf_ids_load_the_rank_with_the_popular_rows():
     env = dict(os.environ, PYTHONPATH=str(BENCH.parents[1]), PYTHONWARNINGS="ignore")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, str(BENCH), "--processes", "2", "--smoke", "--qcomms", "fp16",
-                           "--skews", "0", "1.2", "--steps", "2"], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--processes",
+            "2",
+            "--smoke",
+            "--qcomms",
+            "fp16",
+            "--skews",
+            "0",
+            "1.2",
+            "--steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = re.findall(r"^\| (uniform|Zipf\(1\.2\)) \| fp16 \| ([\d.]+)% \| (\d) \| ([\d.]+) \|", proc.stdout, re.M)
     by = {(ids, int(rank)): (float(share), float(served)) for ids, share, rank, served in rows}

@@ -7,14 +7,21 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from store_factory import random_store
 
 from dlrmv4.config import BenchmarkConfig, LoaderConfig, SamplerConfig
 from dlrmv4.data.batch import BATCH_DTYPES, TorchJaggedBatch
-from dlrmv4.data.loader import (BatchSlice, WindowDataset, balanced_shares, make_window_loader, plan_batches,
-                                rank_share, share_size)
+from dlrmv4.data.loader import (
+    BatchSlice,
+    WindowDataset,
+    balanced_shares,
+    make_window_loader,
+    plan_batches,
+    rank_share,
+    share_size,
+)
 from dlrmv4.data.sampler import build_batch, history_lengths
 from dlrmv4.data.store import open_store
-from store_factory import random_store
 
 BATCH = 7
 
@@ -26,9 +33,11 @@ def store(tmp_path_factory):
 
 
 def config(workers: int = 0, shuffle: bool = False, seed: int = 0, order: str = "index") -> BenchmarkConfig:
-    return BenchmarkConfig(seed=seed, sampler=SamplerConfig(max_seq_len=39, scan_window=60),
-                           loader=LoaderConfig(batch_size=BATCH, num_workers=workers, shuffle_within_window=shuffle,
-                                               window_order=order))
+    return BenchmarkConfig(
+        seed=seed,
+        sampler=SamplerConfig(max_seq_len=39, scan_window=60),
+        loader=LoaderConfig(batch_size=BATCH, num_workers=workers, shuffle_within_window=shuffle, window_order=order),
+    )
 
 
 def anchors_of(loader) -> list[list[int]]:
@@ -47,7 +56,7 @@ def test_time_order_same_for_0_1_2_workers(store, drop_last):
     for w in windows:
         anchors = np.asarray(store.window_anchors(w)).tolist()
         cut = len(anchors) - len(anchors) % BATCH if drop_last else len(anchors)
-        expected += [anchors[s:min(s + BATCH, cut)] for s in range(0, cut, BATCH)]
+        expected += [anchors[s : min(s + BATCH, cut)] for s in range(0, cut, BATCH)]
     for workers in (0, 1, 2):
         loader = make_window_loader(store, windows, config(workers), drop_last=drop_last)
         assert len(loader) == len(expected)
@@ -112,8 +121,9 @@ def test_balanced_shares_even_out_the_tokens(world):
 def test_balanced_loader_shares_partition_every_batch(store):
     """Each rank's loader builds its balanced share of every global batch: together the ranks see
     the global batch once, with token sums as balanced as ``balanced_shares`` makes them."""
-    cfg = dataclasses.replace(config(workers=2), loader=LoaderConfig(batch_size=BATCH, num_workers=2,
-                                                                    rank_slicing="balanced"))
+    cfg = dataclasses.replace(
+        config(workers=2), loader=LoaderConfig(batch_size=BATCH, num_workers=2, rank_slicing="balanced")
+    )
     world = 2
     whole = anchors_of(make_window_loader(store, [1, 3], config()))
     per_rank = [list(make_window_loader(store, [1, 3], cfg, rank=r, world_size=world)) for r in range(world)]
@@ -130,7 +140,7 @@ def test_batches_equal_the_sampler_and_are_not_padded(store):
     lengths = []
     for i, tb in enumerate(make_window_loader(store, [1], cfg)):
         assert isinstance(tb, TorchJaggedBatch)
-        host = build_batch(store, order[i * BATCH:(i + 1) * BATCH], cfg.sampler)
+        host = build_batch(store, order[i * BATCH : (i + 1) * BATCH], cfg.sampler)
         for name in BATCH_DTYPES:
             assert np.array_equal(getattr(tb, name).numpy(), getattr(host, name)), name
         assert tb.history_item_id.shape == (int(tb.history_lengths.sum()),) == (tb.total_tokens,)
@@ -173,7 +183,12 @@ def test_shuffle_is_seeded_per_window(store):
 
 def test_plan_and_errors(store):
     assert plan_batches([(3, 10), (1, 0), (0, 7)], 4, drop_last=False) == [
-        (3, 0, 4), (3, 4, 8), (3, 8, 10), (0, 0, 4), (0, 4, 7)]
+        (3, 0, 4),
+        (3, 4, 8),
+        (3, 8, 10),
+        (0, 0, 4),
+        (0, 4, 7),
+    ]
     assert plan_batches([(3, 10), (0, 7)], 4, drop_last=True) == [(3, 0, 4), (3, 4, 8), (0, 0, 4)]
     with pytest.raises(ValueError, match="windows"):
         WindowDataset(store, [store.num_windows], SamplerConfig(), batch_size=4)
@@ -197,8 +212,9 @@ def test_packed_batch_moves_as_one_buffer(store):
 
 
 def test_device_prefetcher_passes_batches_through_on_the_cpu():
-    from dlrmv4.train.prefetch import DevicePrefetcher
     from model_inputs import random_batch
+
+    from dlrmv4.train.prefetch import DevicePrefetcher
 
     host = [random_batch([3, 1, 4], seed=i) for i in range(3)]
     out = list(DevicePrefetcher(host, torch.device("cpu")))

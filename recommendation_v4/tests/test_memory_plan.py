@@ -13,9 +13,13 @@ from dlrmv4.cli import main
 from dlrmv4.config import load_config
 from dlrmv4.data.hashing import table_rows
 from dlrmv4.model.embeddings.sharding import parse_table_options, target_plan
-from dlrmv4.train.activation_memory import (MEASURED_BYTES_PER_TOKEN, ActivationShape, kept_bytes_per_token,
-                                            stu_kept_bytes_per_token)
-from dlrmv4.train.memory_plan import (GIB, YAMBDA_5B_COUNTS, chunk_efficiency, make_memory_plan, plan_for_config)
+from dlrmv4.train.activation_memory import (
+    MEASURED_BYTES_PER_TOKEN,
+    ActivationShape,
+    kept_bytes_per_token,
+    stu_kept_bytes_per_token,
+)
+from dlrmv4.train.memory_plan import GIB, YAMBDA_5B_COUNTS, chunk_efficiency, make_memory_plan, plan_for_config
 
 BASE = ("item", "artist", "album", "uid")
 CROSSES = ("user_artist", "user_album", "user_hour", "item_hour", "artist_hour", "user_organic", "user_artist_hour")
@@ -29,8 +33,15 @@ def _cfg(tmp_path, preset="yambda-5b", **values):
 
 
 def _reference_plan(tmp_path, gib: float, **values):
-    return plan_for_config(_cfg(tmp_path, plan__plan_world_size=8, plan__plan_host_memory_gib=2048.0,
-                                plan__plan_device_memory_gib=gib, **values))
+    return plan_for_config(
+        _cfg(
+            tmp_path,
+            plan__plan_world_size=8,
+            plan__plan_host_memory_gib=2048.0,
+            plan__plan_device_memory_gib=gib,
+            **values,
+        )
+    )
 
 
 def _main(capsys, *args):
@@ -48,8 +59,9 @@ def _all_hbm_table_bytes(cfg) -> int:
 
 @pytest.mark.parametrize("gib", [80, 141, 180, 288])
 def test_reference_recipe_fits_8_gpus(tmp_path, capsys, gib):
-    code, out, err = _main(capsys, "plan", *REFERENCE, "--plan-device-memory-gib", str(gib),
-                           "--data-path", str(tmp_path / "data"))
+    code, out, err = _main(
+        capsys, "plan", *REFERENCE, "--plan-device-memory-gib", str(gib), "--data-path", str(tmp_path / "data")
+    )
     assert code == 0, err
     assert "verdict: fits" in out and "8 processes" in out and "1,024 samples per process" in out
     plan = _reference_plan(tmp_path, gib)
@@ -83,8 +95,17 @@ def test_resolved_config_is_what_the_runs_planner_accepts(tmp_path):
     assert 0 < emb.hbm_cap_gib < 80
     # The cap leaves the tables in HBM room on the run's planner: it finds the same layout.
     rows = {u.name: u.rows for u in plan.tables}
-    layout = target_plan(rows, 512, sharding, placement, world_size=8, local_world_size=8, compute_device="cuda",
-                         hbm_cap_bytes=int(emb.hbm_cap_gib * GIB), ddr_cap_bytes=1 << 50)
+    layout = target_plan(
+        rows,
+        512,
+        sharding,
+        placement,
+        world_size=8,
+        local_world_size=8,
+        compute_device="cuda",
+        hbm_cap_bytes=int(emb.hbm_cap_gib * GIB),
+        ddr_cap_bytes=1 << 50,
+    )
     assert layout is not None
 
 
@@ -107,9 +128,24 @@ def test_a_fixed_choice_that_does_not_fit_names_its_knob(tmp_path):
 
 
 def test_all_tables_in_hbm_on_80_gib_is_refused_in_one_line():
-    proc = subprocess.run([sys.executable, "-m", "dlrmv4", "plan", *REFERENCE, "--plan-device-memory-gib", "80",
-                           "--placement", "*=hbm", "--data-path", "/nonexistent/data"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlrmv4",
+            "plan",
+            *REFERENCE,
+            "--plan-device-memory-gib",
+            "80",
+            "--placement",
+            "*=hbm",
+            "--data-path",
+            "/nonexistent/data",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, proc.stderr
@@ -121,31 +157,68 @@ def test_all_tables_in_hbm_on_80_gib_is_refused_in_one_line():
 
 
 def test_one_16_gib_gpu_is_refused_naming_the_replicated_tables(tmp_path, capsys):
-    code, out, err = _main(capsys, "plan", "--preset", "yambda-5b", "--plan-world-size", "1",
-                           "--plan-device-memory-gib", "16", "--plan-host-memory-gib", "2048",
-                           "--data-path", str(tmp_path / "data"))
+    code, out, err = _main(
+        capsys,
+        "plan",
+        "--preset",
+        "yambda-5b",
+        "--plan-world-size",
+        "1",
+        "--plan-device-memory-gib",
+        "16",
+        "--plan-host-memory-gib",
+        "2048",
+        "--data-path",
+        str(tmp_path / "data"),
+    )
     assert code == 1 and err.count("\n") == 1
     assert "largest consumer: tables, a replica of each on every process (plain backend" in err
     assert "--embedding-backend torchrec with " in err
-    code, out, err = _main(capsys, "plan", "--preset", "yambda-5b", "--plan-world-size", "1",
-                           "--plan-device-memory-gib", "16", "--plan-host-memory-gib", "2048",
-                           "--embedding-backend", "torchrec", "--data-path", str(tmp_path / "data"))
+    code, out, err = _main(
+        capsys,
+        "plan",
+        "--preset",
+        "yambda-5b",
+        "--plan-world-size",
+        "1",
+        "--plan-device-memory-gib",
+        "16",
+        "--plan-host-memory-gib",
+        "2048",
+        "--embedding-backend",
+        "torchrec",
+        "--data-path",
+        str(tmp_path / "data"),
+    )
     assert code == 1 and err.count("\n") == 1 and "largest consumer: looked-up rows" in err
 
 
 def test_host_memory_too_small_for_the_moved_tables(tmp_path, capsys):
-    code, _, err = _main(capsys, "plan", *REFERENCE[:4], "--plan-host-memory-gib", "128",
-                         "--plan-device-memory-gib", "80", "--data-path", str(tmp_path / "data"))
+    code, _, err = _main(
+        capsys,
+        "plan",
+        *REFERENCE[:4],
+        "--plan-host-memory-gib",
+        "128",
+        "--plan-device-memory-gib",
+        "80",
+        "--data-path",
+        str(tmp_path / "data"),
+    )
     assert code == 1 and err.count("\n") == 1
     assert "of host memory per node of 128.00 GiB" in err and "user_artist" in err
 
 
-@pytest.mark.parametrize("flag, value, shown", [
-    ("--plan-world-size", "-1", "plan.plan_world_size=-1"),
-    ("--plan-device-memory-gib", "-80", "plan.plan_device_memory_gib=-80.0"),
-    ("--plan-host-memory-gib", "-1", "plan.plan_host_memory_gib=-1.0"),
-    ("--plan-gpus-per-node", "-8", "plan.plan_gpus_per_node=-8"),
-    ("--plan-headroom-fraction", "0.95", "plan.plan_headroom_fraction=0.95")])
+@pytest.mark.parametrize(
+    "flag, value, shown",
+    [
+        ("--plan-world-size", "-1", "plan.plan_world_size=-1"),
+        ("--plan-device-memory-gib", "-80", "plan.plan_device_memory_gib=-80.0"),
+        ("--plan-host-memory-gib", "-1", "plan.plan_host_memory_gib=-1.0"),
+        ("--plan-gpus-per-node", "-8", "plan.plan_gpus_per_node=-8"),
+        ("--plan-headroom-fraction", "0.95", "plan.plan_headroom_fraction=0.95"),
+    ],
+)
 def test_invalid_plan_flags_are_refused(capsys, flag, value, shown):
     code, _, err = _main(capsys, "plan", "--preset", "yambda-5b", f"{flag}={value}")
     assert code == 1 and err.count("\n") == 1
@@ -153,8 +226,17 @@ def test_invalid_plan_flags_are_refused(capsys, flag, value, shown):
 
 
 def test_uneven_batch_and_unsized_tables_are_one_line(tmp_path, capsys):
-    code, _, err = _main(capsys, "plan", *REFERENCE[:2], "--plan-world-size", "3", "--plan-device-memory-gib", "80",
-                         "--data-path", str(tmp_path / "data"))
+    code, _, err = _main(
+        capsys,
+        "plan",
+        *REFERENCE[:2],
+        "--plan-world-size",
+        "3",
+        "--plan-device-memory-gib",
+        "80",
+        "--data-path",
+        str(tmp_path / "data"),
+    )
     assert code == 1 and "does not split evenly over 3 processes" in err and err.count("\n") == 1
     code, _, err = _main(capsys, "plan", "--preset", "synthetic-small", "--data-path", str(tmp_path / "data"))
     assert code == 1 and err.count("\n") == 1 and "prepare the data" in err and "--item-rows" in err
@@ -179,8 +261,9 @@ def test_tiny_preset_on_the_cpu_fits_unchunked(tiny_data):
 
 def test_train_stops_before_the_mlperf_log_when_the_plan_does_not_fit(tiny_data, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    code, out, err = _main(capsys, "train", "--data-path", str(tiny_data), "--run-dir", str(run_dir),
-                           "--plan-device-memory-gib", "0.001")
+    code, out, err = _main(
+        capsys, "train", "--data-path", str(tiny_data), "--run-dir", str(run_dir), "--plan-device-memory-gib", "0.001"
+    )
     assert code == 1
     assert err.count("\n") == 1 and err.startswith("[dlrmv4] error: the memory plan does not fit: synthetic-tiny")
     assert "memory plan for synthetic-tiny" in out
@@ -209,7 +292,14 @@ def test_per_token_constants_and_the_measured_override(monkeypatch):
 
 def test_make_memory_plan_is_pure_and_explicit(tmp_path):
     cfg = _cfg(tmp_path)
-    plan = make_memory_plan(cfg, world_size=8, gpus_per_node=8, device_kind="cuda", device_memory_bytes=141 * GIB,
-                            host_memory_bytes=2048 * GIB, table_counts=YAMBDA_5B_COUNTS)
+    plan = make_memory_plan(
+        cfg,
+        world_size=8,
+        gpus_per_node=8,
+        device_kind="cuda",
+        device_memory_bytes=141 * GIB,
+        host_memory_bytes=2048 * GIB,
+        table_counts=YAMBDA_5B_COUNTS,
+    )
     assert plan.fits and plan.describe().count("\n") > 10 and plan.refusal() == ""
     assert plan.largest_consumer().name.startswith("tables in HBM")

@@ -59,14 +59,17 @@ def test_label_dtypes_and_shapes():
     assert exact_auc(scores.half(), labels.long()) == pytest.approx(exact_auc(scores.half().float(), labels))
 
 
-@pytest.mark.parametrize("scores,labels,message", [
-    (torch.empty(0), torch.empty(0), "empty"),
-    (torch.randn(5), torch.ones(5), "one class"),
-    (torch.randn(5), torch.zeros(5), "one class"),
-    (torch.randn(5), torch.ones(4), "5 scores and 4 labels"),
-    (torch.randn(4), torch.tensor([0.0, 1.0, 2.0, 1.0]), "0 or 1"),
-    (torch.tensor([0.1, float("nan"), 0.3, 0.2]), torch.tensor([0.0, 1.0, 0.0, 1.0]), "finite"),
-])
+@pytest.mark.parametrize(
+    "scores,labels,message",
+    [
+        (torch.empty(0), torch.empty(0), "empty"),
+        (torch.randn(5), torch.ones(5), "one class"),
+        (torch.randn(5), torch.zeros(5), "one class"),
+        (torch.randn(5), torch.ones(4), "5 scores and 4 labels"),
+        (torch.randn(4), torch.tensor([0.0, 1.0, 2.0, 1.0]), "0 or 1"),
+        (torch.tensor([0.1, float("nan"), 0.3, 0.2]), torch.tensor([0.0, 1.0, 0.0, 1.0]), "finite"),
+    ],
+)
 def test_exact_auc_errors(scores, labels, message):
     with pytest.raises(ValueError, match=message):
         exact_auc(scores, labels)
@@ -76,7 +79,7 @@ def test_accumulator_over_batches_equals_one_shot():
     scores, labels = _data(7, 5_000, levels=64)
     acc = AucAccumulator()
     for start in range(0, 5_000, 777):
-        acc.update(scores[start:start + 777].view(-1, 1), labels[start:start + 777])
+        acc.update(scores[start : start + 777].view(-1, 1), labels[start : start + 777])
     assert acc.num_samples == 5_000
     assert acc.compute() == exact_auc(scores, labels)
     restored = AucAccumulator("cpu")

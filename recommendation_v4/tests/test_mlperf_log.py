@@ -10,16 +10,24 @@ import pytest
 
 from dlrmv4.config import load_config
 from dlrmv4.errors import UserError
-from dlrmv4.mlperf.rules import (REFERENCE_EVAL_SAMPLES, REFERENCE_TRAIN_SAMPLES, check_closed_division,
-                                 run_checker, write_dataset_rules)
+from dlrmv4.mlperf.rules import (
+    REFERENCE_EVAL_SAMPLES,
+    REFERENCE_TRAIN_SAMPLES,
+    check_closed_division,
+    run_checker,
+    write_dataset_rules,
+)
 from dlrmv4.mlperf.runlog import RunFacts, RunLog
 from dlrmv4.train.schedule import EvalSchedule
 
 
 def reference_config(gbs: int, lr: float):
     cfg = load_config("yambda-5b")
-    return dataclasses.replace(cfg, loader=dataclasses.replace(cfg.loader, batch_size=gbs),
-                               train=dataclasses.replace(cfg.train, learning_rate=lr))
+    return dataclasses.replace(
+        cfg,
+        loader=dataclasses.replace(cfg.loader, batch_size=gbs),
+        train=dataclasses.replace(cfg.train, learning_rate=lr),
+    )
 
 
 def write_reference_log(path: Path, cfg, aucs: list[float], extra=None) -> None:
@@ -59,11 +67,15 @@ def test_bad_logs_fail_the_checker(tmp_path, case):
     write_reference_log(tmp_path / "log.txt", cfg, aucs, extra)
     if case == "missing_key":
         lines = (tmp_path / "log.txt").read_text().splitlines(keepends=True)
-        (tmp_path / "log.txt").write_text("".join(l for l in lines if '"key": "opt_adam_beta_2"' not in l))
+        (tmp_path / "log.txt").write_text("".join(ln for ln in lines if '"key": "opt_adam_beta_2"' not in ln))
     passed, output = run_checker(tmp_path / "log.txt")
     assert not passed
-    expected = {"wrong_lr": "opt_base_learning_rate", "missing_key": "opt_adam_beta_2",
-                "second_run_start": "run_start", "target_missed": "target_accuracy"}[case]
+    expected = {
+        "wrong_lr": "opt_base_learning_rate",
+        "missing_key": "opt_adam_beta_2",
+        "second_run_start": "run_start",
+        "target_missed": "target_accuracy",
+    }[case]
     assert expected in output
 
 
@@ -78,13 +90,29 @@ def test_closed_division_refuses_a_forbidden_learning_rate():
     check_closed_division(synthetic, 134_291, 17_483)  # another dataset: its project rules apply instead
 
 
-@pytest.mark.parametrize("train,evals,named", [
-    (2_290_835_000, REFERENCE_EVAL_SAMPLES, ["train_samples 2,290,835,000 from the store, the closed division "
-                                             "pins 2,290,835,423"]),
-    (REFERENCE_TRAIN_SAMPLES, 2_058_205, ["eval_samples 2,058,205 from the store, the closed division pins 2,058,204"]),
-    (134_291, 17_483, ["train_samples 134,291 from the store, the closed division pins 2,290,835,423",
-                       "eval_samples 17,483 from the store, the closed division pins 2,058,204"]),
-])
+@pytest.mark.parametrize(
+    "train,evals,named",
+    [
+        (
+            2_290_835_000,
+            REFERENCE_EVAL_SAMPLES,
+            ["train_samples 2,290,835,000 from the store, the closed division pins 2,290,835,423"],
+        ),
+        (
+            REFERENCE_TRAIN_SAMPLES,
+            2_058_205,
+            ["eval_samples 2,058,205 from the store, the closed division pins 2,058,204"],
+        ),
+        (
+            134_291,
+            17_483,
+            [
+                "train_samples 134,291 from the store, the closed division pins 2,290,835,423",
+                "eval_samples 17,483 from the store, the closed division pins 2,058,204",
+            ],
+        ),
+    ],
+)
 def test_closed_yambda_5b_refuses_counts_other_than_the_pins(train, evals, named):
     cfg = reference_config(8192, 1e-6)
     with pytest.raises(UserError) as info:
@@ -93,8 +121,9 @@ def test_closed_yambda_5b_refuses_counts_other_than_the_pins(train, evals, named
     assert "\n" not in msg and msg.startswith("the closed division refuses this Yambda-5B store: ")
     assert all(n in msg for n in named) and msg.count("from the store") == len(named), msg
     # The open division and other datasets are not held to the pinned counts.
-    check_closed_division(dataclasses.replace(cfg, mlperf=dataclasses.replace(cfg.mlperf, division="open")),
-                          train, evals)
+    check_closed_division(
+        dataclasses.replace(cfg, mlperf=dataclasses.replace(cfg.mlperf, division="open")), train, evals
+    )
     fifty = dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, size="50m"))
     check_closed_division(fifty, train, evals)
 
@@ -102,10 +131,11 @@ def test_closed_yambda_5b_refuses_counts_other_than_the_pins(train, evals, named
 def test_check_log_refuses_a_closed_yambda_5b_store_with_other_counts(tmp_path, capsys):
     """check-log on a yambda-5b config whose store (a tiny one) does not give the pinned counts: one
     line naming both numbers of each count, before the checker runs."""
+    from store_factory import random_store
+
     from dlrmv4.cli import main as cli_main
     from dlrmv4.data.store import open_store
     from dlrmv4.data.windows import sample_counts
-    from store_factory import random_store
 
     data = tmp_path / "data"
     store = open_store(random_store(data / "processed" / "yambda-5b", seed=3, lengths=[60, 80], num_windows=3))
@@ -114,15 +144,19 @@ def test_check_log_refuses_a_closed_yambda_5b_store_with_other_counts(tmp_path, 
     log = tmp_path / "log.txt"
     write_reference_log(log, reference_config(8192, 1e-6), [0.76])  # would pass the official rules
     capsys.readouterr()
-    assert cli_main(["check-log", "--preset", "yambda-5b", "--data-path", str(data), "--log", str(log),
-                     "--no-progress"]) == 1
+    assert (
+        cli_main(["check-log", "--preset", "yambda-5b", "--data-path", str(data), "--log", str(log), "--no-progress"])
+        == 1
+    )
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0, err
-    assert err == ("[dlrmv4] error: the closed division refuses this Yambda-5B store: "
-                   f"train_samples {train:,} from the store, the closed division pins 2,290,835,423; "
-                   f"eval_samples {evals:,} from the store, the closed division pins 2,058,204 (re-run the "
-                   "preprocessing with the reference's defaults: python -m dlrmv4 prepare --source yambda "
-                   "--size 5b, or download_dataset.sh --size 5b)")
+    assert err == (
+        "[dlrmv4] error: the closed division refuses this Yambda-5B store: "
+        f"train_samples {train:,} from the store, the closed division pins 2,290,835,423; "
+        f"eval_samples {evals:,} from the store, the closed division pins 2,058,204 (re-run the "
+        "preprocessing with the reference's defaults: python -m dlrmv4 prepare --source yambda "
+        "--size 5b, or download_dataset.sh --size 5b)"
+    )
     assert not log.with_suffix(".checker.txt").exists()  # refused before the checker ran
 
 
@@ -149,7 +183,7 @@ def test_project_rules_replace_only_the_benchmark_file(tmp_path):
     assert "closed_common.yaml" in output and "checks.yaml" in output and "closed_dlrmv4.yaml" not in output
     assert not run_checker(tmp_path / "log.txt")[0]
     lines = (tmp_path / "log.txt").read_text().splitlines(keepends=True)
-    (tmp_path / "log.txt").write_text("".join(l for l in lines if '"key": "submission_org"' not in l))
+    (tmp_path / "log.txt").write_text("".join(ln for ln in lines if '"key": "submission_org"' not in ln))
     passed, output = run_checker(tmp_path / "log.txt", rules)
     assert not passed and "submission_org" in output
 
@@ -157,15 +191,31 @@ def test_project_rules_replace_only_the_benchmark_file(tmp_path):
 def test_training_refuses_a_closed_yambda_5b_store_with_other_counts(tmp_path, capsys):
     """The start check: ``train`` on a yambda-5b config whose store gives other counts stops with one line
     before any model is built."""
-    from dlrmv4.cli import main as cli_main
     from store_factory import random_store
+
+    from dlrmv4.cli import main as cli_main
 
     data = tmp_path / "data"
     store = random_store(data / "processed" / "yambda-5b", seed=4, lengths=[50, 70], num_windows=3)
     counts = json.loads((store / "meta.json").read_text())["counts"]
     capsys.readouterr()
-    assert cli_main(["train", "--preset", "yambda-5b", "--data-path", str(data), "--run-dir", str(tmp_path / "run"),
-                     "--embedding-backend", "plain", "--no-progress"]) == 1
+    assert (
+        cli_main(
+            [
+                "train",
+                "--preset",
+                "yambda-5b",
+                "--data-path",
+                str(data),
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--embedding-backend",
+                "plain",
+                "--no-progress",
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("[dlrmv4] error: the closed division refuses this Yambda-5B store")
     assert f"train_samples {counts['train_samples']:,} from the store, the closed division pins 2,290,835,423" in err

@@ -7,15 +7,27 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from model_inputs import random_batch, random_embeddings
 
 from dlrmv4.config import ModelConfig, load_config
 from dlrmv4.model.flops import batch_flops, dense_flops_per_sample
 from dlrmv4.model.hstu import DlrmHSTU
-from model_inputs import random_batch, random_embeddings
 
-SMALL = ModelConfig(embedding_dim=16, d_model=32, num_layers=2, num_heads=2, qk_dim=16, v_dim=16,
-                    preprocessor_hidden=16, action_dim=4, item_tower_hidden=16, head_hidden=16,
-                    num_position_buckets=64, num_time_buckets=32, sequence_dtype="float32")
+SMALL = ModelConfig(
+    embedding_dim=16,
+    d_model=32,
+    num_layers=2,
+    num_heads=2,
+    qk_dim=16,
+    v_dim=16,
+    preprocessor_hidden=16,
+    action_dim=4,
+    item_tower_hidden=16,
+    head_hidden=16,
+    num_position_buckets=64,
+    num_time_buckets=32,
+    sequence_dtype="float32",
+)
 LENGTHS = [0, 1, 7, 20, 3]
 
 

@@ -17,6 +17,7 @@ from dlrmv4.ops.reference.attention import hstu_attention_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
+
 def fresh_seed() -> int:
     return int.from_bytes(os.urandom(4), "little")
 
@@ -29,9 +30,9 @@ def make_batch(lengths, heads: int, dqk: int, dv: int, dtype, device, seed: int,
     width = heads * (2 * dv + 2 * dqk)
     proj = torch.randn(total, width, generator=gen, device=device).to(dtype)
     cuts = [heads * dv, 2 * heads * dv, 2 * heads * dv + heads * dqk, width]
-    v = proj[:, cuts[0]:cuts[1]].view(total, heads, dv)
-    q = proj[:, cuts[1]:cuts[2]].view(total, heads, dqk)
-    k = proj[:, cuts[2]:cuts[3]].view(total, heads, dqk)
+    v = proj[:, cuts[0] : cuts[1]].view(total, heads, dv)
+    q = proj[:, cuts[1] : cuts[2]].view(total, heads, dqk)
+    k = proj[:, cuts[2] : cuts[3]].view(total, heads, dqk)
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
     if isinstance(targets, int):
@@ -68,8 +69,9 @@ def forward_backward(q, k, v, offsets, n, targets, alpha, kernels, grad_out=None
 
 def check_against_reference(q, k, v, offsets, n, targets, alpha, tol, seed, kernels="triton"):
     got = forward_backward(q, k, v, offsets, n, targets, alpha, kernels)
-    ref = forward_backward(q, k, v, offsets, n, targets, alpha, "pytorch", grad_out=got[-1],
-                           compute_dtype=torch.float64)
+    ref = forward_backward(
+        q, k, v, offsets, n, targets, alpha, "pytorch", grad_out=got[-1], compute_dtype=torch.float64
+    )
     for name, a, b in zip(("out", "dq", "dk", "dv"), got[:4], ref[:4]):
         assert a.dtype == q.dtype and a.shape == b.shape
         err = rel_err(a, b)
@@ -83,8 +85,10 @@ def naive(q, k, v, offsets, n, targets, alpha):
         lo, hi = int(offsets[b]), int(offsets[b + 1])
         length = hi - lo
         prefix = length - (0 if targets is None else int(targets[b]))
-        mask = torch.tensor([[float((j <= i and j < prefix) or j == i) for j in range(length)] for i in range(length)],
-                            dtype=torch.float64)
+        mask = torch.tensor(
+            [[float((j <= i and j < prefix) or j == i) for j in range(length)] for i in range(length)],
+            dtype=torch.float64,
+        )
         s = torch.einsum("ihd,jhd->hij", q[lo:hi].double(), k[lo:hi].double())
         a = torch.nn.functional.silu(alpha * s) * mask / n
         out[lo:hi] = torch.einsum("hij,jhd->ihd", a, v[lo:hi].double())
@@ -169,9 +173,9 @@ def test_reference_bf16_long_sequences_stay_finite():
     lengths = [1100, 1, 0, 1031]
     q, k, v, offsets, nt = make_batch(lengths, 2, 64, 64, torch.bfloat16, "cpu", seed, 1)
     q, k, v = (t * 8 for t in (q, k, v))  # large scores: bf16 arithmetic would overflow
-    out = hstu_attention(q, k, v, offsets, 1100, num_targets=nt, alpha=64 ** -0.5, kernels="pytorch")
+    out = hstu_attention(q, k, v, offsets, 1100, num_targets=nt, alpha=64**-0.5, kernels="pytorch")
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    ref = hstu_attention_reference(*(t.double() for t in (q, k, v)), offsets, 1100, nt, 64 ** -0.5)
+    ref = hstu_attention_reference(*(t.double() for t in (q, k, v)), offsets, 1100, nt, 64**-0.5)
     assert rel_err(out, ref) < 1e-2
 
 
@@ -202,7 +206,6 @@ def test_empty_batch():
         assert out.shape == (0, 1, 16) and dq.shape == (0, 1, 16)
 
 
-
 @pytest.mark.skipif(not INTERPRET, reason="Triton interpreter tests (tests/gpu/ covers the compiled kernels)")
 @pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
 def test_backward_into_column_slices_of_one_buffer(monkeypatch, dq_mode):
@@ -220,12 +223,14 @@ def test_backward_into_column_slices_of_one_buffer(monkeypatch, dq_mode):
     args = (do, q, k, v, offsets, None, max(lengths), 0.3)
     fresh = attention_bwd(*args, dq_mode=dq_mode)
     grad = torch.full((q.shape[0], heads * (2 * dv + 2 * dqk)), 7.0)
-    cols = [grad[:, lo:lo + heads * d].unflatten(1, (heads, d))
-            for lo, d in ((2 * heads * dv, dqk), (2 * heads * dv + heads * dqk, dqk), (heads * dv, dv))]
+    cols = [
+        grad[:, lo : lo + heads * d].unflatten(1, (heads, d))
+        for lo, d in ((2 * heads * dv, dqk), (2 * heads * dv + heads * dqk, dqk), (heads * dv, dv))
+    ]
     got = attention_bwd(*args, dq_mode=dq_mode, out=tuple(cols))
     for name, a, slot, e in zip(("dq", "dk", "dv"), got, cols, fresh):
         assert a.data_ptr() == slot.data_ptr(), f"{name} not returned in its buffer"
         torch.testing.assert_close(slot, e, rtol=0, atol=0, msg=f"{name} (seed {seed})")
-    assert (grad[:, :heads * dv] == 7).all(), "the u columns were written"
+    assert (grad[:, : heads * dv] == 7).all(), "the u columns were written"
     with pytest.raises(ValueError, match="out must be"):
         attention_bwd(*args, out=(cols[0], cols[1], cols[0]))

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_ops_attention import INTERPRET
+from test_ops_layer_norm import gen, poison, randn, rel_err  # noqa: F401  (fixtures)
 
 from dlrmv4.ops.candidate_attention import candidate_attention
 from dlrmv4.ops.reference.attention import hstu_attention_reference
 from dlrmv4.ops.reference.candidate_attention import split_vk
-from test_ops_attention import INTERPRET
-from test_ops_layer_norm import gen, poison, randn, rel_err  # noqa: F401  (fixtures)
 
 HEADS, QK, V = 2, 16, 32
-needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="Triton interpreter tests (tests/gpu/ covers the "
-                                                             "compiled kernels)")
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRET, reason="Triton interpreter tests (tests/gpu/ covers the compiled kernels)"
+)
 
 
 def jagged(gen, batch: int = 6, longest: int = 45):
@@ -28,7 +29,7 @@ def jagged(gen, batch: int = 6, longest: int = 45):
 def strided_inputs(gen, offsets, dtype):
     """q and vk as column slices of wider tensors, as the STU layer hands them over."""
     batch, total = offsets.numel() - 1, int(offsets[-1])
-    q = randn((batch, HEADS * (V + QK) + 8), gen, dtype)[:, HEADS * V:HEADS * (V + QK)].unflatten(1, (HEADS, QK))
+    q = randn((batch, HEADS * (V + QK) + 8), gen, dtype)[:, HEADS * V : HEADS * (V + QK)].unflatten(1, (HEADS, QK))
     vk = randn((total, HEADS * (V + QK) + 16), gen, dtype)[:, 16:]
     return q, vk
 
@@ -40,8 +41,9 @@ def test_reference_is_the_full_attentions_last_rows(gen):
     full = hstu_attention_reference(q_all, k, v, offsets, longest + 2, None, 0.3)
     last = offsets[1:] - 1
     vk = torch.cat([v.flatten(1), k.flatten(1)], 1)
-    out = candidate_attention(q_all[last], vk, offsets, longest + 2, num_heads=HEADS, qk_dim=QK, v_dim=V, alpha=0.3,
-                              kernels="pytorch")
+    out = candidate_attention(
+        q_all[last], vk, offsets, longest + 2, num_heads=HEADS, qk_dim=QK, v_dim=V, alpha=0.3, kernels="pytorch"
+    )
     assert out.shape == (batch, HEADS, V)
     assert rel_err(out, full[last]) < 1e-12
 
@@ -55,8 +57,9 @@ def test_triton_equals_the_reference(dtype, tol, gen, poison):
     results = {}
     for kernels in ("pytorch", "triton"):
         q_leaf, vk_leaf = q.detach().requires_grad_(), vk.detach().requires_grad_()
-        out = candidate_attention(q_leaf, vk_leaf, offsets, longest + 3, num_heads=HEADS, qk_dim=QK, v_dim=V,
-                                  alpha=0.25, kernels=kernels)
+        out = candidate_attention(
+            q_leaf, vk_leaf, offsets, longest + 3, num_heads=HEADS, qk_dim=QK, v_dim=V, alpha=0.25, kernels=kernels
+        )
         out.backward(dout)
         results[kernels] = (out, q_leaf.grad, vk_leaf.grad)
     for name, ref, tri in zip(("out", "dq", "dvk"), results["pytorch"], results["triton"]):

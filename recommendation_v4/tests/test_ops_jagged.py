@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_ops_layer_norm import gen, poison, randn  # noqa: F401  (fixtures)
 
 from dlrmv4.ops.jagged import concat_sequence_timestamps, concat_sequences, take_last
-from test_ops_layer_norm import gen, poison, randn  # noqa: F401  (fixtures)
 
 
 def offsets_of(lengths: list[int]) -> torch.Tensor:
@@ -25,7 +25,7 @@ def random_lengths(b: int, max_len: int, gen: torch.Generator) -> list[int]:
 def loop_concat(ctx, hist, offsets, cand):
     parts = []
     for b in range(cand.shape[0]):
-        parts += [ctx[b], hist[offsets[b]:offsets[b + 1]], cand[b:b + 1]]
+        parts += [ctx[b], hist[offsets[b] : offsets[b + 1]], cand[b : b + 1]]
     return torch.cat(parts)
 
 
@@ -36,7 +36,7 @@ def inputs(b, c, d, lengths, dtype, gen, contiguous=True):
         ctx, hist, cand = randn((b, c, d), gen, dtype), randn((t, d), gen, dtype), randn((b, d), gen, dtype)
     else:  # a permuted contextual block, history and candidate as column slices
         ctx = randn((c, b, d), gen, dtype).transpose(0, 1)
-        hist = randn((t, d + 5), gen, dtype)[:, 3:3 + d]
+        hist = randn((t, d + 5), gen, dtype)[:, 3 : 3 + d]
         cand = randn((b, 2 * d), gen, dtype)[:, d:]
     return ctx.requires_grad_(), hist.requires_grad_(), cand.requires_grad_(), offsets
 
@@ -55,8 +55,7 @@ def test_concat_matches_loop(kernels, dtype, b, c, d, max_len, gen, poison):
     lengths = random_lengths(b, max_len, gen)
     for contiguous in (True, False):
         ctx, hist, cand, offsets = inputs(b, c, d, lengths, dtype, gen, contiguous)
-        values, seq_offsets = concat_sequences(ctx, torch.cat([hist, cand]), offsets, max(lengths),
-                                               kernels=kernels)
+        values, seq_offsets = concat_sequences(ctx, torch.cat([hist, cand]), offsets, max(lengths), kernels=kernels)
         expect = loop_concat(ctx, hist, offsets, cand)
         assert torch.equal(values, expect)  # a copy: bit-exact
         assert seq_offsets.dtype == torch.int64
@@ -97,8 +96,9 @@ def test_timestamps_follow_the_concat_layout(c, gen):
     hist = torch.randint(0, 10**9, (int(offsets[-1]),), generator=gen)
     query = torch.randint(10**9, 2 * 10**9, (5,), generator=gen)
     out = concat_sequence_timestamps(hist, offsets, query, c)
-    expect = torch.cat([torch.cat([query[b].repeat(c), hist[offsets[b]:offsets[b + 1]], query[b:b + 1]])
-                        for b in range(5)])
+    expect = torch.cat(
+        [torch.cat([query[b].repeat(c), hist[offsets[b] : offsets[b + 1]], query[b : b + 1]]) for b in range(5)]
+    )
     assert out.dtype == torch.int64 and torch.equal(out, expect)
 
 

@@ -41,8 +41,9 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k)))
 
 
-def randn(shape, gen: torch.Generator, dtype=torch.float32, device="cpu", scale: float = 1.0,
-          shift: float = 0.0) -> torch.Tensor:
+def randn(
+    shape, gen: torch.Generator, dtype=torch.float32, device="cpu", scale: float = 1.0, shift: float = 0.0
+) -> torch.Tensor:
     return (torch.randn(shape, generator=gen) * scale + shift).to(device=device, dtype=dtype)
 
 

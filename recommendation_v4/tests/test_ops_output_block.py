@@ -11,10 +11,10 @@ import secrets
 
 import pytest
 import torch
+from test_ops_layer_norm import assert_close, gen, leaf64, poison, randn  # noqa: F401  (fixtures)
 
 from dlrmv4.ops.output_block import output_block, output_block_keep_mask
 from dlrmv4.ops.triton import output_block as tri
-from test_ops_layer_norm import assert_close, gen, leaf64, poison, randn  # noqa: F401  (fixtures)
 
 EPS = 1e-6
 
@@ -26,7 +26,7 @@ def make_inputs(t: int, hd: int, dtype: torch.dtype, gen: torch.Generator):
     attn = randn((t, hd), gen, dtype, scale=2.0, shift=0.3).requires_grad_()
     w = randn(hd, gen, scale=0.3, shift=1.0).requires_grad_()
     b = randn(hd, gen, scale=0.3).requires_grad_()
-    return wide, wide[:, hd:2 * hd], attn, w, b
+    return wide, wide[:, hd : 2 * hd], attn, w, b
 
 
 def run_both(t, hd, dtype, p, seed, training, gen):
@@ -39,7 +39,7 @@ def run_both(t, hd, dtype, p, seed, training, gen):
     u64, a64, w64, b64 = leaf64(u), leaf64(attn), leaf64(w), leaf64(b)
     ref = output_block(u64, a64, w64, b64, EPS, p, seed, training, kernels="pytorch", keep_mask=mask)
     ref.backward(dy.double())
-    kernel = (y, wide.grad[:, hd:2 * hd], attn.grad, w.grad, b.grad, wide.grad)
+    kernel = (y, wide.grad[:, hd : 2 * hd], attn.grad, w.grad, b.grad, wide.grad)
     return kernel, (ref, u64.grad, a64.grad, w64.grad, b64.grad), mask
 
 
@@ -54,7 +54,7 @@ def test_matches_reference(dtype, t, hd, p, training, gen, poison):
     assert_close(dw, ref[3], torch.float32, "dweight")
     assert_close(db, ref[4], torch.float32, "dbias")
     # The rest of the wide tensor gets no gradient: the slice's backward wrote only its columns.
-    assert not dwide[:, :hd].any() and not dwide[:, 2 * hd:].any()
+    assert not dwide[:, :hd].any() and not dwide[:, 2 * hd :].any()
 
 
 def spelled_out(u, attn, w, b, keep, p):
@@ -94,14 +94,14 @@ def test_backward_writes_du_into_a_given_buffer(gen, poison):
     dy = randn(y.shape, gen)
     du, da, dw, db = tri.backward(u, attn, w, b, dy, mean, rstd, keep, p)
     wide = torch.full((t, 3 * hd), 7.0)
-    got = tri.backward(u, attn, w, b, dy, mean, rstd, keep, p, du_out=wide[:, hd:2 * hd])
-    assert got[0].data_ptr() == wide[:, hd:2 * hd].data_ptr()
-    assert torch.equal(wide[:, hd:2 * hd], du)
-    assert (wide[:, :hd] == 7).all() and (wide[:, 2 * hd:] == 7).all()
+    got = tri.backward(u, attn, w, b, dy, mean, rstd, keep, p, du_out=wide[:, hd : 2 * hd])
+    assert got[0].data_ptr() == wide[:, hd : 2 * hd].data_ptr()
+    assert torch.equal(wide[:, hd : 2 * hd], du)
+    assert (wide[:, :hd] == 7).all() and (wide[:, 2 * hd :] == 7).all()
     for a, e in zip(got[1:], (da, dw, db)):
         assert torch.equal(a, e)
     with pytest.raises(ValueError, match="du_out must be"):
-        tri.backward(u, attn, w, b, dy, mean, rstd, keep, p, du_out=wide[:, :hd - 1])
+        tri.backward(u, attn, w, b, dy, mean, rstd, keep, p, du_out=wide[:, : hd - 1])
 
 
 def test_no_affine(gen, poison):
@@ -162,8 +162,11 @@ def test_reference_mask_is_the_kernels(dtype, t, hd, gen, poison):
     and row offsets past 2^32), and the zeros of y when the reference and the kernel each draw
     their own mask."""
     p = 0.3
-    for seed, row_offset in ((secrets.randbits(31), 0), (2**32 + secrets.randbits(31), secrets.randbits(33)),
-                             (secrets.randbits(63), secrets.randbits(40))):
+    for seed, row_offset in (
+        (secrets.randbits(31), 0),
+        (2**32 + secrets.randbits(31), secrets.randbits(33)),
+        (secrets.randbits(63), secrets.randbits(40)),
+    ):
         want = output_block_keep_mask(t, hd, p, seed, "cpu", row_offset)
         assert torch.equal(tri.keep_mask(t, hd, p, seed, torch.device("cpu"), row_offset), want)
         _, u, attn, w, b = make_inputs(t, hd, dtype, gen)
@@ -171,8 +174,9 @@ def test_reference_mask_is_the_kernels(dtype, t, hd, gen, poison):
         bits = torch.stack([(keep >> s) & 1 for s in range(3)], 1).flatten(1).bool()
         assert torch.equal(bits, want)
     y = output_block(u, attn, w, b, EPS, p, seed, True, kernels="triton", row_offset=row_offset)
-    ref = output_block(leaf64(u), leaf64(attn), leaf64(w), leaf64(b), EPS, p, seed, True, kernels="pytorch",
-                       row_offset=row_offset)
+    ref = output_block(
+        leaf64(u), leaf64(attn), leaf64(w), leaf64(b), EPS, p, seed, True, kernels="pytorch", row_offset=row_offset
+    )
     assert torch.equal(y != 0, want) and torch.equal(ref != 0, want)
     assert_close(y, ref, dtype, "y")
 
@@ -200,8 +204,12 @@ def test_a_chunk_with_its_row_offset_is_that_chunk_of_the_whole(kernels, gen, po
     same = torch.equal if kernels == "triton" else functools.partial(torch.allclose, rtol=1e-13, atol=1e-13)
     dw, db = torch.zeros(hd, dtype=dtype), torch.zeros(hd, dtype=dtype)
     for a, e in chunks_of(t, gen):
-        part = [u[a:e].detach().clone().requires_grad_(), attn[a:e].detach().clone().requires_grad_(),
-                w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()]
+        part = [
+            u[a:e].detach().clone().requires_grad_(),
+            attn[a:e].detach().clone().requires_grad_(),
+            w.detach().clone().requires_grad_(),
+            b.detach().clone().requires_grad_(),
+        ]
         y = output_block(*part, EPS, p, seed, True, kernels=kernels, row_offset=base + a)
         got = (y, *torch.autograd.grad(y, part, dy[a:e]))
         assert torch.equal(got[0] != 0, whole[0][a:e] != 0), f"the zeros of rows [{a}, {e})"
@@ -231,9 +239,18 @@ def test_bad_shapes_are_reported():
 
 
 @pytest.mark.parametrize("kernels", ["triton", "pytorch"])
-@pytest.mark.parametrize("p,seed,row_offset,match", [
-    (1.0, 0, 0, "dropout_p"), (-0.1, 0, 0, "dropout_p"), (0.1, -1, 0, "seed"), (0.1, 2**63, 0, "seed"),
-    (0.1, 1.5, 0, "seed"), (0.1, 0, -1, "row_offset"), (0.1, 0, 2.0, "row_offset")])
+@pytest.mark.parametrize(
+    "p,seed,row_offset,match",
+    [
+        (1.0, 0, 0, "dropout_p"),
+        (-0.1, 0, 0, "dropout_p"),
+        (0.1, -1, 0, "seed"),
+        (0.1, 2**63, 0, "seed"),
+        (0.1, 1.5, 0, "seed"),
+        (0.1, 0, -1, "row_offset"),
+        (0.1, 0, 2.0, "row_offset"),
+    ],
+)
 def test_bad_dropout_arguments_are_reported(kernels, p, seed, row_offset, match):
     x = torch.zeros(4, 8)
     with pytest.raises(ValueError, match=f"output_block: {match}"):

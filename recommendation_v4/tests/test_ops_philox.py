@@ -8,14 +8,16 @@ import secrets
 
 import pytest
 import torch
+from test_ops_layer_norm import gen  # noqa: F401  (fixture)
 
 from dlrmv4.ops.dispatch import interpreting, triton_available
 from dlrmv4.ops.reference.philox import philox_randint4x, split16
-from test_ops_layer_norm import gen  # noqa: F401  (fixture)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(not triton_available() or (DEVICE == "cpu" and not interpreting()),
-                                  reason="needs Triton and a GPU or the Triton interpreter")
+needs_triton = pytest.mark.skipif(
+    not triton_available() or (DEVICE == "cpu" and not interpreting()),
+    reason="needs Triton and a GPU or the Triton interpreter",
+)
 if triton_available():
     import triton
     import triton.language as tl
@@ -42,15 +44,32 @@ def triton_randint4x(seed: int, offsets: torch.Tensor) -> torch.Tensor:
 def random_offsets(gen: torch.Generator) -> torch.Tensor:
     """Small offsets, both sides of 2^32 and 2^40, and random ones up to 2^62."""
     edges = torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**40 - 1, 2**40, 2**62 - 1])
-    return torch.cat([edges, torch.arange(2, 40), torch.randint(0, 2**62, (200,), generator=gen),
-                      torch.randint(0, 2**33, (100,), generator=gen)]).to(DEVICE)
+    return torch.cat(
+        [
+            edges,
+            torch.arange(2, 40),
+            torch.randint(0, 2**62, (200,), generator=gen),
+            torch.randint(0, 2**33, (100,), generator=gen),
+        ]
+    ).to(DEVICE)
 
 
 @needs_triton
 def test_equals_triton_randint4x(gen):
     offsets = random_offsets(gen)
-    seeds = [0, 1, 2**31 - 2, 2**31 - 1, 2**32 - 1, 2**32, 2**32 + 5, 2**63 - 1, secrets.randbits(31),
-             secrets.randbits(40), secrets.randbits(63)]
+    seeds = [
+        0,
+        1,
+        2**31 - 2,
+        2**31 - 1,
+        2**32 - 1,
+        2**32,
+        2**32 + 5,
+        2**63 - 1,
+        secrets.randbits(31),
+        secrets.randbits(40),
+        secrets.randbits(63),
+    ]
     for seed in seeds:
         want = triton_randint4x(seed, offsets)
         got = torch.stack(philox_randint4x(seed, offsets))
@@ -61,12 +80,24 @@ def test_equals_triton_randint4x(gen):
 def test_golden_values():
     # Philox-4x32-10 of counter 0 and key 0: the known-answer test of Random123.
     assert [int(v) for v in philox_randint4x(0, torch.zeros(1, dtype=torch.int64))] == [
-        0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+        0x6627E8D5,
+        0xE169C58D,
+        0xBC57AC4C,
+        0x9B00DBD8,
+    ]
     # Checked against tl.randint4x (Triton 3.6): a high key word and a high counter word.
     assert [int(v) for v in philox_randint4x(2**32 + 5, torch.tensor([2**33 + 3]))] == [
-        3097703545, 39102689, 3724376591, 1937335724]
+        3097703545,
+        39102689,
+        3724376591,
+        1937335724,
+    ]
     assert [int(v) for v in philox_randint4x(12345, torch.tensor([7]))] == [
-        2667469288, 1132955194, 352380175, 2594486496]
+        2667469288,
+        1132955194,
+        352380175,
+        2594486496,
+    ]
 
 
 def test_values_are_uint32_and_shaped_like_the_offsets(gen):

@@ -13,11 +13,11 @@ import secrets
 
 import pytest
 import torch
+from test_ops_layer_norm import gen, leaf64, poison, randn  # noqa: F401  (fixtures)
 
 from dlrmv4.ops.position import input_dropout_keep_mask, position_time_encode
 from dlrmv4.ops.reference import position as ref_position
 from dlrmv4.ops.reference.position import positions_and_buckets
-from test_ops_layer_norm import gen, leaf64, poison, randn  # noqa: F401  (fixtures)
 
 ATOL = {torch.float32: 1e-5, torch.float16: 5e-3}
 
@@ -59,7 +59,7 @@ def make_batch(b, c, max_history, bucket_seconds, num_buckets, gen):
         dt[c + 1] = -5  # a token after the query time
     ts = query.repeat_interleave(torch.tensor(lengths)) - dt
     for i, (s, e) in enumerate(zip(seq_offsets[:-1].tolist(), seq_offsets[1:].tolist())):
-        ts[s:s + c] = query[i]  # contextual and candidate tokens carry the query time
+        ts[s : s + c] = query[i]  # contextual and candidate tokens carry the query time
         ts[e - 1] = query[i]
     return lengths, seq_offsets, ts, query
 
@@ -75,9 +75,17 @@ def test_reference_indices_match_the_loop(b, c, max_history, num_pos, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("b,c,max_history,num_pos,d,seconds",
-                         [(1, 8, 12, 64, 16, 60.0), (3, 2, 9, 6, 24, 60.0), (7, 0, 5, 3, 8, 0.7),
-                          (13, 8, 3, 32, 40, 3600.0), (2, 8, 6, 32, 1024, 60.0), (3, 1, 4, 8, 1100, 60.0)])
+@pytest.mark.parametrize(
+    "b,c,max_history,num_pos,d,seconds",
+    [
+        (1, 8, 12, 64, 16, 60.0),
+        (3, 2, 9, 6, 24, 60.0),
+        (7, 0, 5, 3, 8, 0.7),
+        (13, 8, 3, 32, 40, 3600.0),
+        (2, 8, 6, 32, 1024, 60.0),
+        (3, 1, 4, 8, 1100, 60.0),
+    ],
+)
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_kernel_matches_reference(dtype, b, c, max_history, num_pos, d, seconds, p, gen, poison):
     """Each draws its own dropout mask (p > 0): the same mask, so the same values and gradients."""
@@ -85,13 +93,14 @@ def test_kernel_matches_reference(dtype, b, c, max_history, num_pos, d, seconds,
     _, seq_offsets, ts, query = make_batch(b, c, max_history, seconds, num_buckets, gen)
     n = int(seq_offsets[-1])
     # x as a column slice; table rows far apart, so that one wrong row index shows up elementwise.
-    x = randn((n, d + 4), gen, dtype)[:, 2:2 + d].requires_grad_()
+    x = randn((n, d + 4), gen, dtype)[:, 2 : 2 + d].requires_grad_()
     pos_table = randn((num_pos, d), gen, scale=10.0).requires_grad_()
     time_table = randn((num_buckets, d), gen, scale=10.0).requires_grad_()
     scale = math.sqrt(d)
     drop = dict(dropout_p=p, seed=secrets.randbits(63), training=True, row_offset=secrets.randbits(34))
-    out = position_time_encode(x, seq_offsets, ts, query, c, pos_table, time_table, scale, seconds,
-                               kernels="triton", **drop)
+    out = position_time_encode(
+        x, seq_offsets, ts, query, c, pos_table, time_table, scale, seconds, kernels="triton", **drop
+    )
     assert out.dtype == dtype and out.shape == (n, d)
     g = randn(out.shape, gen, dtype)
     out.backward(g)
@@ -117,8 +126,13 @@ def test_bad_inputs_are_reported(gen):
         position_time_encode(x, seq_offsets, ts[1:], query, 1, table, table, 1.0)
     with pytest.raises(ValueError, match="positive"):
         position_time_encode(x, seq_offsets, ts, query, 1, table, table, 1.0, 0.0)
-    for bad, match in (({"dropout_p": 1.0}, "dropout_p"), ({"dropout_p": -0.5}, "dropout_p"),
-                       ({"row_offset": -1}, "row_offset"), ({"seed": -3}, "seed"), ({"seed": 0.5}, "seed")):
+    for bad, match in (
+        ({"dropout_p": 1.0}, "dropout_p"),
+        ({"dropout_p": -0.5}, "dropout_p"),
+        ({"row_offset": -1}, "row_offset"),
+        ({"seed": -3}, "seed"),
+        ({"seed": 0.5}, "seed"),
+    ):
         with pytest.raises(ValueError, match=f"position_time_encode: {match}"):
             position_time_encode(x, seq_offsets, ts, query, 1, table, table, 1.0, training=True, **bad)
         with pytest.raises(ValueError, match=f"input_dropout_keep_mask: {match}"):
@@ -128,8 +142,14 @@ def test_bad_inputs_are_reported(gen):
 def unit_batch(n: int, d: int):
     """Inputs whose encoding is 1 everywhere (x = 1, zero tables): the output is the scaled mask."""
     seq_offsets = torch.tensor([0, n // 3, n])
-    return (torch.ones(n, d).requires_grad_(), seq_offsets, torch.zeros(n, dtype=torch.int64),
-            torch.zeros(2, dtype=torch.int64), torch.zeros(n, d).requires_grad_(), torch.zeros(4, d).requires_grad_())
+    return (
+        torch.ones(n, d).requires_grad_(),
+        seq_offsets,
+        torch.zeros(n, dtype=torch.int64),
+        torch.zeros(2, dtype=torch.int64),
+        torch.zeros(n, d).requires_grad_(),
+        torch.zeros(4, d).requires_grad_(),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -138,12 +158,28 @@ def test_reference_mask_is_the_kernels(dtype, n, d, poison):
     """On inputs that encode to 1 the kernel's output and x gradient (of a gradient of ones) are the
     scaled mask, for seeds and row offsets past 2^32: both equal the reference's mask."""
     p = 0.3
-    for seed, row_offset in ((secrets.randbits(31), 0), (2**32 + secrets.randbits(31), secrets.randbits(34)),
-                             (secrets.randbits(63), secrets.randbits(40))):
+    for seed, row_offset in (
+        (secrets.randbits(31), 0),
+        (2**32 + secrets.randbits(31), secrets.randbits(34)),
+        (secrets.randbits(63), secrets.randbits(40)),
+    ):
         x, offs, ts, query, pt, tt = unit_batch(n, d)
         x = x.detach().to(dtype).requires_grad_()
-        out = position_time_encode(x, offs, ts, query, 1, pt, tt, 1.0, kernels="triton", dropout_p=p, seed=seed,
-                                   training=True, row_offset=row_offset)
+        out = position_time_encode(
+            x,
+            offs,
+            ts,
+            query,
+            1,
+            pt,
+            tt,
+            1.0,
+            kernels="triton",
+            dropout_p=p,
+            seed=seed,
+            training=True,
+            row_offset=row_offset,
+        )
         dx, dpt = torch.autograd.grad(out, (x, pt), torch.ones_like(out))
         keep = input_dropout_keep_mask(n, d, p, seed, "cpu", row_offset)
         assert keep.shape == (n, d) and keep.dtype == torch.bool
@@ -161,8 +197,17 @@ def chunked(kernels, x, seq_offsets, ts, query, c, tables, g, drop, cuts):
     for i, j in zip(cuts[:-1], cuts[1:]):
         a, e = int(seq_offsets[i]), int(seq_offsets[j])
         leaves = [x[a:e].detach().clone().requires_grad_(), *(t.detach().clone().requires_grad_() for t in tables)]
-        out = position_time_encode(leaves[0], seq_offsets[i:j + 1] - a, ts[a:e], query[i:j], c, *leaves[1:], 2.0,
-                                   kernels=kernels, **{**drop, "row_offset": drop["row_offset"] + a})
+        out = position_time_encode(
+            leaves[0],
+            seq_offsets[i : j + 1] - a,
+            ts[a:e],
+            query[i:j],
+            c,
+            *leaves[1:],
+            2.0,
+            kernels=kernels,
+            **{**drop, "row_offset": drop["row_offset"] + a},
+        )
         grads = torch.autograd.grad(out, leaves, g[a:e])
         outs.append(out)
         dxs.append(grads[0])
@@ -206,8 +251,13 @@ def test_input_dropout_mask_statistics():
     per_col = f.view(n, d // 8, 8).mean((0, 1))
     assert (per_col - (1 - p)).abs().max().item() < 5 * (p * (1 - p) / (m.numel() / 8)) ** 0.5
     both = (1 - p) ** 2
-    for a, b in ((f[:, 0::2], f[:, 1::2]), (f[:, 0::8], f[:, 2::8]), (f[:, 1::8], f[:, 7::8]),
-                 (f[:, :-8], f[:, 8:]), (f[:-1], f[1:])):
+    for a, b in (
+        (f[:, 0::2], f[:, 1::2]),
+        (f[:, 0::8], f[:, 2::8]),
+        (f[:, 1::8], f[:, 7::8]),
+        (f[:, :-8], f[:, 8:]),
+        (f[:-1], f[1:]),
+    ):
         assert abs((a * b).mean().item() - both) < 5 * (both * (1 - both) / a.numel()) ** 0.5
     assert torch.equal(input_dropout_keep_mask(200, d, p, seed, "cpu", row_offset=150), m[150:350])
     agree = p * p + (1 - p) ** 2
@@ -221,6 +271,7 @@ def test_no_dropout_draws_nothing(kernels, p, training, monkeypatch, gen):
     """Without training or at p = 0 the op is the plain encoding and draws no random numbers."""
     monkeypatch.setattr(ref_position, "philox_randint4x", lambda *a: pytest.fail("drew a mask"))
     x, offs, ts, query, pt, tt = unit_batch(9, 16)
-    out = position_time_encode(x, offs, ts, query, 1, pt, tt, 1.0, kernels=kernels, dropout_p=p, seed=5,
-                               training=training, row_offset=3)
+    out = position_time_encode(
+        x, offs, ts, query, 1, pt, tt, 1.0, kernels=kernels, dropout_p=p, seed=5, training=training, row_offset=3
+    )
     assert torch.equal(out, torch.ones(9, 16))

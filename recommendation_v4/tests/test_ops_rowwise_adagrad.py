@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_ops_layer_norm import gen  # noqa: F401  (fixture)
 
 from dlrmv4.ops.rowwise_adagrad import rowwise_adagrad_
-from test_ops_layer_norm import gen  # noqa: F401  (fixture)
 
 EPS = 1e-8
 
@@ -82,8 +82,9 @@ def test_empty_batch_and_bad_shapes():
     with pytest.raises(ValueError, match="values"):
         rowwise_adagrad_(w, m, torch.zeros(3, dtype=torch.int64), torch.zeros(3, 7), torch.tensor(0.1), EPS)
     with pytest.raises(ValueError, match="momentum"):
-        rowwise_adagrad_(w, torch.zeros(5), torch.zeros(3, dtype=torch.int64), torch.zeros(3, 8), torch.tensor(0.1),
-                         EPS)
+        rowwise_adagrad_(
+            w, torch.zeros(5), torch.zeros(3, dtype=torch.int64), torch.zeros(3, 8), torch.tensor(0.1), EPS
+        )
 
 
 @pytest.mark.parametrize("kernels", ["triton", "pytorch"])

@@ -11,15 +11,15 @@ import secrets
 
 import pytest
 import torch
+from model_inputs import random_batch, random_embeddings
+from test_ops_layer_norm import gen, poison, randn, rel_err  # noqa: F401  (fixtures)
+from test_ops_stu_layer import HEADS, LENGTHS, QK, D, V, make_params, needs_interpreter
 
 from dlrmv4.config import load_config
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.ops.reference.jagged import take_last
 from dlrmv4.ops.stu_candidate_layer import stu_candidate_layer
 from dlrmv4.ops.stu_layer import stu_layer
-from model_inputs import random_batch, random_embeddings
-from test_ops_layer_norm import gen, poison, randn, rel_err  # noqa: F401  (fixtures)
-from test_ops_stu_layer import D, HEADS, LENGTHS, QK, V, make_params, needs_interpreter
 
 TOLERANCE = 1e-6
 
@@ -27,8 +27,20 @@ TOLERANCE = 1e-6
 def run(layer: str, mode: str, kernels: str, x, params, offsets, dout, seed: int, row_offset: int):
     x = x.detach().requires_grad_()
     params = {k: v.detach().requires_grad_() for k, v in params.items()}
-    kwargs = dict(norm_eps=1e-6, num_heads=HEADS, qk_dim=QK, v_dim=V, alpha=1 / math.sqrt(QK), attn_eps=1e-6,
-                  dropout_p=0.3, seed=seed, training=True, row_offset=row_offset, recompute=mode, kernels=kernels)
+    kwargs = dict(
+        norm_eps=1e-6,
+        num_heads=HEADS,
+        qk_dim=QK,
+        v_dim=V,
+        alpha=1 / math.sqrt(QK),
+        attn_eps=1e-6,
+        dropout_p=0.3,
+        seed=seed,
+        training=True,
+        row_offset=row_offset,
+        recompute=mode,
+        kernels=kernels,
+    )
     if layer == "candidates":
         out = stu_candidate_layer(x, offsets, max(LENGTHS) + 3, **params, **kwargs)
     else:
@@ -79,8 +91,9 @@ def test_triton_trimmed_layer_is_the_full_layers_last_rows(mode, gen, poison):
 
 def test_the_model_is_the_same_with_either_last_layer(gen):
     base = load_config("synthetic-tiny").model
-    base = dataclasses.replace(base, sequence_dtype="float32", input_dropout=0.2, linear_dropout=0.3,
-                               kernels="pytorch", num_layers=2)
+    base = dataclasses.replace(
+        base, sequence_dtype="float32", input_dropout=0.2, linear_dropout=0.3, kernels="pytorch", num_layers=2
+    )
     batch = random_batch([3, 40, 1, 25, 12], seed=int(torch.randint(0, 2**31, (1,), generator=gen)))
     results = {}
     for last_layer in ("all", "candidates"):

@@ -11,17 +11,18 @@ import secrets
 
 import pytest
 import torch
-
-from dlrmv4.ops.stu_layer import stu_layer
-from dlrmv4.train.activation_memory import ActivationShape, stu_kept_bytes_per_token
-from dlrmv4.config import ModelConfig
 from test_ops_attention import INTERPRET
 from test_ops_layer_norm import gen, poison, randn, rel_err  # noqa: F401  (fixtures)
 
+from dlrmv4.config import ModelConfig
+from dlrmv4.ops.stu_layer import stu_layer
+from dlrmv4.train.activation_memory import ActivationShape, stu_kept_bytes_per_token
+
 HEADS, QK, V, D = 2, 16, 16, 32
 LENGTHS = [5, 17, 1, 9, 30]
-needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="Triton interpreter tests (tests/gpu/ covers the "
-                                                             "compiled kernels)")
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRET, reason="Triton interpreter tests (tests/gpu/ covers the compiled kernels)"
+)
 
 
 def make_params(gen, dtype=torch.float32):
@@ -30,19 +31,48 @@ def make_params(gen, dtype=torch.float32):
     def leaf(*shape, scale=1.0, shift=0.0):
         return randn(shape, gen, dtype, scale=scale, shift=shift).requires_grad_()
 
-    return {"norm_weight": leaf(D, scale=0.2, shift=1.0), "norm_bias": leaf(D, scale=0.2),
-            "uvqk_weight": leaf(width, D, scale=D ** -0.5), "uvqk_bias": leaf(width, scale=0.1),
-            "attn_norm_weight": leaf(HEADS * V, scale=0.2, shift=1.0), "attn_norm_bias": leaf(HEADS * V, scale=0.2),
-            "out_weight": leaf(D, 3 * HEADS * V, scale=(3 * HEADS * V) ** -0.5)}
+    return {
+        "norm_weight": leaf(D, scale=0.2, shift=1.0),
+        "norm_bias": leaf(D, scale=0.2),
+        "uvqk_weight": leaf(width, D, scale=D**-0.5),
+        "uvqk_bias": leaf(width, scale=0.1),
+        "attn_norm_weight": leaf(HEADS * V, scale=0.2, shift=1.0),
+        "attn_norm_bias": leaf(HEADS * V, scale=0.2),
+        "out_weight": leaf(D, 3 * HEADS * V, scale=(3 * HEADS * V) ** -0.5),
+    }
 
 
-def run(mode: str, kernels: str, x: torch.Tensor, params: dict, offsets: torch.Tensor, dout: torch.Tensor,
-        seed: int, row_offset: int, dropout_p: float = 0.1):
+def run(
+    mode: str,
+    kernels: str,
+    x: torch.Tensor,
+    params: dict,
+    offsets: torch.Tensor,
+    dout: torch.Tensor,
+    seed: int,
+    row_offset: int,
+    dropout_p: float = 0.1,
+):
     x = x.detach().requires_grad_()
     params = {k: v.detach().requires_grad_() for k, v in params.items()}
-    out = stu_layer(x, offsets, max(LENGTHS) + 3, **params, norm_eps=1e-6, num_heads=HEADS, qk_dim=QK, v_dim=V,
-                    alpha=1 / math.sqrt(QK), attn_eps=1e-6, dropout_p=dropout_p, seed=seed, training=True,
-                    row_offset=row_offset, recompute=mode, kernels=kernels)
+    out = stu_layer(
+        x,
+        offsets,
+        max(LENGTHS) + 3,
+        **params,
+        norm_eps=1e-6,
+        num_heads=HEADS,
+        qk_dim=QK,
+        v_dim=V,
+        alpha=1 / math.sqrt(QK),
+        attn_eps=1e-6,
+        dropout_p=dropout_p,
+        seed=seed,
+        training=True,
+        row_offset=row_offset,
+        recompute=mode,
+        kernels=kernels,
+    )
     out.backward(dout)
     return out.detach(), x.grad, {k: v.grad for k, v in params.items()}
 
@@ -94,9 +124,23 @@ def saved_activation_bytes(mode: str, x, params, offsets, seed: int) -> int:
     x = x.detach().requires_grad_()
     params = {k: v.detach().requires_grad_() for k, v in params.items()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        stu_layer(x, offsets, max(LENGTHS), **params, norm_eps=1e-6, num_heads=HEADS, qk_dim=QK, v_dim=V,
-                  alpha=1 / math.sqrt(QK), attn_eps=1e-6, dropout_p=0.1, seed=seed, training=True,
-                  recompute=mode, kernels="triton")
+        stu_layer(
+            x,
+            offsets,
+            max(LENGTHS),
+            **params,
+            norm_eps=1e-6,
+            num_heads=HEADS,
+            qk_dim=QK,
+            v_dim=V,
+            alpha=1 / math.sqrt(QK),
+            attn_eps=1e-6,
+            dropout_p=0.1,
+            seed=seed,
+            training=True,
+            recompute=mode,
+            kernels="triton",
+        )
     return sum(storages.values())
 
 
@@ -105,8 +149,9 @@ def saved_activation_bytes(mode: str, x, params, offsets, seed: int) -> int:
 def test_kept_bytes_are_the_memory_plans_inventory(mode, gen):
     x, params, offsets, _ = inputs(gen)
     kept = saved_activation_bytes(mode, x, params, offsets, 5)
-    shape = ActivationShape.from_config(ModelConfig(d_model=D, num_heads=HEADS, qk_dim=QK, v_dim=V,
-                                                    sequence_dtype="float32", linear_dropout=0.1))
+    shape = ActivationShape.from_config(
+        ModelConfig(d_model=D, num_heads=HEADS, qk_dim=QK, v_dim=V, sequence_dtype="float32", linear_dropout=0.1)
+    )
     assert kept == stu_kept_bytes_per_token(shape, mode) * x.shape[0]
 
 

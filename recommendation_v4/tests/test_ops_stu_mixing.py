@@ -16,17 +16,18 @@ import secrets
 
 import pytest
 import torch
+from test_ops_attention import INTERPRET, naive, random_lengths
+from test_ops_layer_norm import TOL, gen, leaf64, poison, randn, rel_err  # noqa: F401  (fixtures)
 
 from dlrmv4.ops.attention import hstu_attention
 from dlrmv4.ops.output_block import output_block, output_block_keep_mask
 from dlrmv4.ops.stu_mixing import stu_mixing
-from test_ops_attention import INTERPRET, naive, random_lengths
-from test_ops_layer_norm import TOL, gen, leaf64, poison, randn, rel_err  # noqa: F401  (fixtures)
 
 EPS = 1e-6
 HEADS = 2
-needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="Triton interpreter tests (tests/gpu/ covers the "
-                                                             "compiled kernels)")
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRET, reason="Triton interpreter tests (tests/gpu/ covers the compiled kernels)"
+)
 
 
 def make_inputs(lengths, dims, dtype, gen, device="cpu"):
@@ -43,8 +44,16 @@ def make_inputs(lengths, dims, dtype, gen, device="cpu"):
 
 def op_args(dims, p, seed, training):
     heads, qk_dim, v_dim = dims
-    return dict(num_heads=heads, qk_dim=qk_dim, v_dim=v_dim, alpha=qk_dim ** -0.5, eps=EPS, dropout_p=p,
-                seed=seed, training=training)
+    return dict(
+        num_heads=heads,
+        qk_dim=qk_dim,
+        v_dim=v_dim,
+        alpha=qk_dim**-0.5,
+        eps=EPS,
+        dropout_p=p,
+        seed=seed,
+        training=training,
+    )
 
 
 def run_both(lengths, dims, dtype, p, training, gen, device="cpu"):
@@ -88,8 +97,15 @@ def separate_ops(uvqk, offsets, n, w, b, dims, p, seed, training):
     """The same computation through the separate public Triton ops, under autograd's split."""
     heads, qk_dim, v_dim = dims
     u, v, q, k = (uvqk[:, lo:hi] for lo, hi in column_blocks(dims).values())
-    attn = hstu_attention(q.unflatten(1, (heads, qk_dim)), k.unflatten(1, (heads, qk_dim)),
-                          v.unflatten(1, (heads, v_dim)), offsets, n, alpha=qk_dim ** -0.5, kernels="triton")
+    attn = hstu_attention(
+        q.unflatten(1, (heads, qk_dim)),
+        k.unflatten(1, (heads, qk_dim)),
+        v.unflatten(1, (heads, v_dim)),
+        offsets,
+        n,
+        alpha=qk_dim**-0.5,
+        kernels="triton",
+    )
     return output_block(u, attn.flatten(1), w, b, EPS, p, seed, training, kernels="triton")
 
 
@@ -157,13 +173,14 @@ def test_reference_is_the_definition(gen):
     uvqk, offsets, w, b = make_inputs(lengths, dims, torch.float64, gen)
     t, hv, hqk, n = uvqk.shape[0], HEADS * v_dim, HEADS * qk_dim, max(lengths)
     mask = torch.rand((t, 3 * hv), generator=gen) >= p
-    alpha = qk_dim ** -0.5
-    y = stu_mixing(uvqk, offsets, n, norm_weight=w, norm_bias=b, kernels="pytorch", keep_mask=mask,
-                   **op_args(dims, p, 0, True))
+    alpha = qk_dim**-0.5
+    y = stu_mixing(
+        uvqk, offsets, n, norm_weight=w, norm_bias=b, kernels="pytorch", keep_mask=mask, **op_args(dims, p, 0, True)
+    )
     x = uvqk.detach()
-    u, v = x[:, :hv], x[:, hv:2 * hv].reshape(t, HEADS, v_dim)
-    q = x[:, 2 * hv:2 * hv + hqk].reshape(t, HEADS, qk_dim)
-    k = x[:, 2 * hv + hqk:].reshape(t, HEADS, qk_dim)
+    u, v = x[:, :hv], x[:, hv : 2 * hv].reshape(t, HEADS, v_dim)
+    q = x[:, 2 * hv : 2 * hv + hqk].reshape(t, HEADS, qk_dim)
+    k = x[:, 2 * hv + hqk :].reshape(t, HEADS, qk_dim)
     attn = naive(q, k, v, offsets, n, None, alpha).reshape(t, hv)
     mu = attn.mean(1, keepdim=True)
     ln = (attn - mu) / torch.sqrt(((attn - mu) ** 2).mean(1, keepdim=True) + EPS) * w.detach() + b.detach()
@@ -181,8 +198,9 @@ def test_reference_draws_the_kernels_mask(dtype, gen, poison):
     uvqk, offsets, w, b = make_inputs(lengths, dims, dtype, gen)
     kw = {**op_args(dims, p, secrets.randbits(63), True), "row_offset": secrets.randbits(33)}
     y = stu_mixing(uvqk, offsets, max(lengths), norm_weight=w, norm_bias=b, kernels="triton", **kw)
-    ref = stu_mixing(leaf64(uvqk), offsets, max(lengths), norm_weight=leaf64(w), norm_bias=leaf64(b),
-                     kernels="pytorch", **kw)
+    ref = stu_mixing(
+        leaf64(uvqk), offsets, max(lengths), norm_weight=leaf64(w), norm_bias=leaf64(b), kernels="pytorch", **kw
+    )
     want = output_block_keep_mask(uvqk.shape[0], HEADS * 16, p, kw["seed"], "cpu", kw["row_offset"])
     assert torch.equal(y != 0, want) and torch.equal(ref != 0, want)
     assert rel_err(y, ref) < TOL[dtype]
@@ -212,8 +230,9 @@ def test_a_chunk_of_sequences_with_its_row_offset_is_that_chunk_of_the_whole(ker
         a, e = int(offsets[i]), int(offsets[j])
         part = uvqk[a:e].detach().clone().requires_grad_()
         leaves = (part, w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_())
-        y = stu_mixing(part, offsets[i:j + 1] - a, n, norm_weight=leaves[1], norm_bias=leaves[2],
-                       row_offset=base + a, **kw)
+        y = stu_mixing(
+            part, offsets[i : j + 1] - a, n, norm_weight=leaves[1], norm_bias=leaves[2], row_offset=base + a, **kw
+        )
         got = (y, *torch.autograd.grad(y, leaves, dy[a:e]))
         assert torch.equal(got[0] != 0, whole[0][a:e] != 0), f"the zeros of sequences [{i}, {j})"
         for name, g, full in zip(("y", "d_uvqk"), got, whole):
@@ -252,8 +271,14 @@ def test_bad_input_is_reported():
         call(seed=2**63)
     if INTERPRET:
         with pytest.raises(ValueError, match="power of two"):
-            stu_mixing(torch.zeros(7, 96), offsets, 4, norm_weight=None, norm_bias=None,
-                       **{**kw, "qk_dim": 12, "v_dim": 12, "kernels": "triton"})
+            stu_mixing(
+                torch.zeros(7, 96),
+                offsets,
+                4,
+                norm_weight=None,
+                norm_bias=None,
+                **{**kw, "qk_dim": 12, "v_dim": 12, "kernels": "triton"},
+            )
 
 
 @needs_interpreter
@@ -262,9 +287,10 @@ def test_stu_layer_runs_the_fused_op(monkeypatch, gen):
     alpha, norm parameters, dropout and row offset, and adds the output projection of y to its input."""
     import dataclasses
 
+    from test_model import SMALL
+
     from dlrmv4.model import stu
     from dlrmv4.ops import stu_layer
-    from test_model import SMALL
 
     cfg = dataclasses.replace(SMALL, kernels="triton", linear_dropout=0.2)
     layer = stu.STULayer(cfg)

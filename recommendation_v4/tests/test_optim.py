@@ -9,8 +9,14 @@ import torch
 
 from dlrmv4.config import TrainConfig
 from dlrmv4.errors import UserError
-from dlrmv4.train.optim import (FiniteMonitor, TrainingDivergedError, WarmupSchedule, check_finite,
-                                clip_dense_gradients, make_dense_optimizer)
+from dlrmv4.train.optim import (
+    FiniteMonitor,
+    TrainingDivergedError,
+    WarmupSchedule,
+    check_finite,
+    clip_dense_gradients,
+    make_dense_optimizer,
+)
 
 
 def _params(seed: int, shapes=((7, 5), (5,), (3, 4, 2))) -> list[torch.nn.Parameter]:

@@ -10,20 +10,24 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from raw_factory import RawEvents, events_table, random_events, write_raw
 
 from dlrmv4.config import load_config
 from dlrmv4.data.preprocess import preprocess
 from dlrmv4.data.store import open_store, read_md5s
 from dlrmv4.data.verify import verify_store
 from dlrmv4.data.yambda_schema import EVENT_TYPES
-from raw_factory import RawEvents, events_table, random_events, write_raw
 
 SEED = np.random.SeedSequence().entropy % 2**32  # fresh data every run; printed on failure
 
 
 def _cfg(**pre):
-    values = {("preprocess", "last_timestamp"): 0, ("preprocess", "num_train_days"): 9,
-              ("preprocess", "min_history"): 40, ("preprocess", "rows_per_chunk"): 1_000}
+    values = {
+        ("preprocess", "last_timestamp"): 0,
+        ("preprocess", "num_train_days"): 9,
+        ("preprocess", "min_history"): 40,
+        ("preprocess", "rows_per_chunk"): 1_000,
+    }
     values.update({("preprocess", k): v for k, v in pre.items()})
     return load_config(None, None, values)
 
@@ -91,8 +95,9 @@ def _reference(ev: RawEvents, cfg) -> dict:
         t_min = min(t for t, _ in anchors)
         t_last = max(t for t, _ in anchors)
         num_windows = math.ceil((t_last - t_min + 1) / p.window_seconds)
-        out["anchors"] = [sorted(i for t, i in anchors if (t - t_min) // p.window_seconds == w)
-                          for w in range(num_windows)]
+        out["anchors"] = [
+            sorted(i for t, i in anchors if (t - t_min) // p.window_seconds == w) for w in range(num_windows)
+        ]
         out["t_min"], out["t_last"] = t_min, t_last
     return out
 
@@ -153,8 +158,11 @@ def _with_null_ratios(ev: RawEvents) -> tuple[RawEvents, pa.Table, int]:
     ev = dataclasses.replace(ev, played_ratio_pct=ratio)
     table = events_table(dataclasses.replace(ev, played_ratio_pct=np.zeros(len(ev.uid), np.uint16)))
     listen = ev.event_type == 0
-    table = table.set_column(table.schema.get_field_index("played_ratio_pct"), "played_ratio_pct",
-                             pa.array([r if ok else None for r, ok in zip(ratio, listen)], pa.uint16()))
+    table = table.set_column(
+        table.schema.get_field_index("played_ratio_pct"),
+        "played_ratio_pct",
+        pa.array([r if ok else None for r, ok in zip(ratio, listen)], pa.uint16()),
+    )
     return ev, table, len(listens[::7])
 
 

@@ -28,9 +28,22 @@ def test_committed_rcps_have_the_official_format():
 
 @pytest.mark.parametrize("gbs", [64, 128, 256])
 def test_fresh_runs_pass_the_rcp_checker(gbs, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "mlperf_logging.rcp_checker", str(FRESH / str(gbs)),
-                           "--rcp_version", "6.1.0", "--custom_rcps", str(RCP_JSON),
-                           "--log_output", str(tmp_path / "rcp.log")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlperf_logging.rcp_checker",
+            str(FRESH / str(gbs)),
+            "--rcp_version",
+            "6.1.0",
+            "--custom_rcps",
+            str(RCP_JSON),
+            "--log_output",
+            str(tmp_path / "rcp.log"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0 and "RCP test PASSED" in proc.stdout + proc.stderr, proc.stderr[-2000:]
 
 
@@ -42,32 +55,69 @@ def test_a_set_converging_too_fast_fails_the_rcp_checker(tmp_path):
     for log in sorted((FRESH / "256").glob("result_*.txt")):
         lines = []
         for line in log.read_text().splitlines():
-            record = json.loads(line[len(":::MLLOG "):])
+            record = json.loads(line[len(":::MLLOG ") :])
             if record["key"] == "eval_accuracy":
                 record["metadata"]["samples_count"] = int(record["metadata"]["samples_count"] * 0.6)
             lines.append(":::MLLOG " + json.dumps(record))
         (fast / log.name).write_text("\n".join(lines) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "mlperf_logging.rcp_checker", str(fast), "--rcp_version", "6.1.0",
-                           "--custom_rcps", str(RCP_JSON), "--log_output", str(tmp_path / "rcp.log")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlperf_logging.rcp_checker",
+            str(fast),
+            "--rcp_version",
+            "6.1.0",
+            "--custom_rcps",
+            str(RCP_JSON),
+            "--log_output",
+            str(tmp_path / "rcp.log"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert "RCP test FAILED" in proc.stdout + proc.stderr
 
 
 def test_generator_runs_and_reads_convergence_from_the_log(tmp_path):
     """One short run through the script: its log lands where the checker expects it, and a run
     that stops before the target is recorded as not converged."""
+    from raw_factory import random_events, write_raw
+
     from dlrmv4.config import load_config
     from dlrmv4.data.preprocess import preprocess
-    from raw_factory import random_events, write_raw
 
     cfg = load_config("synthetic-tiny", None, {("preprocess", "num_train_days"): 4, ("preprocess", "min_history"): 20})
     raw = write_raw(tmp_path / "raw", random_events(5, num_users=20, max_events=200, span_days=6))
     preprocess(raw, tmp_path / "data" / "processed" / "synthetic-tiny", cfg.dataset, cfg.preprocess, progress=False)
-    proc = subprocess.run([sys.executable, str(REPO / "rcp" / "generate_rcps.py"), "--data-path",
-                           str(tmp_path / "data"), "--batch-sizes", "16", "--seeds", "1", "--parallel", "1",
-                           "--out", str(tmp_path / "rcp"), "--work", str(tmp_path / "runs"), "--",
-                           "--num-train-days", "4", "--min-history", "20", "--max-steps", "2"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "rcp" / "generate_rcps.py"),
+            "--data-path",
+            str(tmp_path / "data"),
+            "--batch-sizes",
+            "16",
+            "--seeds",
+            "1",
+            "--parallel",
+            "1",
+            "--out",
+            str(tmp_path / "rcp"),
+            "--work",
+            str(tmp_path / "runs"),
+            "--",
+            "--num-train-days",
+            "4",
+            "--min-history",
+            "20",
+            "--max-steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "gbs 16 seed 1: did not converge" in proc.stdout
     assert (tmp_path / "rcp" / "16" / "result_1.txt").read_text().count(":::MLLOG") > 30
@@ -75,6 +125,7 @@ def test_generator_runs_and_reads_convergence_from_the_log(tmp_path):
     assert record["Runs"] == 1 and record["Not converged"] == 1 and record["Epochs to converge"] == []
 
 
+@pytest.mark.slow  # trains a run to the target
 def test_a_committed_run_converges_the_same_when_made_again(tmp_path):
     """Not only re-reading committed logs: the fresh set's GBS 256 seed 101 is trained again with the
     script, from the same store the committed runs used (the default synthetic-tiny), on one thread
@@ -87,13 +138,39 @@ def test_a_committed_run_converges_the_same_when_made_again(tmp_path):
 
     cfg = load_config("synthetic-tiny")
     data = tmp_path / "data"
-    raw = generate(synthetic_raw_root(dataclasses.replace(cfg.dataset, data_path=str(data))), "tiny",
-                   cfg.dataset.synthetic_seed, progress=False)
+    raw = generate(
+        synthetic_raw_root(dataclasses.replace(cfg.dataset, data_path=str(data))),
+        "tiny",
+        cfg.dataset.synthetic_seed,
+        progress=False,
+    )
     preprocess(raw, data / "processed" / "synthetic-tiny", cfg.dataset, cfg.preprocess, progress=False)
-    proc = subprocess.run([sys.executable, str(REPO / "rcp" / "generate_rcps.py"), "--data-path", str(data),
-                           "--batch-sizes", "256", "--seeds", "1", "--first-seed", "101", "--parallel", "1",
-                           "--threads", "1", "--out", str(tmp_path / "rcp"), "--work", str(tmp_path / "runs"),
-                           "--no-json"], capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "rcp" / "generate_rcps.py"),
+            "--data-path",
+            str(data),
+            "--batch-sizes",
+            "256",
+            "--seeds",
+            "1",
+            "--first-seed",
+            "101",
+            "--parallel",
+            "1",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path / "rcp"),
+            "--work",
+            str(tmp_path / "runs"),
+            "--no-json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     spec = importlib.util.spec_from_file_location("generate_rcps", REPO / "rcp" / "generate_rcps.py")
     script = importlib.util.module_from_spec(spec)
@@ -111,12 +188,28 @@ def test_generator_resumes_from_finished_logs_only(tmp_path):
     out.mkdir(parents=True)
     (out / "result_101.txt").write_text(finished.read_text())
     (out / "result_102.txt").write_text(
-        "\n".join(line for line in finished.read_text().splitlines() if '"run_stop"' not in line) + "\n")
+        "\n".join(line for line in finished.read_text().splitlines() if '"run_stop"' not in line) + "\n"
+    )
     not_a_directory = tmp_path / "data"
     not_a_directory.write_text("")
-    command = [sys.executable, str(REPO / "rcp" / "generate_rcps.py"), "--data-path", str(not_a_directory),
-               "--batch-sizes", "256", "--first-seed", "101", "--parallel", "1", "--out", str(tmp_path / "rcp"),
-               "--work", str(tmp_path / "runs"), "--no-json", "--reuse"]
+    command = [
+        sys.executable,
+        str(REPO / "rcp" / "generate_rcps.py"),
+        "--data-path",
+        str(not_a_directory),
+        "--batch-sizes",
+        "256",
+        "--first-seed",
+        "101",
+        "--parallel",
+        "1",
+        "--out",
+        str(tmp_path / "rcp"),
+        "--work",
+        str(tmp_path / "runs"),
+        "--no-json",
+        "--reuse",
+    ]
     kept = subprocess.run([*command, "--seeds", "1"], capture_output=True, text=True, timeout=300)
     assert kept.returncode == 0 and "gbs 256 seed 101:" in kept.stdout and "samples" in kept.stdout, kept.stderr
     rerun = subprocess.run([*command, "--seeds", "2"], capture_output=True, text=True, timeout=300)

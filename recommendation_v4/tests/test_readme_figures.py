@@ -49,11 +49,14 @@ sys.modules.setdefault("readme_figures", figures)
 _spec.loader.exec_module(figures)
 
 NUM = r"\d+(?:,\d{3})*(?:\.\d+)?"
-UNIT = (r"samples/s|events/s|tokens/s|TFLOP/s|GB/s|GFLOP|TiB|GiB|MiB|KiB|TB|GB|MB|ms|µs|"
-        r"seconds?|minutes?|hours?|min|s|h|[MB] (?:samples|events|rows|tokens|parameters)")
+UNIT = (
+    r"samples/s|events/s|tokens/s|TFLOP/s|GB/s|GFLOP|TiB|GiB|MiB|KiB|TB|GB|MB|ms|µs|"
+    r"seconds?|minutes?|hours?|min|s|h|[MB] (?:samples|events|rows|tokens|parameters)"
+)
 MEASURE = re.compile(
     rf"(?<![\w.,\-])(?P<a>{NUM})(?:\s?(?:-|–)\s?(?P<b>{NUM}))?"
-    rf"(?:\s?(?P<unit>{UNIT})(?![\w/])|\s?(?P<pct>%))")
+    rf"(?:\s?(?P<unit>{UNIT})(?![\w/])|\s?(?P<pct>%))"
+)
 RATIO = re.compile(r"(?<![\w.,\-])(?P<a>\d+(?:,\d{3})*\.\d+)[x×](?!\w)")
 
 
@@ -79,8 +82,12 @@ def measurements(text: str) -> list[tuple[int, str, str]]:
 
 
 def backing_texts() -> dict[str, str]:
-    return {str(p.relative_to(REPO)): p.read_text(errors="replace")
-            for d in BACKING_DIRS for p in sorted(d.rglob("*")) if p.suffix in (".md", ".json")}
+    return {
+        str(p.relative_to(REPO)): p.read_text(errors="replace")
+        for d in BACKING_DIRS
+        for p in sorted(d.rglob("*"))
+        if p.suffix in (".md", ".json")
+    }
 
 
 def is_backed(number: str, unit: str, text: str) -> bool:
@@ -89,13 +96,15 @@ def is_backed(number: str, unit: str, text: str) -> bool:
         return re.search(whole + r"\s?%", text) is not None
     if unit == "x":
         return re.search(whole + r"[x×]", text) is not None
-    return (re.search(whole, text) is not None
-            and re.search(rf"(?<![\w/]){re.escape(unit)}(?![\w/])", text) is not None)
+    return re.search(whole, text) is not None and re.search(rf"(?<![\w/]){re.escape(unit)}(?![\w/])", text) is not None
 
 
 def unbacked(text: str, files: dict[str, str]) -> list[str]:
-    return [f"README.md:{line}: {number} {unit}" for line, number, unit in measurements(text)
-            if not any(is_backed(number, unit, body) for body in files.values())]
+    return [
+        f"README.md:{line}: {number} {unit}"
+        for line, number, unit in measurements(text)
+        if not any(is_backed(number, unit, body) for body in files.values())
+    ]
 
 
 def test_results_blocks_equal_what_their_files_give():
@@ -105,8 +114,9 @@ def test_results_blocks_equal_what_their_files_give():
 
 
 def test_the_check_command_agrees():
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "readme_figures.py"), "--check"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "readme_figures.py"), "--check"], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout == ""
 
@@ -117,14 +127,25 @@ def test_readme_measurements_outside_blocks_are_found_in_results_files():
 
 
 def test_the_rule_catches_what_it_should():
-    files = {"r.md": "| measure | value |\n| loop samples/s | 2,093 |\n| MFU | 47.6% |\n"
-                     "| speedup | 1.97x |\n| train min | 68.5 |\n"}
+    files = {
+        "r.md": "| measure | value |\n| loop samples/s | 2,093 |\n| MFU | 47.6% |\n"
+        "| speedup | 1.97x |\n| train min | 68.5 |\n"
+    }
     good = "Loop: 2,093 samples/s, MFU 47.6%, 1.97x, 68.5 min. 8× H100, Yambda-5B, x86-64, LR 0.5 × 1e-6."
     assert unbacked(good, files) == []
     assert measurements("Yambda-5B on x86-64 with 8× H100 and sm_100, GBS 8,192") == []
-    for bad in ("runs at 2,094 samples/s", "runs at 2093 samples/s", "takes 12,093 ms",
-                "a 2.05x speedup", "about 38-50 GB", "in **45 s**", "1-2 minutes", "at 69 M samples",
-                "uses 47.7%", "`train min` 68.5 h"):
+    for bad in (
+        "runs at 2,094 samples/s",
+        "runs at 2093 samples/s",
+        "takes 12,093 ms",
+        "a 2.05x speedup",
+        "about 38-50 GB",
+        "in **45 s**",
+        "1-2 minutes",
+        "at 69 M samples",
+        "uses 47.7%",
+        "`train min` 68.5 h",
+    ):
         assert unbacked(bad, files) != [], bad
     # A figure inside a results block is the block's business, not this rule's.
     block = "<!-- results: r.md -->\n9,999 samples/s\n<!-- /results -->\n"

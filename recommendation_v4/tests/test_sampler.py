@@ -7,14 +7,14 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from reference_sampler import reference_sample
+from store_factory import random_store
 
 from dlrmv4.config import SamplerConfig
 from dlrmv4.data.batch import BATCH_DTYPES, JaggedBatch, TorchJaggedBatch
 from dlrmv4.data.sampler import build_batch, history_lengths, pack_item_sides
 from dlrmv4.data.store import open_store
 from dlrmv4.errors import UserError
-from reference_sampler import reference_sample
-from store_factory import random_store
 
 
 def assert_same(a: JaggedBatch, b: JaggedBatch) -> None:
@@ -35,8 +35,14 @@ def assert_matches_reference(store, batch: JaggedBatch, anchors: np.ndarray, cfg
         assert batch.history_action[s:e].tolist() == ref["actions"], g
         assert batch.history_timestamp[s:e].tolist() == ref["stamps"], g
         assert batch.contextual_ids[b].tolist() == ref["ctx"], g
-        got = (batch.candidate_item_id[b], batch.candidate_artist_id[b], batch.candidate_album_id[b],
-               batch.candidate_timestamp[b], batch.query_time[b], batch.label[b])
+        got = (
+            batch.candidate_item_id[b],
+            batch.candidate_artist_id[b],
+            batch.candidate_album_id[b],
+            batch.candidate_timestamp[b],
+            batch.query_time[b],
+            batch.label[b],
+        )
         want = (ref["cand"], ref["cand_artist"], ref["cand_album"], ref["cand_ts"], ref["query_time"], ref["label"])
         assert [float(x) for x in got] == [float(x) for x in want], g
 
@@ -55,8 +61,9 @@ CASES = [
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_fast_equals_reference(tmp_path, case):
     lengths, per_pool, scan_window, probs = CASES[case]
-    store = open_store(random_store(tmp_path / "s", seed=case, lengths=lengths, num_items=500,
-                                   item_table_size=400, action_probs=probs))
+    store = open_store(
+        random_store(tmp_path / "s", seed=case, lengths=lengths, num_items=500, item_table_size=400, action_probs=probs)
+    )
     cfg = SamplerConfig(max_seq_len=3 * per_pool + 9, scan_window=scan_window)
     assert cfg.per_pool_length == per_pool
     rng = np.random.default_rng(100 + case)
@@ -71,7 +78,7 @@ def test_fast_equals_reference(tmp_path, case):
     assert_matches_reference(store, batch, anchors, cfg)
     # The counts alone (balanced rank slicing): equal to the batch's, for random and user-major runs.
     assert history_lengths(store, anchors, cfg).tolist() == batch.history_lengths.tolist()
-    runs = np.arange(offsets[-1])[rng.integers(0, offsets[-1]):][:50]
+    runs = np.arange(offsets[-1])[rng.integers(0, offsets[-1]) :][:50]
     assert history_lengths(store, runs, cfg).tolist() == build_batch(store, runs, cfg).history_lengths.tolist()
 
 
@@ -83,7 +90,7 @@ def test_store_anchors_and_pool_caps(tmp_path):
     assert_matches_reference(store, batch, anchors, cfg)
     assert (store.train.event_code[anchors] == 0).all()
     for b in range(batch.num_samples):
-        acts = batch.history_action[batch.history_offsets[b]:batch.history_offsets[b + 1]]
+        acts = batch.history_action[batch.history_offsets[b] : batch.history_offsets[b + 1]]
         counts = {bit: int((acts == bit).sum()) for bit in (1, 2, 4)}
         assert counts[1] == counts[4] == 200 and counts[2] < 200  # likes (2 %) under-fill
         assert set(np.unique(acts).tolist()) <= {1, 2, 4}
@@ -92,8 +99,11 @@ def test_store_anchors_and_pool_caps(tmp_path):
 
 def test_wide_ids_round_trip(tmp_path):
     # uid, artist and album ids use all 32 bits (the crosses hash them as int64, nothing is packed).
-    store = open_store(random_store(tmp_path / "s", seed=5, lengths=[300, 400], num_artists=2**32 - 1,
-                                   num_albums=2**32 - 1, uid_limit=2**32 - 1))
+    store = open_store(
+        random_store(
+            tmp_path / "s", seed=5, lengths=[300, 400], num_artists=2**32 - 1, num_albums=2**32 - 1, uid_limit=2**32 - 1
+        )
+    )
     cfg = SamplerConfig(max_seq_len=90, scan_window=150, uid_rows=2**32)
     anchors = np.asarray(store.anchor_event_index)[::23]
     assert_matches_reference(store, build_batch(store, anchors, cfg), anchors, cfg)
@@ -105,7 +115,7 @@ def test_history_is_strictly_causal_and_in_time_order(tmp_path):
     anchors = np.asarray(store.anchor_event_index)[::17]
     batch = build_batch(store, anchors, cfg)
     for b in range(batch.num_samples):
-        stamps = batch.history_timestamp[batch.history_offsets[b]:batch.history_offsets[b + 1]]
+        stamps = batch.history_timestamp[batch.history_offsets[b] : batch.history_offsets[b + 1]]
         assert (np.diff(stamps) >= 0).all()
         assert (stamps <= batch.candidate_timestamp[b]).all()
 
@@ -128,13 +138,16 @@ def test_to_torch_twin(tmp_path):
     assert isinstance(tb, TorchJaggedBatch)
     names = list(BATCH_DTYPES)
     assert [f.name for f in dataclasses.fields(JaggedBatch)] == names
-    assert [f.name for f in dataclasses.fields(TorchJaggedBatch)][:len(names)] == names
+    assert [f.name for f in dataclasses.fields(TorchJaggedBatch)][: len(names)] == names
     for name, dtype in BATCH_DTYPES.items():
         t = getattr(tb, name)
         assert t.dtype == torch.from_numpy(np.zeros(1, dtype)).dtype
         assert np.array_equal(t.numpy(), getattr(batch, name))
     assert (tb.num_samples, tb.max_history_length, tb.total_tokens) == (
-        batch.num_samples, batch.max_history_length, batch.total_tokens)
+        batch.num_samples,
+        batch.max_history_length,
+        batch.total_tokens,
+    )
     assert int(tb.history_offsets[-1]) == tb.total_tokens == int(tb.history_lengths.sum())
 
 

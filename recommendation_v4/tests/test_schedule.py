@@ -8,8 +8,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dlrmv4.train.schedule import (REFERENCE_TRAIN_SAMPLES, EvalSchedule, eval_interval, eval_points,
-                                   first_eval_samples, skip_threshold)
+from dlrmv4.train.schedule import (
+    REFERENCE_TRAIN_SAMPLES,
+    EvalSchedule,
+    eval_interval,
+    eval_points,
+    first_eval_samples,
+    skip_threshold,
+)
 
 # GBS -> (eval interval, first eval, first eval in blocks); blocks 25/31/41 are quoted in the checker.
 REFERENCE = {

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_embeddings import batch
 
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.data.sparse_features import feature_ids, keyed_jagged_features
-from test_embeddings import batch
 
 
 def test_feature_ids_name_every_id_of_the_batch():
     b = batch(3)
     ids = feature_ids(b)
-    assert list(ids) == ["history_item_id", "candidate_item_id", "history_artist_id", "candidate_artist_id",
-                         "history_album_id", "candidate_album_id", *CONTEXTUAL_FEATURES]
+    assert list(ids) == [
+        "history_item_id",
+        "candidate_item_id",
+        "history_artist_id",
+        "candidate_artist_id",
+        "history_album_id",
+        "candidate_album_id",
+        *CONTEXTUAL_FEATURES,
+    ]
     assert torch.equal(ids["history_artist_id"], b.history_artist_id)
     assert torch.equal(ids[CONTEXTUAL_FEATURES[2]], b.contextual_ids[:, 2])
 

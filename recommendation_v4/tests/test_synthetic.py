@@ -14,8 +14,7 @@ import pytest
 
 from dlrmv4.config import load_config
 from dlrmv4.data import synthetic
-from dlrmv4.data.yambda_schema import (DISLIKE, EVENT_TYPES, LIKE, LISTEN, MULTI_EVENT_SCHEMA, UNLIKE,
-                                       RawFiles)
+from dlrmv4.data.yambda_schema import DISLIKE, EVENT_TYPES, LIKE, LISTEN, MULTI_EVENT_SCHEMA, UNLIKE, RawFiles
 from dlrmv4.errors import UserError
 
 SEED = 7

@@ -42,6 +42,7 @@ def _graph_names(tensor: torch.Tensor) -> set[str]:
 
 def test_row_wise_lookups_go_through_it(gloo_world_of_one):
     from test_embeddings import batch, config
+
     from dlrmv4.model.embeddings import make_embeddings, table_specs
 
     cfg = config("torchrec")

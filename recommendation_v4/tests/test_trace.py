@@ -34,7 +34,17 @@ def test_windows_record_only_their_steps_and_a_resume_inside_one_starts_at_once(
     profiler = StepProfiler([(2, 4), (6, 8)], tmp_path, rank=0, device=torch.device("cpu"))
     written = _steps(profiler, 0, 10)
     assert [p.name if p else None for p in written] == [
-        None, None, None, "steps-2-4.rank0.json", None, None, None, "steps-6-8.rank0.json", None, None]
+        None,
+        None,
+        None,
+        "steps-2-4.rank0.json",
+        None,
+        None,
+        None,
+        "steps-6-8.rank0.json",
+        None,
+        None,
+    ]
     names = {e.get("name") for e in json.loads(written[3].read_text())["traceEvents"]}
     assert {"step 2", "step 3"} <= names and not {"step 1", "step 4"} & names
     resumed = StepProfiler([(2, 4), (6, 8)], tmp_path / "resumed", rank=0, device=torch.device("cpu"))

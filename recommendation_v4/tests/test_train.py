@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -15,24 +14,54 @@ from pathlib import Path
 
 import pytest
 import torch
+from raw_factory import random_events, write_raw
 
 from dlrmv4.config import load_config
 from dlrmv4.data.preprocess import preprocess
-from raw_factory import random_events, write_raw
+
+pytestmark = pytest.mark.slow  # whole runs in subprocesses
 
 OVERRIDES = {
-    ("preprocess", "last_timestamp"): 0, ("preprocess", "num_train_days"): 6, ("preprocess", "min_history"): 20,
-    ("sampler", "max_seq_len"): 48, ("sampler", "scan_window"): 200,
-    **{("sampler", f"{name}_rows"): 1_000 for name in ("uid", "user_artist", "user_album", "user_hour", "item_hour",
-                                                      "artist_hour", "user_organic", "user_artist_hour")},
-    ("loader", "batch_size"): 16, ("loader", "num_workers"): 0,
-    ("model", "embedding_dim"): 8, ("model", "d_model"): 8, ("model", "num_layers"): 1, ("model", "num_heads"): 1,
-    ("model", "qk_dim"): 16, ("model", "v_dim"): 16, ("model", "preprocessor_hidden"): 8, ("model", "action_dim"): 2,
-    ("model", "item_tower_hidden"): 8, ("model", "head_hidden"): 8, ("model", "num_position_buckets"): 64,
-    ("model", "num_time_buckets"): 16, ("model", "sequence_dtype"): "float32", ("model", "kernels"): "pytorch",
+    ("preprocess", "last_timestamp"): 0,
+    ("preprocess", "num_train_days"): 6,
+    ("preprocess", "min_history"): 20,
+    ("sampler", "max_seq_len"): 48,
+    ("sampler", "scan_window"): 200,
+    **{
+        ("sampler", f"{name}_rows"): 1_000
+        for name in (
+            "uid",
+            "user_artist",
+            "user_album",
+            "user_hour",
+            "item_hour",
+            "artist_hour",
+            "user_organic",
+            "user_artist_hour",
+        )
+    },
+    ("loader", "batch_size"): 16,
+    ("loader", "num_workers"): 0,
+    ("model", "embedding_dim"): 8,
+    ("model", "d_model"): 8,
+    ("model", "num_layers"): 1,
+    ("model", "num_heads"): 1,
+    ("model", "qk_dim"): 16,
+    ("model", "v_dim"): 16,
+    ("model", "preprocessor_hidden"): 8,
+    ("model", "action_dim"): 2,
+    ("model", "item_tower_hidden"): 8,
+    ("model", "head_hidden"): 8,
+    ("model", "num_position_buckets"): 64,
+    ("model", "num_time_buckets"): 16,
+    ("model", "sequence_dtype"): "float32",
+    ("model", "kernels"): "pytorch",
     ("embeddings", "embedding_backend"): "plain",
-    ("train", "learning_rate"): 0.01, ("train", "warmup_steps"): 5, ("train", "eval_every_data_pct"): 0.1,
-    ("train", "target_auc"): 1.0, ("train", "checkpoint_every_window"): False,
+    ("train", "learning_rate"): 0.01,
+    ("train", "warmup_steps"): 5,
+    ("train", "eval_every_data_pct"): 0.1,
+    ("train", "target_auc"): 1.0,
+    ("train", "checkpoint_every_window"): False,
     ("train", "checkpoint_every_steps"): 7,
 }
 
@@ -117,8 +146,9 @@ def test_run_streams_windows_and_evaluates(data_path, tmp_path):
 def test_max_steps_stops_the_run(data_path, tmp_path):
     values = _overrides(data_path, tmp_path / "run")
     values["train.max_steps"] = 9
-    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(values)], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER, json.dumps(values)], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr
     hist = _report(tmp_path / "run")
     assert (hist["status"], hist["steps"], hist["samples"]) == ("stopped", 9, 9 * 16)
@@ -138,7 +168,7 @@ def test_kill_and_resume_is_bit_exact(data_path, tmp_path):
     assert proc.returncode == 0, proc.stderr
     a, b = _report(base), _report(killed)
     assert [(e["samples_count"], e["auc"]) for e in a["evals"]] == [(e["samples_count"], e["auc"]) for e in b["evals"]]
-    assert [l for _, _, l in a["window_losses"]] == [l for _, _, l in b["window_losses"]]
+    assert [loss for *_, loss in a["window_losses"]] == [loss for *_, loss in b["window_losses"]]
     ta, tb = _final_tables(base), _final_tables(killed)
     for name in ta:
         assert torch.equal(ta[name]["weight"], tb[name]["weight"]), name
@@ -157,7 +187,7 @@ def _events(path: Path) -> list[tuple]:
     out = []
     for line in path.read_text().splitlines():
         assert line.startswith(":::MLLOG {"), line
-        record = json.loads(line[len(":::MLLOG "):])
+        record = json.loads(line[len(":::MLLOG ") :])
         out.append((record["key"], record["value"], record["metadata"].get("samples_count")))
     return out
 
@@ -216,11 +246,12 @@ def test_non_finite_loss_stops_with_the_step_and_window(data_path, tmp_path, mon
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1, err
     cfg = load_config(None, None, {tuple(k.split(".")): v for k, v in _overrides(data_path, run_dir).items()})
-    loader = make_window_loader(open_store(data_path / "processed" / "synthetic-tiny"), range(5), cfg,
-                                drop_last=True)
+    loader = make_window_loader(open_store(data_path / "processed" / "synthetic-tiny"), range(5), cfg, drop_last=True)
     window = loader.dataset.plan[bad_step].window
-    assert err[0] == (f"[dlrmv4] error: training diverged: non-finite loss at step {bad_step} (window {window}); "
-                      "lower the learning rate or resume from an earlier checkpoint")
+    assert err[0] == (
+        f"[dlrmv4] error: training diverged: non-finite loss at step {bad_step} (window {window}); "
+        "lower the learning rate or resume from an earlier checkpoint"
+    )
     steps = [int(p.name.split("-")[1]) for p in (run_dir / CHECKPOINT_DIR).glob("step-*")]
     assert steps and all(s <= bad_step for s in steps), steps
 
@@ -234,8 +265,9 @@ def test_restart_starts_cold_and_an_unwritable_run_dir_is_one_line(data_path, tm
     assert first.returncode == 0, first.stderr
     again = subprocess.run([sys.executable, "-m", "dlrmv4", "train", *flags], capture_output=True, text=True)
     assert "run already finished (stopped)" in again.stdout
-    cold = subprocess.run([sys.executable, "-m", "dlrmv4", "train", *flags, "--restart"], capture_output=True,
-                          text=True)
+    cold = subprocess.run(
+        [sys.executable, "-m", "dlrmv4", "train", *flags, "--restart"], capture_output=True, text=True
+    )
     assert cold.returncode == 0 and "resumed" not in cold.stdout and "already finished" not in cold.stdout
     assert _report(run_dir)["steps"] == 3
     blocker = tmp_path / "file"
@@ -251,8 +283,9 @@ def test_an_unwritable_mlperf_log_fails_before_training(data_path, tmp_path):
     blocker.write_text("not a directory")
     values = _overrides(data_path, tmp_path / "run")
     values["mlperf.log_file"] = str(blocker / "mlperf_log.txt")
-    proc = subprocess.run([sys.executable, "-m", "dlrmv4", "train", *_cli_flags(values)], capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dlrmv4", "train", *_cli_flags(values)], capture_output=True, text=True
+    )
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"[dlrmv4] error: MLPerf log file {blocker / 'mlperf_log.txt'} is not writable")
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -282,13 +315,15 @@ def test_a_resume_with_other_run_settings_stops_naming_them(data_path, tmp_path)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == checkpoints
     assert _report(run_dir)["steps"] == 4
 
-    layout = subprocess.run([*train, *_cli_flags({**values, "loader.num_workers": 1, "train.chunks": 2})],
-                            capture_output=True, text=True)
+    layout = subprocess.run(
+        [*train, *_cli_flags({**values, "loader.num_workers": 1, "train.chunks": 2})], capture_output=True, text=True
+    )
     assert layout.returncode == 0, layout.stderr
     assert "resumed from step-00000004" in layout.stdout and _report(run_dir)["steps"] == 6
 
-    allowed = subprocess.run([*train, *flags, "--max-steps=8", "--allow-changed-settings=true"],
-                             capture_output=True, text=True)
+    allowed = subprocess.run(
+        [*train, *flags, "--max-steps=8", "--allow-changed-settings=true"], capture_output=True, text=True
+    )
     assert allowed.returncode == 0, allowed.stderr
     assert "resuming with changed settings (--allow-changed-settings): seed 0 -> 7;" in allowed.stdout
     assert _report(run_dir)["steps"] == 8

@@ -6,20 +6,23 @@ import shutil
 
 import numpy as np
 import pytest
+from raw_factory import random_events, write_raw
 
 from dlrmv4.config import load_config
 from dlrmv4.data.preprocess import preprocess
 from dlrmv4.data.store import write_md5s
 from dlrmv4.data.verify import verify_store
 from dlrmv4.errors import UserError
-from raw_factory import random_events, write_raw
 
 
 @pytest.fixture(scope="module")
 def good_store(tmp_path_factory):
     root = tmp_path_factory.mktemp("verify")
-    cfg = load_config(None, None, {("preprocess", "last_timestamp"): 0, ("preprocess", "num_train_days"): 9,
-                                   ("preprocess", "min_history"): 40})
+    cfg = load_config(
+        None,
+        None,
+        {("preprocess", "last_timestamp"): 0, ("preprocess", "num_train_days"): 9, ("preprocess", "min_history"): 40},
+    )
     raw = write_raw(root / "raw", random_events(5, num_users=15))
     out = root / "store"
     preprocess(raw, out, cfg.dataset, cfg.preprocess, progress=False)
@@ -69,16 +72,22 @@ def _tamper(store, rel, change):
     write_md5s(store)  # sums agree again: only the invariants can catch it
 
 
-@pytest.mark.parametrize("rel,change,message", [
-    ("anchors/event_index.npy", lambda a: a.__setitem__(slice(None), a[::-1].copy()), "anchors: window"),
-    ("train/event_code.npy", lambda a: a.__setitem__(slice(None), np.where(a == 0, 3, a)), "train: action bit"),
-    ("train/timestamp.npy", lambda a: a.__setitem__(1, a[0] - 5), "train: timestamps"),
-    ("items/popularity.npy", lambda a: a.__setitem__(0, a[0] + 1), "popularity does not sum"),
-    ("anchors/window_offsets.npy", lambda a: a.__setitem__(slice(1, None), a[1:] - 1), "anchors"),
-    ("train/session_id.npy", lambda a: a.__setitem__(slice(None), a + (np.arange(len(a)) == len(a) // 2)),
-     "session_id does not follow the 1800 s gap rule"),
-    ("test/session_id.npy", lambda a: a.__setitem__(slice(None), 0), "test: session_id"),
-])
+@pytest.mark.parametrize(
+    "rel,change,message",
+    [
+        ("anchors/event_index.npy", lambda a: a.__setitem__(slice(None), a[::-1].copy()), "anchors: window"),
+        ("train/event_code.npy", lambda a: a.__setitem__(slice(None), np.where(a == 0, 3, a)), "train: action bit"),
+        ("train/timestamp.npy", lambda a: a.__setitem__(1, a[0] - 5), "train: timestamps"),
+        ("items/popularity.npy", lambda a: a.__setitem__(0, a[0] + 1), "popularity does not sum"),
+        ("anchors/window_offsets.npy", lambda a: a.__setitem__(slice(1, None), a[1:] - 1), "anchors"),
+        (
+            "train/session_id.npy",
+            lambda a: a.__setitem__(slice(None), a + (np.arange(len(a)) == len(a) // 2)),
+            "session_id does not follow the 1800 s gap rule",
+        ),
+        ("test/session_id.npy", lambda a: a.__setitem__(slice(None), 0), "test: session_id"),
+    ],
+)
 def test_invariant_violations_are_found(store, rel, change, message):
     _tamper(store, rel, change)
     problems = verify_store(store, progress=False)
@@ -90,10 +99,11 @@ def test_a_dropped_anchor_is_found(store):
     offsets = np.load(store / "anchors" / "window_offsets.npy")
     w = int(np.flatnonzero(np.diff(offsets))[0])
     np.save(store / "anchors" / "event_index.npy", np.delete(idx, offsets[w]))
-    offsets[w + 1:] -= 1
+    offsets[w + 1 :] -= 1
     np.save(store / "anchors" / "window_offsets.npy", offsets)
-    (store / "meta.json").write_text((store / "meta.json").read_text().replace(
-        f'"anchors": {len(idx)}', f'"anchors": {len(idx) - 1}'))
+    (store / "meta.json").write_text(
+        (store / "meta.json").read_text().replace(f'"anchors": {len(idx)}', f'"anchors": {len(idx) - 1}')
+    )
     write_md5s(store)
     problems = verify_store(store, progress=False)
     assert any("listens have at least" in p for p in problems), problems

@@ -149,9 +149,14 @@ def is_reference_config(cfg: BenchmarkConfig) -> bool:
 
 def count_mismatches(train_samples: int, eval_samples: int) -> list[str]:
     """Each count that differs from the closed division's pin, naming both numbers."""
-    return [f"{name} {got:,} from the store, the closed division pins {pinned:,}"
-            for name, got, pinned in (("train_samples", train_samples, REFERENCE_TRAIN_SAMPLES),
-                                      ("eval_samples", eval_samples, REFERENCE_EVAL_SAMPLES)) if got != pinned]
+    return [
+        f"{name} {got:,} from the store, the closed division pins {pinned:,}"
+        for name, got, pinned in (
+            ("train_samples", train_samples, REFERENCE_TRAIN_SAMPLES),
+            ("eval_samples", eval_samples, REFERENCE_EVAL_SAMPLES),
+        )
+        if got != pinned
+    ]
 
 
 def check_reference_counts(cfg: BenchmarkConfig, train_samples: int, eval_samples: int) -> None:
@@ -160,32 +165,51 @@ def check_reference_counts(cfg: BenchmarkConfig, train_samples: int, eval_sample
         return
     mismatches = count_mismatches(train_samples, eval_samples)
     if mismatches:
-        raise UserError(f"the closed division refuses this Yambda-5B store: {'; '.join(mismatches)} (re-run the "
-                        "preprocessing with the reference's defaults: python -m dlrmv4 prepare --source yambda "
-                        "--size 5b, or download_dataset.sh --size 5b)")
+        raise UserError(
+            f"the closed division refuses this Yambda-5B store: {'; '.join(mismatches)} (re-run the "
+            "preprocessing with the reference's defaults: python -m dlrmv4 prepare --source yambda "
+            "--size 5b, or download_dataset.sh --size 5b)"
+        )
 
 
-def write_dataset_rules(out_dir: Path, cfg: BenchmarkConfig, train_samples: int, eval_samples: int,
-                        interval: int, first_eval: int, world_size: int = 1) -> Path:
+def write_dataset_rules(
+    out_dir: Path,
+    cfg: BenchmarkConfig,
+    train_samples: int,
+    eval_samples: int,
+    interval: int,
+    first_eval: int,
+    world_size: int = 1,
+) -> Path:
     """Write main/relay/checks.yaml for this dataset and config into ``out_dir``; returns main.yaml."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     checks, main = out_dir / "checks.yaml", out_dir / "main.yaml"
     relay1, relay2 = out_dir / "relay1.yaml", out_dir / "relay2.yaml"
-    checks.write_text(CHECKS.format(
-        train_samples=train_samples, eval_samples=eval_samples, interval=interval, first_eval=first_eval,
-        target=cfg.train.target_auc, global_batch_size=cfg.loader.batch_size * world_size,
-        max_seq_len=cfg.sampler.max_seq_len, warmup_steps=cfg.train.warmup_steps,
-        eval_pct=cfg.train.eval_every_data_pct))
+    checks.write_text(
+        CHECKS.format(
+            train_samples=train_samples,
+            eval_samples=eval_samples,
+            interval=interval,
+            first_eval=first_eval,
+            target=cfg.train.target_auc,
+            global_batch_size=cfg.loader.batch_size * world_size,
+            max_seq_len=cfg.sampler.max_seq_len,
+            warmup_steps=cfg.train.warmup_steps,
+            eval_pct=cfg.train.eval_every_data_pct,
+        )
+    )
     official = f"training_{RULESET}/"
     relay2.write_text(
         "- BEGIN:\n    CODE: >\n"
         "        queue = enqueue_config.__globals__['enqueued_configs'];\n"
         f"        queue[:] = [c for c in queue if not (c.startswith({official!r}) and c.endswith('_dlrmv4.yaml'))];\n"
-        f"        enqueue_config({str(checks)!r})\n")
-    relay1.write_text(f"- BEGIN:\n    CODE: \" enqueue_config({str(relay2)!r}) \"\n")
-    main.write_text(f"- BEGIN:\n    CODE: \" enqueue_config('{official}common.yaml'); "
-                    f"enqueue_config({str(relay1)!r}) \"\n")
+        f"        enqueue_config({str(checks)!r})\n"
+    )
+    relay1.write_text(f'- BEGIN:\n    CODE: " enqueue_config({str(relay2)!r}) "\n')
+    main.write_text(
+        f"- BEGIN:\n    CODE: \" enqueue_config('{official}common.yaml'); enqueue_config({str(relay1)!r}) \"\n"
+    )
     return main
 
 
@@ -193,8 +217,19 @@ def run_checker(log: Path, rules: Path | None = None) -> tuple[bool, str]:
     """The official compliance checker on ``log`` (its default rules, or ``rules``), warnings as errors (a
     repeated EXACTLY_ONE key with an equal value, like a second RUN_START, is only a warning otherwise):
     (passed, output)."""
-    cmd = [sys.executable, "-m", "mlperf_logging.compliance_checker", str(log), "--usage", "training",
-           "--ruleset", RULESET, "--werror", "--log_output", str(Path(log).with_suffix(".checker.txt"))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlperf_logging.compliance_checker",
+        str(log),
+        "--usage",
+        "training",
+        "--ruleset",
+        RULESET,
+        "--werror",
+        "--log_output",
+        str(Path(log).with_suffix(".checker.txt")),
+    ]
     if rules is not None:
         cmd += ["--config", str(Path(rules).resolve())]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -209,12 +244,24 @@ def closed_division_problems(cfg: BenchmarkConfig, world_size: int = 1) -> list[
     tr = cfg.train
     problems = []
     if not lo * (1 - 1e-9) <= tr.learning_rate <= hi * (1 + 1e-9):
-        problems.append(f"learning rate {tr.learning_rate:g} is outside the closed band [{lo:.3g}, {hi:.3g}] "
-                        f"for global batch size {gbs}")
-    pinned = {"adam_beta1": 0.95, "adam_beta2": 0.999, "adam_eps": 1e-8, "weight_decay": 0.0,
-              "grad_clip_norm": 1.0, "warmup_steps": 24_000, "eval_every_data_pct": 0.001}
-    problems += [f"train.{name} = {getattr(tr, name)!r}, the closed division pins {value!r}"
-                 for name, value in pinned.items() if getattr(tr, name) != value]
+        problems.append(
+            f"learning rate {tr.learning_rate:g} is outside the closed band [{lo:.3g}, {hi:.3g}] "
+            f"for global batch size {gbs}"
+        )
+    pinned = {
+        "adam_beta1": 0.95,
+        "adam_beta2": 0.999,
+        "adam_eps": 1e-8,
+        "weight_decay": 0.0,
+        "grad_clip_norm": 1.0,
+        "warmup_steps": 24_000,
+        "eval_every_data_pct": 0.001,
+    }
+    problems += [
+        f"train.{name} = {getattr(tr, name)!r}, the closed division pins {value!r}"
+        for name, value in pinned.items()
+        if getattr(tr, name) != value
+    ]
     if cfg.sampler.max_seq_len != REFERENCE_MAX_SEQ_LEN:
         problems.append(f"sampler.max_seq_len = {cfg.sampler.max_seq_len}, the closed division pins 4096")
     return problems
@@ -228,9 +275,11 @@ def check_closed_division(cfg: BenchmarkConfig, train_samples: int, eval_samples
     check_reference_counts(cfg, train_samples, eval_samples)
     problems = closed_division_problems(cfg, world_size)
     if problems:
-        raise UserError(f"the closed division forbids this run: {problems[0]}"
-                        + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
-                        + "; only the learning rate (inside the band) and the batch size may change")
+        raise UserError(
+            f"the closed division forbids this run: {problems[0]}"
+            + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+            + "; only the learning rate (inside the band) and the batch size may change"
+        )
 
 
 def run_seconds(log: Path) -> tuple[float, float]:
@@ -240,7 +289,7 @@ def run_seconds(log: Path) -> tuple[float, float]:
     times = {}
     for line in Path(log).read_text().splitlines():
         if line.startswith(":::MLLOG "):
-            record = json.loads(line[len(":::MLLOG "):])
+            record = json.loads(line[len(":::MLLOG ") :])
             if record["key"] in ("run_start", "run_stop"):
                 times[record["key"]] = record["time_ms"] / 1e3
     if set(times) != {"run_start", "run_stop"}:

@@ -64,8 +64,10 @@ class RunLog:
         self.check_writable(self.path)
         size = self.path.stat().st_size
         if keep_bytes > size:
-            raise UserError(f"MLPerf log {self.path} is shorter ({size} bytes) than the checkpoint recorded "
-                            f"({keep_bytes}): it was replaced or truncated, so this run cannot continue it")
+            raise UserError(
+                f"MLPerf log {self.path} is shorter ({size} bytes) than the checkpoint recorded "
+                f"({keep_bytes}): it was replaced or truncated, so this run cannot continue it"
+            )
         with open(self.path, "r+b") as fh:
             fh.truncate(keep_bytes)
             fh.flush()
@@ -181,5 +183,6 @@ class RunLog:
     def run_stop(self, samples: int, train_samples: int, status: str) -> None:
         self.block_stop(samples, train_samples)
         self.barrier()
-        self.end(C.RUN_STOP, metadata={"status": "success" if status == "success" else "aborted",
-                                       C.SAMPLES_COUNT: samples})
+        self.end(
+            C.RUN_STOP, metadata={"status": "success" if status == "success" else "aborted", C.SAMPLES_COUNT: samples}
+        )

@@ -19,7 +19,7 @@ import numpy as np
 
 from dlrmv4.config import ModelConfig
 
-FWD_BWD_MATMUL = 3      # forward + two backward products
+FWD_BWD_MATMUL = 3  # forward + two backward products
 FWD_BWD_ATTENTION = 3.5  # the reference's factor for attention (recomputation in the backward)
 
 
@@ -54,27 +54,35 @@ def _count(cfg: ModelConfig, lengths: np.ndarray, num_contextual: int, executed:
     output = full * float(np.sum(2 * s * 3 * h * cfg.v_dim * d)) * FWD_BWD_MATMUL
     if full < cfg.num_layers:  # the last layer, candidate rows only
         rows = len(s)
-        uvqk += float(np.sum(2 * s * d * h * (cfg.v_dim + cfg.qk_dim)) + 2 * rows * d * h * (cfg.v_dim + cfg.qk_dim)
-                      ) * FWD_BWD_MATMUL
+        uvqk += (
+            float(np.sum(2 * s * d * h * (cfg.v_dim + cfg.qk_dim)) + 2 * rows * d * h * (cfg.v_dim + cfg.qk_dim))
+            * FWD_BWD_MATMUL
+        )
         attention += float(np.sum(2 * s * h * (cfg.qk_dim + cfg.v_dim))) * FWD_BWD_MATMUL
         output += 2 * rows * 3 * h * cfg.v_dim * d * FWD_BWD_MATMUL
     e, ph = cfg.embedding_dim, cfg.preprocessor_hidden
     history_tokens = np.maximum(s - num_contextual, 0)  # history + candidate
     per_token = _tower(e, ph, d) + _tower(2 * e, ph, d) + _tower(3 * cfg.action_dim, ph, d)
-    per_sample = (num_contextual * 2 * e * d + 2 * (d + 4) * d + _tower(3 * e, cfg.item_tower_hidden, d)
-                  + 2 * (d * cfg.head_hidden + cfg.head_hidden))
+    per_sample = (
+        num_contextual * 2 * e * d
+        + 2 * (d + 4) * d
+        + _tower(3 * e, cfg.item_tower_hidden, d)
+        + 2 * (d * cfg.head_hidden + cfg.head_hidden)
+    )
     other = (float(np.sum(history_tokens)) * per_token + len(s) * per_sample) * FWD_BWD_MATMUL
     return FlopCount(uvqk=uvqk, attention=attention, output=output, other=other)
 
 
-def dense_flops_per_sample(cfg: ModelConfig, seq_len: int, num_contextual: int = 8,
-                           executed: bool = False) -> FlopCount:
+def dense_flops_per_sample(
+    cfg: ModelConfig, seq_len: int, num_contextual: int = 8, executed: bool = False
+) -> FlopCount:
     """One sample at ``seq_len`` tokens (the reference's per-sample figure at max_seq_len)."""
     return _count(cfg, np.array([seq_len]), num_contextual, executed)
 
 
-def batch_flops(cfg: ModelConfig, seq_lengths: Sequence[int] | np.ndarray, num_contextual: int = 8,
-                executed: bool = False) -> FlopCount:
+def batch_flops(
+    cfg: ModelConfig, seq_lengths: Sequence[int] | np.ndarray, num_contextual: int = 8, executed: bool = False
+) -> FlopCount:
     """A batch on its real sequence lengths (history + contextual + candidate per sample); the
     yardstick, or with ``executed`` what the model runs (see the module docstring)."""
     return _count(cfg, np.asarray(seq_lengths), num_contextual, executed)

@@ -48,6 +48,8 @@ class LogitHead(nn.Sequential):
     """MLP(user ⊙ item): Linear(D -> hidden) -> SwishLayerNorm -> Linear(hidden -> 1)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(init_linear(nn.Linear(cfg.d_model, cfg.head_hidden)),
-                         SwishLayerNorm(cfg.head_hidden, cfg.layer_norm_eps, cfg.kernels),
-                         init_linear(nn.Linear(cfg.head_hidden, 1)))
+        super().__init__(
+            init_linear(nn.Linear(cfg.d_model, cfg.head_hidden)),
+            SwishLayerNorm(cfg.head_hidden, cfg.layer_norm_eps, cfg.kernels),
+            init_linear(nn.Linear(cfg.head_hidden, 1)),
+        )

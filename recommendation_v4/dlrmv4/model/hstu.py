@@ -36,7 +36,7 @@ SEED_LIMIT = 2**31 - 1
 @dataclass(frozen=True, eq=False)
 class ModelOutput:
     logits: torch.Tensor  # [B] fp32
-    loss: torch.Tensor    # scalar fp32: this batch's share of the slice's mean BCE-with-logits x loss_scale
+    loss: torch.Tensor  # scalar fp32: this batch's share of the slice's mean BCE-with-logits x loss_scale
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,9 @@ class SliceContext:
     """What every chunk of one step's slice shares (see the module docstring)."""
 
     dropout_seeds: tuple[int, ...]  # input dropout, then one per STU layer
-    max_seq_len: int                # the slice's longest sequence: the attention's N
-    num_samples: int                # the slice's samples: the loss divides by this
-    row_offset: int = 0             # the chunk's first sequence row in the slice's layout
+    max_seq_len: int  # the slice's longest sequence: the attention's N
+    num_samples: int  # the slice's samples: the loss divides by this
+    row_offset: int = 0  # the chunk's first sequence row in the slice's layout
 
     def at_row(self, row_offset: int) -> SliceContext:
         return dataclasses.replace(self, row_offset=row_offset)
@@ -70,32 +70,46 @@ class DlrmHSTU(nn.Module):
     def slice_context(self, batch: TorchJaggedBatch) -> SliceContext:
         """The context of a step over ``batch`` (a rank's whole slice): draws this step's dropout seeds
         in training mode (a CPU generator: drawing never waits on the device)."""
-        seeds = (torch.randint(0, SEED_LIMIT, (self.cfg.num_layers + 1,), generator=self.dropout_generator).tolist()
-                 if self.training else [0] * (self.cfg.num_layers + 1))
+        seeds = (
+            torch.randint(0, SEED_LIMIT, (self.cfg.num_layers + 1,), generator=self.dropout_generator).tolist()
+            if self.training
+            else [0] * (self.cfg.num_layers + 1)
+        )
         return SliceContext(tuple(seeds), batch.max_history_length + self.num_contextual + 1, batch.num_samples)
 
     def sequence_row(self, batch: TorchJaggedBatch, sample: int) -> int:
         """The first sequence row of sample ``sample`` in ``batch``'s layout [C contextual | history | candidate]."""
         return batch.history_row(sample) + sample * (self.num_contextual + 1)
 
-    def user_representation(self, batch: TorchJaggedBatch, emb: SequenceEmbeddings,
-                            context: SliceContext) -> torch.Tensor:
+    def user_representation(
+        self, batch: TorchJaggedBatch, emb: SequenceEmbeddings, context: SliceContext
+    ) -> torch.Tensor:
         """The candidate position's output of the sequence model, [B, D] (in the autocast dtype)."""
         device = emb.item.device
         dtype = DTYPES[self.cfg.sequence_dtype]
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             x, seq_offsets = self.preprocessor(
-                emb, batch.history_offsets, batch.history_action, batch.history_timestamp, batch.query_time,
-                batch.max_history_length, context.dropout_seeds[0], context.row_offset)
+                emb,
+                batch.history_offsets,
+                batch.history_action,
+                batch.history_timestamp,
+                batch.query_time,
+                batch.max_history_length,
+                context.dropout_seeds[0],
+                context.row_offset,
+            )
             return self.stu(x, seq_offsets, context.max_seq_len, context.dropout_seeds[1:], context.row_offset)
 
-    def forward(self, batch: TorchJaggedBatch, emb: SequenceEmbeddings,
-                context: SliceContext | None = None) -> ModelOutput:
+    def forward(
+        self, batch: TorchJaggedBatch, emb: SequenceEmbeddings, context: SliceContext | None = None
+    ) -> ModelOutput:
         """Logits and loss of ``batch``; ``context`` None: ``batch`` is the whole slice."""
         context = context if context is not None else self.slice_context(batch)
         if context.max_seq_len < batch.max_history_length + self.num_contextual + 1:
-            raise ValueError(f"SliceContext.max_seq_len {context.max_seq_len} is shorter than this batch's longest "
-                             f"sequence {batch.max_history_length + self.num_contextual + 1}")
+            raise ValueError(
+                f"SliceContext.max_seq_len {context.max_seq_len} is shorter than this batch's longest "
+                f"sequence {batch.max_history_length + self.num_contextual + 1}"
+            )
         user = self.postprocessor(self.user_representation(batch, emb, context), batch.candidate_timestamp)
         item = self.item_tower(emb.candidate.float())
         logits = self.head(user * item).squeeze(-1)

@@ -44,8 +44,12 @@ class Tower(nn.Sequential):
     """
 
     def __init__(self, in_dim: int, hidden: int, out_dim: int, eps: float, kernels: str) -> None:
-        super().__init__(init_linear(nn.Linear(in_dim, hidden)), SwishLayerNorm(hidden, eps, kernels),
-                         init_linear(nn.Linear(hidden, out_dim)), LayerNorm(out_dim, eps, kernels))
+        super().__init__(
+            init_linear(nn.Linear(in_dim, hidden)),
+            SwishLayerNorm(hidden, eps, kernels),
+            init_linear(nn.Linear(hidden, out_dim)),
+            LayerNorm(out_dim, eps, kernels),
+        )
 
     def forward(self, *blocks: torch.Tensor) -> torch.Tensor:
         first, *rest = self

@@ -41,9 +41,17 @@ class Preprocessor(nn.Module):
         on = (action.unsqueeze(-1) & self.bits) != 0  # [T, 3]
         return (on.unsqueeze(-1).to(self.action_vectors.dtype) * self.action_vectors).flatten(1)
 
-    def forward(self, emb: SequenceEmbeddings, history_offsets: torch.Tensor, history_action: torch.Tensor,
-                history_timestamp: torch.Tensor, query_time: torch.Tensor, max_history_length: int,
-                dropout_seed: int = 0, row_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        emb: SequenceEmbeddings,
+        history_offsets: torch.Tensor,
+        history_action: torch.Tensor,
+        history_timestamp: torch.Tensor,
+        query_time: torch.Tensor,
+        max_history_length: int,
+        dropout_seed: int = 0,
+        row_offset: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (encoded sequence values [T + B*(C+1), D], seq_offsets [B+1]). The input dropout's
         mask is drawn from ``dropout_seed`` per sequence row, counting from ``row_offset``."""
         b = emb.num_candidates
@@ -51,16 +59,29 @@ class Preprocessor(nn.Module):
         # embeddings come as [history rows; candidate rows] per table).
         content = self.content(emb.item)
         extra = self.extra_ids(emb.artist, emb.album)
-        actions = torch.cat([self._action_features(history_action),
-                             self.target_action.expand(b, -1).to(self.action_vectors.dtype)])
+        actions = torch.cat(
+            [self._action_features(history_action), self.target_action.expand(b, -1).to(self.action_vectors.dtype)]
+        )
         tokens = content + extra + self.action(actions)
         contextual = torch.stack([proj(emb.contextual[:, i]) for i, proj in enumerate(self.contextual)], 1)
-        values, seq_offsets = concat_sequences(contextual.to(tokens.dtype), tokens, history_offsets,
-                                               max_history_length, kernels=self.cfg.kernels)
+        values, seq_offsets = concat_sequences(
+            contextual.to(tokens.dtype), tokens, history_offsets, max_history_length, kernels=self.cfg.kernels
+        )
         timestamps = concat_sequence_timestamps(history_timestamp, history_offsets, query_time, self.num_contextual)
-        x = position_time_encode(values, seq_offsets, timestamps, query_time, self.num_contextual,
-                                 self.position_table, self.time_table, math.sqrt(self.cfg.d_model),
-                                 self.cfg.time_bucket_seconds, kernels=self.cfg.kernels,
-                                 dropout_p=self.cfg.input_dropout, seed=dropout_seed, training=self.training,
-                                 row_offset=row_offset)
+        x = position_time_encode(
+            values,
+            seq_offsets,
+            timestamps,
+            query_time,
+            self.num_contextual,
+            self.position_table,
+            self.time_table,
+            math.sqrt(self.cfg.d_model),
+            self.cfg.time_bucket_seconds,
+            kernels=self.cfg.kernels,
+            dropout_p=self.cfg.input_dropout,
+            seed=dropout_seed,
+            training=self.training,
+            row_offset=row_offset,
+        )
         return x, seq_offsets

@@ -45,19 +45,43 @@ class STULayer(nn.Module):
         nn.init.zeros_(self.uvqk.bias)
         nn.init.xavier_uniform_(self.out.weight)
 
-    def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, dropout_seed: int,
-                row_offset: int = 0, candidates_only: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        seq_offsets: torch.Tensor,
+        max_seq_len: int,
+        dropout_seed: int,
+        row_offset: int = 0,
+        candidates_only: bool = False,
+    ) -> torch.Tensor:
         """x [T, D] -> [T, D], or [B, D] (each sequence's last row) with ``candidates_only``."""
         cfg = self.cfg
         # One candidate per sequence: the target-aware mask equals the causal one stu_mixing applies.
         op = stu_candidate_layer if candidates_only else stu_layer
-        return op(x, seq_offsets, max_seq_len, norm_weight=self.input_norm.weight, norm_bias=self.input_norm.bias,
-                  norm_eps=cfg.layer_norm_eps, uvqk_weight=self.uvqk.weight, uvqk_bias=self.uvqk.bias,
-                  attn_norm_weight=self.attn_norm_weight, attn_norm_bias=self.attn_norm_bias,
-                  out_weight=self.out.weight, num_heads=cfg.num_heads, qk_dim=cfg.qk_dim, v_dim=cfg.v_dim,
-                  alpha=1.0 / math.sqrt(cfg.qk_dim), attn_eps=cfg.layer_norm_eps, dropout_p=cfg.linear_dropout,
-                  seed=dropout_seed, training=self.training, row_offset=row_offset,
-                  recompute="none" if cfg.recompute == "auto" else cfg.recompute, kernels=cfg.kernels)
+        return op(
+            x,
+            seq_offsets,
+            max_seq_len,
+            norm_weight=self.input_norm.weight,
+            norm_bias=self.input_norm.bias,
+            norm_eps=cfg.layer_norm_eps,
+            uvqk_weight=self.uvqk.weight,
+            uvqk_bias=self.uvqk.bias,
+            attn_norm_weight=self.attn_norm_weight,
+            attn_norm_bias=self.attn_norm_bias,
+            out_weight=self.out.weight,
+            num_heads=cfg.num_heads,
+            qk_dim=cfg.qk_dim,
+            v_dim=cfg.v_dim,
+            alpha=1.0 / math.sqrt(cfg.qk_dim),
+            attn_eps=cfg.layer_norm_eps,
+            dropout_p=cfg.linear_dropout,
+            seed=dropout_seed,
+            training=self.training,
+            row_offset=row_offset,
+            recompute="none" if cfg.recompute == "auto" else cfg.recompute,
+            kernels=cfg.kernels,
+        )
 
 
 class STUStack(nn.Module):
@@ -66,8 +90,14 @@ class STUStack(nn.Module):
         self.cfg = cfg
         self.layers = nn.ModuleList(STULayer(cfg) for _ in range(cfg.num_layers))
 
-    def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
-                dropout_seeds: Sequence[int], row_offset: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        seq_offsets: torch.Tensor,
+        max_seq_len: int,
+        dropout_seeds: Sequence[int],
+        row_offset: int = 0,
+    ) -> torch.Tensor:
         """x [T, D] -> the candidate rows [B, D]. ``max_seq_len``: the attention's N (the longest
         sequence of the step's slice); dropout masks are drawn per sequence row, counting from
         ``row_offset``."""
@@ -79,5 +109,6 @@ class STUStack(nn.Module):
             x = layer(x, seq_offsets, max_seq_len, seed, row_offset)
         if self.cfg.last_layer == "candidates":
             return last(x, seq_offsets, max_seq_len, seeds[-1], row_offset, candidates_only=True)
-        return take_last(last(x, seq_offsets, max_seq_len, seeds[-1], row_offset), seq_offsets,
-                         kernels=self.cfg.kernels)
+        return take_last(
+            last(x, seq_offsets, max_seq_len, seeds[-1], row_offset), seq_offsets, kernels=self.cfg.kernels
+        )

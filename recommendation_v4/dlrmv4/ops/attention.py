@@ -39,8 +39,10 @@ class _TritonHSTUAttention(torch.autograd.Function):
 def check_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets) -> None:
     """A one-line ValueError for inputs no implementation takes (also used by ops/stu_mixing.py)."""
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"hstu_attention: q, k must be [T, H, Dqk] and v [T, H, Dv]; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"hstu_attention: q, k must be [T, H, Dqk] and v [T, H, Dv]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"hstu_attention: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if seq_offsets.dim() != 1 or seq_offsets.numel() < 1 or seq_offsets.dtype.is_floating_point:
@@ -49,8 +51,9 @@ def check_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets) -> No
     if num_targets is not None and (num_targets.shape != (batch,) or num_targets.dtype.is_floating_point):
         raise ValueError(f"hstu_attention: num_targets must be an integer tensor [B] = [{batch}]")
     if isinstance(max_seq_len, torch.Tensor) or not hasattr(max_seq_len, "__index__") or max_seq_len < 0:
-        raise ValueError("hstu_attention: max_seq_len must be a host int >= 0 (the longest sequence); "
-                         f"got {max_seq_len!r}")
+        raise ValueError(
+            f"hstu_attention: max_seq_len must be a host int >= 0 (the longest sequence); got {max_seq_len!r}"
+        )
     devices = {t.device for t in (q, k, v, seq_offsets) + ((num_targets,) if num_targets is not None else ())}
     if len(devices) != 1:
         raise ValueError(f"hstu_attention: all tensors must be on one device; got {sorted(map(str, devices))}")
@@ -59,16 +62,28 @@ def check_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets) -> No
 def check_triton_attention_inputs(q, v) -> None:
     """A one-line ValueError for inputs the Triton kernels do not take."""
     if q.dtype not in _TRITON_DTYPES:
-        raise ValueError(f"hstu_attention: the Triton kernel takes fp16/bf16/fp32, not {q.dtype}; "
-                         "use kernels='pytorch'")
+        raise ValueError(
+            f"hstu_attention: the Triton kernel takes fp16/bf16/fp32, not {q.dtype}; use kernels='pytorch'"
+        )
     for name, d in (("Dqk", q.shape[2]), ("Dv", v.shape[2])):
         if d < 16 or d > 256 or d & (d - 1):
-            raise ValueError(f"hstu_attention: the Triton kernel needs {name} a power of two in [16, 256], got {d}; "
-                             "use kernels='pytorch'")
+            raise ValueError(
+                f"hstu_attention: the Triton kernel needs {name} a power of two in [16, 256], got {d}; "
+                "use kernels='pytorch'"
+            )
 
 
-def hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
-                   *, num_targets: torch.Tensor | None = None, alpha: float, kernels: str = "auto") -> torch.Tensor:
+def hstu_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    max_seq_len: int,
+    *,
+    num_targets: torch.Tensor | None = None,
+    alpha: float,
+    kernels: str = "auto",
+) -> torch.Tensor:
     """Jagged HSTU attention, [T, H, Dv] in q's dtype (see the module docstring)."""
     check_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets)
     max_seq_len = int(max_seq_len)

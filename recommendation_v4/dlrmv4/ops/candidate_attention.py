@@ -52,8 +52,18 @@ def _check(q, vk, seq_offsets, max_seq_len, num_heads, qk_dim, v_dim) -> None:
         raise ValueError("candidate_attention: q, vk and seq_offsets must be on one device")
 
 
-def candidate_attention(q: torch.Tensor, vk: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, *,
-                        num_heads: int, qk_dim: int, v_dim: int, alpha: float, kernels: str = "auto") -> torch.Tensor:
+def candidate_attention(
+    q: torch.Tensor,
+    vk: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    max_seq_len: int,
+    *,
+    num_heads: int,
+    qk_dim: int,
+    v_dim: int,
+    alpha: float,
+    kernels: str = "auto",
+) -> torch.Tensor:
     """[B, H, Dv] in q's dtype (see the module docstring)."""
     _check(q, vk, seq_offsets, max_seq_len, num_heads, qk_dim, v_dim)
     if resolve(kernels, q.device) == "pytorch":
@@ -62,5 +72,6 @@ def candidate_attention(q: torch.Tensor, vk: torch.Tensor, seq_offsets: torch.Te
     check_triton_attention_inputs(q, v)
     q = q if q.stride(-1) == 1 else q.contiguous()
     vk = vk if vk.stride(-1) == 1 else vk.contiguous()
-    return _TritonCandidateAttention.apply(q, vk, seq_offsets, (num_heads, qk_dim, v_dim), int(max_seq_len),
-                                           float(alpha))
+    return _TritonCandidateAttention.apply(
+        q, vk, seq_offsets, (num_heads, qk_dim, v_dim), int(max_seq_len), float(alpha)
+    )

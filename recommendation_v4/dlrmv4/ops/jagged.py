@@ -28,8 +28,12 @@ class _ConcatFn(torch.autograd.Function):
         from dlrmv4.ops.triton import jagged as tri
 
         tokens = _unit_cols(tokens)
-        values = tri.concat_forward(_unit_cols(contextual), *_history_and_candidate(tokens, contextual.shape[0]),
-                                    history_offsets, max_history_len)
+        values = tri.concat_forward(
+            _unit_cols(contextual),
+            *_history_and_candidate(tokens, contextual.shape[0]),
+            history_offsets,
+            max_history_len,
+        )
         ctx.save_for_backward(history_offsets)
         ctx.shapes = (contextual.shape, tokens.shape)
         ctx.max_history_len = max_history_len
@@ -42,17 +46,27 @@ class _ConcatFn(torch.autograd.Function):
         (history_offsets,) = ctx.saved_tensors
         # One gradient buffer for the tokens: the kernel writes its history and candidate rows.
         dctx, dtokens = (torch.empty(s, device=grad.device, dtype=grad.dtype) for s in ctx.shapes)
-        tri.concat_backward(_unit_cols(grad), history_offsets, dctx,
-                            *_history_and_candidate(dtokens, dctx.shape[0]), ctx.max_history_len)
+        tri.concat_backward(
+            _unit_cols(grad),
+            history_offsets,
+            dctx,
+            *_history_and_candidate(dtokens, dctx.shape[0]),
+            ctx.max_history_len,
+        )
         return dctx, dtokens, None, None
 
 
 def _history_and_candidate(tokens: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return tokens[:tokens.shape[0] - b], tokens[tokens.shape[0] - b:]
+    return tokens[: tokens.shape[0] - b], tokens[tokens.shape[0] - b :]
 
 
-def concat_sequences(contextual: torch.Tensor, tokens: torch.Tensor, history_offsets: torch.Tensor,
-                     max_history_len: int, kernels: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def concat_sequences(
+    contextual: torch.Tensor,
+    tokens: torch.Tensor,
+    history_offsets: torch.Tensor,
+    max_history_len: int,
+    kernels: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """contextual [B, C, D], tokens [T + B, D] (the T history rows, jagged by history_offsets, then
     one candidate row per sequence) -> (values [T + B·(C+1), D], seq_offsets int64 [B+1]).
 
@@ -63,11 +77,15 @@ def concat_sequences(contextual: torch.Tensor, tokens: torch.Tensor, history_off
     """
     b, c, d = contextual.shape
     if tokens.dim() != 2 or tokens.shape[1] != d or tokens.shape[0] < b:
-        raise ValueError(f"concat_sequences: expected tokens [T + {b}, {d}] (history rows, then {b} candidate "
-                         f"rows), got {tuple(tokens.shape)}")
+        raise ValueError(
+            f"concat_sequences: expected tokens [T + {b}, {d}] (history rows, then {b} candidate "
+            f"rows), got {tuple(tokens.shape)}"
+        )
     if history_offsets.dtype != torch.int64 or history_offsets.numel() != b + 1:
-        raise ValueError(f"concat_sequences: history_offsets must be int64 [{b + 1}], got "
-                         f"{history_offsets.dtype} {tuple(history_offsets.shape)}")
+        raise ValueError(
+            f"concat_sequences: history_offsets must be int64 [{b + 1}], got "
+            f"{history_offsets.dtype} {tuple(history_offsets.shape)}"
+        )
     if resolve(kernels, tokens.device) == "pytorch":
         return ref.concat_sequences(contextual, *_history_and_candidate(tokens, b), history_offsets)
     values = _ConcatFn.apply(contextual, tokens, history_offsets, max_history_len)

@@ -37,22 +37,26 @@ def _check(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
     d = x.shape[-1]
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and tuple(t.shape) != (d,):
-            raise ValueError(f"layer_norm: {name} has shape {tuple(t.shape)}, expected ({d},) for x of shape "
-                             f"{tuple(x.shape)}")
+            raise ValueError(
+                f"layer_norm: {name} has shape {tuple(t.shape)}, expected ({d},) for x of shape {tuple(x.shape)}"
+            )
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-               kernels: str = "auto") -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, kernels: str = "auto"
+) -> torch.Tensor:
     return _norm(x, weight, bias, eps, kernels, swish=False)
 
 
-def swish_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-                     kernels: str = "auto") -> torch.Tensor:
+def swish_layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, kernels: str = "auto"
+) -> torch.Tensor:
     return _norm(x, weight, bias, eps, kernels, swish=True)
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, kernels: str,
-          swish: bool) -> torch.Tensor:
+def _norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, kernels: str, swish: bool
+) -> torch.Tensor:
     _check(x, weight, bias)
     if resolve(kernels, x.device) == "pytorch":
         return (ref.swish_layer_norm if swish else ref.layer_norm)(x, weight, bias, eps)

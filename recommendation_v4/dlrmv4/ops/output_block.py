@@ -44,9 +44,19 @@ class _OutputBlockFn(torch.autograd.Function):
         return du, da, dw, db, None, None, None, None, None
 
 
-def output_block(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 eps: float, dropout_p: float, seed: int, training: bool, kernels: str = "auto",
-                 keep_mask: torch.Tensor | None = None, row_offset: int = 0) -> torch.Tensor:
+def output_block(
+    u: torch.Tensor,
+    attn: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    dropout_p: float,
+    seed: int,
+    training: bool,
+    kernels: str = "auto",
+    keep_mask: torch.Tensor | None = None,
+    row_offset: int = 0,
+) -> torch.Tensor:
     """u (before its SiLU), attn [T, HD]; weight, bias [HD] (or None); LayerNorm eps; dropout with probability
     ``dropout_p`` when ``training``, its mask drawn from ``seed`` for the global rows from ``row_offset``
     on. ``keep_mask`` (bool [T, 3·HD]) replaces that mask in the reference only (tests)."""
@@ -58,13 +68,15 @@ def output_block(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | Non
             raise ValueError(f"output_block: {name} has shape {tuple(t.shape)}, expected ({hd},)")
     seed, row_offset = check_dropout("output_block", dropout_p, seed, row_offset)
     if resolve(kernels, u.device) == "pytorch":
-        return ref.output_block(u, attn, weight, bias, eps, dropout_p, training, keep_mask, seed=seed,
-                                row_offset=row_offset)
+        return ref.output_block(
+            u, attn, weight, bias, eps, dropout_p, training, keep_mask, seed=seed, row_offset=row_offset
+        )
     return _OutputBlockFn.apply(u, attn, weight, bias, eps, dropout_p, seed, training, row_offset)
 
 
-def output_block_keep_mask(T: int, HD: int, dropout_p: float, seed: int, device: torch.device | str,
-                           row_offset: int = 0) -> torch.Tensor:
+def output_block_keep_mask(
+    T: int, HD: int, dropout_p: float, seed: int, device: torch.device | str, row_offset: int = 0
+) -> torch.Tensor:
     """bool [T, 3·HD]: which elements both implementations keep for (dropout_p, seed) at the global
     rows row_offset .. row_offset + T - 1 (torch only: Triton is not needed)."""
     return ref.draw_keep_mask(T, HD, dropout_p, seed, device, row_offset)

@@ -28,15 +28,43 @@ from dlrmv4.ops.reference.position import input_dropout_keep_mask  # noqa: F401 
 # Triton is optional (the reference runs without it): kernel modules are imported on first use.
 class _PositionTimeFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, seq_offsets, timestamps, query_time, num_contextual, pos_table, time_table, x_scale,
-                time_bucket_seconds, dropout):
+    def forward(
+        ctx,
+        x,
+        seq_offsets,
+        timestamps,
+        query_time,
+        num_contextual,
+        pos_table,
+        time_table,
+        x_scale,
+        time_bucket_seconds,
+        dropout,
+    ):
         from dlrmv4.ops.triton import position as tri
 
-        out = tri.forward(_unit_cols(x), seq_offsets, timestamps, query_time, num_contextual,
-                          _unit_cols(pos_table), _unit_cols(time_table), x_scale, time_bucket_seconds, dropout)
+        out = tri.forward(
+            _unit_cols(x),
+            seq_offsets,
+            timestamps,
+            query_time,
+            num_contextual,
+            _unit_cols(pos_table),
+            _unit_cols(time_table),
+            x_scale,
+            time_bucket_seconds,
+            dropout,
+        )
         ctx.save_for_backward(seq_offsets, timestamps, query_time)
-        ctx.args = (num_contextual, pos_table.shape[0], time_table.shape[0], x_scale, time_bucket_seconds, x.dtype,
-                    dropout)
+        ctx.args = (
+            num_contextual,
+            pos_table.shape[0],
+            time_table.shape[0],
+            x_scale,
+            time_bucket_seconds,
+            x.dtype,
+            dropout,
+        )
         ctx.table_dtypes = (pos_table.dtype, time_table.dtype)
         return out
 
@@ -54,29 +82,66 @@ def _unit_cols(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def position_time_encode(x: torch.Tensor, seq_offsets: torch.Tensor, timestamps: torch.Tensor,
-                         query_time: torch.Tensor, num_contextual: int, pos_table: torch.Tensor,
-                         time_table: torch.Tensor, x_scale: float, time_bucket_seconds: float = 60.0,
-                         kernels: str = "auto", dropout_p: float = 0.0, seed: int = 0, training: bool = False,
-                         row_offset: int = 0) -> torch.Tensor:
+def position_time_encode(
+    x: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    timestamps: torch.Tensor,
+    query_time: torch.Tensor,
+    num_contextual: int,
+    pos_table: torch.Tensor,
+    time_table: torch.Tensor,
+    x_scale: float,
+    time_bucket_seconds: float = 60.0,
+    kernels: str = "auto",
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    training: bool = False,
+    row_offset: int = 0,
+) -> torch.Tensor:
     """x [T', D] (sequences laid out by seq_offsets int64 [B+1]), timestamps int64 [T'],
     query_time int64 [B], pos_table [P, D], time_table [NT, D] -> [T', D] in x's dtype. Dropout
     with probability ``dropout_p`` when ``training``, its mask drawn from ``seed`` for the global
     rows from ``row_offset`` on (no draws at all without dropout)."""
     n, d = x.shape
     if pos_table.shape[1:] != (d,) or time_table.shape[1:] != (d,):
-        raise ValueError(f"position_time_encode: tables {tuple(pos_table.shape)} and {tuple(time_table.shape)} "
-                         f"must have {d} columns like x")
+        raise ValueError(
+            f"position_time_encode: tables {tuple(pos_table.shape)} and {tuple(time_table.shape)} "
+            f"must have {d} columns like x"
+        )
     if timestamps.shape != (n,) or query_time.shape != (seq_offsets.numel() - 1,):
-        raise ValueError(f"position_time_encode: timestamps {tuple(timestamps.shape)} must be [{n}] and "
-                         f"query_time {tuple(query_time.shape)} must be [{seq_offsets.numel() - 1}]")
+        raise ValueError(
+            f"position_time_encode: timestamps {tuple(timestamps.shape)} must be [{n}] and "
+            f"query_time {tuple(query_time.shape)} must be [{seq_offsets.numel() - 1}]"
+        )
     if not (math.isfinite(time_bucket_seconds) and time_bucket_seconds > 0):
         raise ValueError(f"position_time_encode: time_bucket_seconds={time_bucket_seconds} must be positive")
     seed, row_offset = check_dropout("position_time_encode", dropout_p, seed, row_offset)
     if resolve(kernels, x.device) == "pytorch":
-        return ref.position_time_encode(x, seq_offsets, timestamps, query_time, num_contextual, pos_table,
-                                        time_table, x_scale, time_bucket_seconds, dropout_p, seed, training,
-                                        row_offset)
+        return ref.position_time_encode(
+            x,
+            seq_offsets,
+            timestamps,
+            query_time,
+            num_contextual,
+            pos_table,
+            time_table,
+            x_scale,
+            time_bucket_seconds,
+            dropout_p,
+            seed,
+            training,
+            row_offset,
+        )
     dropout = (dropout_p, seed, row_offset) if training and dropout_p > 0.0 else None
-    return _PositionTimeFn.apply(x, seq_offsets, timestamps, query_time, num_contextual, pos_table, time_table,
-                                 x_scale, time_bucket_seconds, dropout)
+    return _PositionTimeFn.apply(
+        x,
+        seq_offsets,
+        timestamps,
+        query_time,
+        num_contextual,
+        pos_table,
+        time_table,
+        x_scale,
+        time_bucket_seconds,
+        dropout,
+    )

@@ -38,12 +38,31 @@ def _uq_vk(weight: torch.Tensor, num_heads: int, qk_dim: int, v_dim: int) -> tup
     return torch.cat([u, q]), torch.cat([v, k])
 
 
-def stu_candidate_layer(x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, *, norm_weight: torch.Tensor,
-                        norm_bias: torch.Tensor, norm_eps: float, uvqk_weight: torch.Tensor, uvqk_bias: torch.Tensor,
-                        attn_norm_weight: torch.Tensor, attn_norm_bias: torch.Tensor, out_weight: torch.Tensor,
-                        num_heads: int, qk_dim: int, v_dim: int, alpha: float, attn_eps: float, dropout_p: float,
-                        seed: int, training: bool, row_offset: int = 0, recompute: str = "none",
-                        kernels: str = "auto") -> torch.Tensor:
+def stu_candidate_layer(
+    x: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    max_seq_len: int,
+    *,
+    norm_weight: torch.Tensor,
+    norm_bias: torch.Tensor,
+    norm_eps: float,
+    uvqk_weight: torch.Tensor,
+    uvqk_bias: torch.Tensor,
+    attn_norm_weight: torch.Tensor,
+    attn_norm_bias: torch.Tensor,
+    out_weight: torch.Tensor,
+    num_heads: int,
+    qk_dim: int,
+    v_dim: int,
+    alpha: float,
+    attn_eps: float,
+    dropout_p: float,
+    seed: int,
+    training: bool,
+    row_offset: int = 0,
+    recompute: str = "none",
+    kernels: str = "auto",
+) -> torch.Tensor:
     """x [T, D] (jagged by seq_offsets, every sequence non-empty) -> [B, D]: the last row of each
     sequence of ``stu_layer(x, ...)`` with the same arguments (see the module docstring)."""
     if recompute not in RECOMPUTE_MODES:
@@ -61,8 +80,17 @@ def stu_candidate_layer(x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len:
         vk = F.linear(n, w_vk, b_vk)
         uq = F.linear(n.index_select(0, last), w_uq, b_uq)
         u, q = uq[:, :hv], uq[:, hv:].unflatten(1, (num_heads, qk_dim))
-        attn = candidate_attention(q, vk, seq_offsets, max_seq_len, num_heads=num_heads, qk_dim=qk_dim,
-                                   v_dim=v_dim, alpha=alpha, kernels=kernels).flatten(1)
+        attn = candidate_attention(
+            q,
+            vk,
+            seq_offsets,
+            max_seq_len,
+            num_heads=num_heads,
+            qk_dim=qk_dim,
+            v_dim=v_dim,
+            alpha=alpha,
+            kernels=kernels,
+        ).flatten(1)
         keep = keep_mask_of_rows(last + row_offset, hv, dropout_p, seed) if training and dropout_p > 0 else None
         y = output_block(u, attn, attn_norm_weight, attn_norm_bias, attn_eps, dropout_p, training, keep)
         return torch.addmm(x.index_select(0, last), y, out_weight.t())

@@ -34,8 +34,19 @@ class _CheapRecomputeFn(torch.autograd.Function):
     """The Triton layer keeping x, attn and the input norm's statistics only (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, uvqk_weight, uvqk_bias, attn_norm_weight, attn_norm_bias,
-                out_weight, seq_offsets, args):
+    def forward(
+        ctx,
+        x,
+        norm_weight,
+        norm_bias,
+        uvqk_weight,
+        uvqk_bias,
+        attn_norm_weight,
+        attn_norm_bias,
+        out_weight,
+        seq_offsets,
+        args,
+    ):
         from dlrmv4.ops.triton import layer_norm as tln
         from dlrmv4.ops.triton import output_block as tob
         from dlrmv4.ops.triton.attention import attention_fwd
@@ -46,8 +57,20 @@ class _CheapRecomputeFn(torch.autograd.Function):
         u, v, q, k = split_uvqk(uvqk, *dims)
         attn = attention_fwd(q, k, v, seq_offsets, None, max_seq_len, alpha).flatten(1)
         y = tob.forward(u, attn, attn_norm_weight, attn_norm_bias, attn_eps, *dropout)[0]
-        ctx.save_for_backward(x, mean, rstd, attn, norm_weight, norm_bias, uvqk_weight, uvqk_bias,
-                              attn_norm_weight, attn_norm_bias, out_weight, seq_offsets)
+        ctx.save_for_backward(
+            x,
+            mean,
+            rstd,
+            attn,
+            norm_weight,
+            norm_bias,
+            uvqk_weight,
+            uvqk_bias,
+            attn_norm_weight,
+            attn_norm_bias,
+            out_weight,
+            seq_offsets,
+        )
         ctx.args = args
         return torch.addmm(x, y, out_weight.to(x.dtype).t())
 
@@ -57,8 +80,20 @@ class _CheapRecomputeFn(torch.autograd.Function):
         from dlrmv4.ops.triton import output_block as tob
         from dlrmv4.ops.triton.attention import attention_bwd
 
-        (x, mean, rstd, attn, norm_weight, norm_bias, uvqk_weight, uvqk_bias, attn_norm_weight, attn_norm_bias,
-         out_weight, seq_offsets) = ctx.saved_tensors
+        (
+            x,
+            mean,
+            rstd,
+            attn,
+            norm_weight,
+            norm_bias,
+            uvqk_weight,
+            uvqk_bias,
+            attn_norm_weight,
+            attn_norm_bias,
+            out_weight,
+            seq_offsets,
+        ) = ctx.saved_tensors
         dims, max_seq_len, alpha, norm_eps, attn_eps, dropout = ctx.args
         dt = x.dtype
         dout = dout.contiguous()
@@ -74,11 +109,13 @@ class _CheapRecomputeFn(torch.autograd.Function):
         del y
         grad = torch.empty(uvqk.shape, dtype=dt, device=uvqk.device)
         du, dv, dq, dk = split_uvqk(grad, *dims)
-        _, dattn, d_attn_w, d_attn_b = tob.backward(u, attn, attn_norm_weight, attn_norm_bias, dy, attn_mean,
-                                                    attn_rstd, keep, dropout[0], du_out=du)
+        _, dattn, d_attn_w, d_attn_b = tob.backward(
+            u, attn, attn_norm_weight, attn_norm_bias, dy, attn_mean, attn_rstd, keep, dropout[0], du_out=du
+        )
         del dy, keep
-        attention_bwd(dattn.unflatten(1, (dims[0], dims[2])), q, k, v, seq_offsets, None, max_seq_len, alpha,
-                      out=(dq, dk, dv))
+        attention_bwd(
+            dattn.unflatten(1, (dims[0], dims[2])), q, k, v, seq_offsets, None, max_seq_len, alpha, out=(dq, dk, dv)
+        )
         del uvqk, dattn
         d_uvqk_weight = grad.t().mm(n)
         d_uvqk_bias = grad.sum(0, dtype=torch.float32)
@@ -86,15 +123,45 @@ class _CheapRecomputeFn(torch.autograd.Function):
         del grad, n
         dx, d_norm_w, d_norm_b = tln.backward(x, norm_weight, norm_bias, dn, mean, rstd, swish=False)
         dx += dout  # the residual
-        return (dx, d_norm_w, d_norm_b, d_uvqk_weight.to(uvqk_weight.dtype), d_uvqk_bias.to(uvqk_bias.dtype),
-                d_attn_w, d_attn_b, d_out_weight.to(out_weight.dtype), None, None)
+        return (
+            dx,
+            d_norm_w,
+            d_norm_b,
+            d_uvqk_weight.to(uvqk_weight.dtype),
+            d_uvqk_bias.to(uvqk_bias.dtype),
+            d_attn_w,
+            d_attn_b,
+            d_out_weight.to(out_weight.dtype),
+            None,
+            None,
+        )
 
 
-def stu_layer(x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, *, norm_weight: torch.Tensor,
-              norm_bias: torch.Tensor, norm_eps: float, uvqk_weight: torch.Tensor, uvqk_bias: torch.Tensor,
-              attn_norm_weight: torch.Tensor, attn_norm_bias: torch.Tensor, out_weight: torch.Tensor,
-              num_heads: int, qk_dim: int, v_dim: int, alpha: float, attn_eps: float, dropout_p: float, seed: int,
-              training: bool, row_offset: int = 0, recompute: str = "none", kernels: str = "auto") -> torch.Tensor:
+def stu_layer(
+    x: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    max_seq_len: int,
+    *,
+    norm_weight: torch.Tensor,
+    norm_bias: torch.Tensor,
+    norm_eps: float,
+    uvqk_weight: torch.Tensor,
+    uvqk_bias: torch.Tensor,
+    attn_norm_weight: torch.Tensor,
+    attn_norm_bias: torch.Tensor,
+    out_weight: torch.Tensor,
+    num_heads: int,
+    qk_dim: int,
+    v_dim: int,
+    alpha: float,
+    attn_eps: float,
+    dropout_p: float,
+    seed: int,
+    training: bool,
+    row_offset: int = 0,
+    recompute: str = "none",
+    kernels: str = "auto",
+) -> torch.Tensor:
     """x [T, D] (jagged by seq_offsets) -> x + STU(x), in x's dtype; ``max_seq_len`` is the
     attention's N; dropout masks from (``seed``, ``row_offset`` + row); ``recompute`` as in the
     module docstring."""
@@ -107,9 +174,23 @@ def stu_layer(x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, *, n
         return F.linear(layer_norm(x, norm_weight, norm_bias, norm_eps, kernels=kernels), uvqk_weight, uvqk_bias)
 
     def mix_and_project(x: torch.Tensor, uvqk: torch.Tensor) -> torch.Tensor:
-        y = stu_mixing(uvqk, seq_offsets, max_seq_len, num_heads=num_heads, qk_dim=qk_dim, v_dim=v_dim, alpha=alpha,
-                       norm_weight=attn_norm_weight, norm_bias=attn_norm_bias, eps=attn_eps, dropout_p=dropout_p,
-                       seed=seed, training=training, kernels=kernels, row_offset=row_offset)
+        y = stu_mixing(
+            uvqk,
+            seq_offsets,
+            max_seq_len,
+            num_heads=num_heads,
+            qk_dim=qk_dim,
+            v_dim=v_dim,
+            alpha=alpha,
+            norm_weight=attn_norm_weight,
+            norm_bias=attn_norm_bias,
+            eps=attn_eps,
+            dropout_p=dropout_p,
+            seed=seed,
+            training=training,
+            kernels=kernels,
+            row_offset=row_offset,
+        )
         # x + y W_out^T in one GEMM: the residual is the GEMM's C operand, not a separate pass.
         return torch.addmm(x, y, out_weight.t())
 
@@ -127,5 +208,15 @@ def stu_layer(x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, *, n
     x = x.to(dtype)
     dropout = (dropout_p, seed, training, row_offset)
     args = ((num_heads, qk_dim, v_dim), int(max_seq_len), float(alpha), norm_eps, attn_eps, dropout)
-    return _CheapRecomputeFn.apply(x.contiguous(), norm_weight, norm_bias, uvqk_weight, uvqk_bias, attn_norm_weight,
-                                   attn_norm_bias, out_weight, seq_offsets, args)
+    return _CheapRecomputeFn.apply(
+        x.contiguous(),
+        norm_weight,
+        norm_bias,
+        uvqk_weight,
+        uvqk_bias,
+        attn_norm_weight,
+        attn_norm_bias,
+        out_weight,
+        seq_offsets,
+        args,
+    )

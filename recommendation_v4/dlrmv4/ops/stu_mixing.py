@@ -56,10 +56,20 @@ class _STUMixingFn(torch.autograd.Function):
         grad = torch.empty(uvqk.shape, dtype=uvqk.dtype, device=uvqk.device)
         u, v, q, k = split_uvqk(uvqk, *ctx.dims)
         du, dv, dq, dk = split_uvqk(grad, *ctx.dims)
-        _, dattn, dw, db = tob.backward(u, attn, weight, bias, _unit_cols(dy), mean, rstd, keep, ctx.dropout_p,
-                                        du_out=du)
-        attention_bwd(dattn.unflatten(1, (num_heads, v_dim)), q, k, v, seq_offsets, None, ctx.max_seq_len,
-                      ctx.alpha, out=(dq, dk, dv))
+        _, dattn, dw, db = tob.backward(
+            u, attn, weight, bias, _unit_cols(dy), mean, rstd, keep, ctx.dropout_p, du_out=du
+        )
+        attention_bwd(
+            dattn.unflatten(1, (num_heads, v_dim)),
+            q,
+            k,
+            v,
+            seq_offsets,
+            None,
+            ctx.max_seq_len,
+            ctx.alpha,
+            out=(dq, dk, dv),
+        )
         return grad, dw, db, None, None, None, None, None, None
 
 
@@ -78,10 +88,25 @@ def _check(uvqk, seq_offsets, max_seq_len, num_heads, qk_dim, v_dim, weight, bia
     check_attention_inputs(q, k, v, seq_offsets, max_seq_len, None)
 
 
-def stu_mixing(uvqk: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, *, num_heads: int, qk_dim: int,
-               v_dim: int, alpha: float, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
-               eps: float, dropout_p: float, seed: int, training: bool, kernels: str = "auto",
-               keep_mask: torch.Tensor | None = None, row_offset: int = 0) -> torch.Tensor:
+def stu_mixing(
+    uvqk: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    max_seq_len: int,
+    *,
+    num_heads: int,
+    qk_dim: int,
+    v_dim: int,
+    alpha: float,
+    norm_weight: torch.Tensor | None,
+    norm_bias: torch.Tensor | None,
+    eps: float,
+    dropout_p: float,
+    seed: int,
+    training: bool,
+    kernels: str = "auto",
+    keep_mask: torch.Tensor | None = None,
+    row_offset: int = 0,
+) -> torch.Tensor:
     """uvqk [T, H·(2·Dv + 2·Dqk)] (columns u, v, q, k) -> y [T, 3·H·Dv] in uvqk's dtype (see the
     module docstring). seq_offsets [B+1] cumulative lengths; max_seq_len a host int (the longest
     sequence, also the attention's N); norm_weight, norm_bias [H·Dv] (or None) and eps of the
@@ -92,10 +117,34 @@ def stu_mixing(uvqk: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, 
     seed, row_offset = check_dropout("stu_mixing", dropout_p, seed, row_offset)
     max_seq_len = int(max_seq_len)
     if resolve(kernels, uvqk.device) == "pytorch":
-        return ref.stu_mixing(uvqk, seq_offsets, max_seq_len, num_heads, qk_dim, v_dim, alpha, norm_weight,
-                              norm_bias, eps, dropout_p, training, keep_mask, seed=seed, row_offset=row_offset)
+        return ref.stu_mixing(
+            uvqk,
+            seq_offsets,
+            max_seq_len,
+            num_heads,
+            qk_dim,
+            v_dim,
+            alpha,
+            norm_weight,
+            norm_bias,
+            eps,
+            dropout_p,
+            training,
+            keep_mask,
+            seed=seed,
+            row_offset=row_offset,
+        )
     uvqk = _unit_cols(uvqk)
     _, v, q, _ = split_uvqk(uvqk, num_heads, qk_dim, v_dim)
     check_triton_attention_inputs(q, v)
-    return _STUMixingFn.apply(uvqk, norm_weight, norm_bias, seq_offsets, (num_heads, qk_dim, v_dim), max_seq_len,
-                              float(alpha), eps, (dropout_p, seed, training, row_offset))
+    return _STUMixingFn.apply(
+        uvqk,
+        norm_weight,
+        norm_bias,
+        seq_offsets,
+        (num_heads, qk_dim, v_dim),
+        max_seq_len,
+        float(alpha),
+        eps,
+        (dropout_p, seed, training, row_offset),
+    )

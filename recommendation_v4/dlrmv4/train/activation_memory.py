@@ -30,7 +30,10 @@ FP32 = 4
 # exact shape, dtype and mode; results/end_to_end_recompute.md names the GPU and the commit.
 _REFERENCE = (512, 4, 128, 128, 3, 512, 256, 2, True)  # SPEC §5's model in bf16 with dropout
 MEASURED_BYTES_PER_TOKEN: dict[tuple, float] = {
-    (*_REFERENCE, "none"): 37.71 * 1024, (*_REFERENCE, "cheap"): 12.17 * 1024, (*_REFERENCE, "layer"): 9.15 * 1024}
+    (*_REFERENCE, "none"): 37.71 * 1024,
+    (*_REFERENCE, "cheap"): 12.17 * 1024,
+    (*_REFERENCE, "layer"): 9.15 * 1024,
+}
 
 
 @dataclass(frozen=True)
@@ -46,18 +49,38 @@ class ActivationShape:
     preprocessor_hidden: int
     item_tower_hidden: int
     head_hidden: int
-    dtype_bytes: int       # the sequence model's autocast dtype
-    linear_dropout: bool   # STU output dropout on: its keep bits are kept
+    dtype_bytes: int  # the sequence model's autocast dtype
+    linear_dropout: bool  # STU output dropout on: its keep bits are kept
 
     @classmethod
     def from_config(cls, model: ModelConfig) -> ActivationShape:
-        return cls(model.d_model, model.num_heads, model.qk_dim, model.v_dim, model.num_layers, model.embedding_dim,
-                   model.preprocessor_hidden, model.item_tower_hidden, model.head_hidden,
-                   DTYPE_BYTES[model.sequence_dtype], model.linear_dropout > 0)
+        return cls(
+            model.d_model,
+            model.num_heads,
+            model.qk_dim,
+            model.v_dim,
+            model.num_layers,
+            model.embedding_dim,
+            model.preprocessor_hidden,
+            model.item_tower_hidden,
+            model.head_hidden,
+            DTYPE_BYTES[model.sequence_dtype],
+            model.linear_dropout > 0,
+        )
 
     def key(self, mode: str) -> tuple:
-        return (self.d_model, self.num_heads, self.qk_dim, self.v_dim, self.num_layers, self.embedding_dim,
-                self.preprocessor_hidden, self.dtype_bytes, self.linear_dropout, mode)
+        return (
+            self.d_model,
+            self.num_heads,
+            self.qk_dim,
+            self.v_dim,
+            self.num_layers,
+            self.embedding_dim,
+            self.preprocessor_hidden,
+            self.dtype_bytes,
+            self.linear_dropout,
+            mode,
+        )
 
 
 def stu_kept_bytes_per_token(shape: ActivationShape, mode: str) -> int:
@@ -143,8 +166,11 @@ def kept_bytes_per_token(shape: ActivationShape, mode: str, max_seq_len: int, nu
     if measured is not None:
         return measured
     rows_share = (max_seq_len - num_contextual) / max_seq_len  # history + candidate rows per token
-    return (shape.num_layers * stu_kept_bytes_per_token(shape, mode)
-            + rows_share * preprocessor_bytes_per_row(shape) + sequence_row_bytes(shape))
+    return (
+        shape.num_layers * stu_kept_bytes_per_token(shape, mode)
+        + rows_share * preprocessor_bytes_per_row(shape)
+        + sequence_row_bytes(shape)
+    )
 
 
 @dataclass(frozen=True)
@@ -153,18 +179,25 @@ class ChunkActivations:
 
     samples: int
     tokens: int
-    kept: int          # what the forward keeps for the backward
-    transient: int     # the backward's extra peak in one STU layer
-    per_sample: int    # head, towers, contextual projections
-    lookup_copy: int   # chunks > 1: the chunk's own copy of its looked-up rows and that copy's gradient
+    kept: int  # what the forward keeps for the backward
+    transient: int  # the backward's extra peak in one STU layer
+    per_sample: int  # head, towers, contextual projections
+    lookup_copy: int  # chunks > 1: the chunk's own copy of its looked-up rows and that copy's gradient
 
     @property
     def total(self) -> int:
         return self.kept + self.transient + self.per_sample + self.lookup_copy
 
 
-def chunk_activations(shape: ActivationShape, mode: str, chunk_samples: int, max_seq_len: int,
-                      num_contextual: int, chunked: bool, candidate_copy: bool) -> ChunkActivations:
+def chunk_activations(
+    shape: ActivationShape,
+    mode: str,
+    chunk_samples: int,
+    max_seq_len: int,
+    num_contextual: int,
+    chunked: bool,
+    candidate_copy: bool,
+) -> ChunkActivations:
     tokens = chunk_samples * max_seq_len
     kept = math.ceil(tokens * kept_bytes_per_token(shape, mode, max_seq_len, num_contextual))
     transient = tokens * stu_backward_transient_per_token(shape, mode)

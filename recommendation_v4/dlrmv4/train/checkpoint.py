@@ -79,8 +79,9 @@ class ModelAndOptimizers(Stateful):
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizers, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"])
+        set_state_dict(
+            self.model, self.optimizers, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
+        )
 
 
 def _split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -175,8 +176,14 @@ def _prune(root: Path, keep: int, just_written: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def save_checkpoint(run_dir: str | os.PathLike, position: CheckpointPosition, state: dict[str, Any],
-                    keep_last: int, cluster: Cluster | None = None, rank_state: Any = None) -> Path:
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    position: CheckpointPosition,
+    state: dict[str, Any],
+    keep_last: int,
+    cluster: Cluster | None = None,
+    rank_state: Any = None,
+) -> Path:
     """Write ``run_dir/checkpoints/step-<position.step>/`` atomically and prune to ``keep_last``.
 
     ``state`` maps names to Stateful objects (``nn.Module``, ``ModelAndOptimizers``), saved by DCP
@@ -219,8 +226,7 @@ def _write_small_files(tmp: Path, position: CheckpointPosition, small_state: dic
     """position.json, state.pkl and, last, the marker over every file in ``tmp``."""
     _write_synced(tmp / POSITION_FILE, json.dumps(dataclasses.asdict(position), indent=1).encode())
     _write_synced(tmp / PICKLE_FILE, pickle.dumps(small_state, protocol=pickle.HIGHEST_PROTOCOL))
-    files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for p in _content_files(tmp)}
+    files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _content_files(tmp)}
     _write_synced(tmp / MARKER, json.dumps({"files": files}, indent=1, sort_keys=True).encode())
 
 
@@ -261,8 +267,9 @@ def load_small_state(path: str | os.PathLike) -> dict[str, Any]:
         return pickle.load(fh)
 
 
-def load_checkpoint(path: str | os.PathLike, state_template: dict[str, Any],
-                    cluster: Cluster | None = None) -> tuple[CheckpointPosition, dict[str, Any]]:
+def load_checkpoint(
+    path: str | os.PathLike, state_template: dict[str, Any], cluster: Cluster | None = None
+) -> tuple[CheckpointPosition, dict[str, Any]]:
     """Load a checkpoint written by ``save_checkpoint``.
 
     Stateful entries of ``state_template`` (modules, ``ModelAndOptimizers``) are restored in place

@@ -13,8 +13,15 @@ import torch
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.errors import UserError
 from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.train.checkpoint import (CheckpointCadence, CheckpointPosition, ModelAndOptimizers, latest_checkpoint,
-                                     load_checkpoint, load_small_state, save_checkpoint)
+from dlrmv4.train.checkpoint import (
+    CheckpointCadence,
+    CheckpointPosition,
+    ModelAndOptimizers,
+    latest_checkpoint,
+    load_checkpoint,
+    load_small_state,
+    save_checkpoint,
+)
 from dlrmv4.train.distributed import Cluster
 from dlrmv4.train.history import RunHistory
 from dlrmv4.train.resume_contract import changed_settings, run_settings
@@ -26,16 +33,23 @@ class Resumed:
     """What a checkpoint gives back besides the tensors it restored in place."""
 
     history: RunHistory
-    runlog: dict[str, Any]        # the MLPerf log's state, reopened only if the run goes on
-    window_loss: float            # this rank's running loss of the current window
+    runlog: dict[str, Any]  # the MLPerf log's state, reopened only if the run goes on
+    window_loss: float  # this rank's running loss of the current window
     window_steps: int
 
 
 class Checkpointer:
     """Writes and reads ``run_dir/checkpoints`` for one rank (collectively over the ranks)."""
 
-    def __init__(self, cfg: BenchmarkConfig, cluster: Cluster, model: DlrmHSTU, optimizer: torch.optim.Optimizer,
-                 embeddings, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        cfg: BenchmarkConfig,
+        cluster: Cluster,
+        model: DlrmHSTU,
+        optimizer: torch.optim.Optimizer,
+        embeddings,
+        log: Callable[[str], None],
+    ) -> None:
         self.cfg, self.cluster, self.model, self.optimizer, self.embeddings = cfg, cluster, model, optimizer, embeddings
         self.log = log
         self.cadence = CheckpointCadence(cfg.train)
@@ -46,21 +60,36 @@ class Checkpointer:
             due = self.cluster.any(due)  # clocks differ between ranks; the save is collective
         return due
 
-    def save(self, history: RunHistory, window: int, window_loss: torch.Tensor, window_steps: int,
-             runlog_state: dict[str, Any]) -> None:
-        position = CheckpointPosition(step=history.steps, samples_seen=history.samples, window=window,
-                                      batch_in_window=0, evals_done=len(history.evals))
+    def save(
+        self,
+        history: RunHistory,
+        window: int,
+        window_loss: torch.Tensor,
+        window_steps: int,
+        runlog_state: dict[str, Any],
+    ) -> None:
+        position = CheckpointPosition(
+            step=history.steps,
+            samples_seen=history.samples,
+            window=window,
+            batch_in_window=0,
+            evals_done=len(history.evals),
+        )
         # This rank's own streams and loss sum: a resume on the same world size continues them exactly.
-        own = {"rng": capture_rng_state({"dropout": self.model.dropout_generator}),
-               "window_loss": float(window_loss)}
+        own = {"rng": capture_rng_state({"dropout": self.model.dropout_generator}), "window_loss": float(window_loss)}
         # The mean over ranks: a resume on another world size continues the same number.
         mean_loss = float(self.cluster.all_reduce_(window_loss.clone())) / self.cluster.world_size
-        state = {"dense": ModelAndOptimizers(self.model, [self.optimizer]),
-                 "sparse": self.embeddings.checkpoint_state(),
-                 "window_accumulator": (mean_loss, window_steps),
-                 "runlog": runlog_state, "history": history, "settings": run_settings(self.cfg)}
-        path = save_checkpoint(self.cfg.train.run_dir, position, state, self.cfg.train.keep_last_checkpoints,
-                               self.cluster, rank_state=own)
+        state = {
+            "dense": ModelAndOptimizers(self.model, [self.optimizer]),
+            "sparse": self.embeddings.checkpoint_state(),
+            "window_accumulator": (mean_loss, window_steps),
+            "runlog": runlog_state,
+            "history": history,
+            "settings": run_settings(self.cfg),
+        }
+        path = save_checkpoint(
+            self.cfg.train.run_dir, position, state, self.cfg.train.keep_last_checkpoints, self.cluster, rank_state=own
+        )
         self.log(f"checkpoint {path.name} at step {history.steps}")
 
     def restore(self) -> Resumed | None:
@@ -69,8 +98,10 @@ class Checkpointer:
         if path is None:
             return None
         self.check_settings(Path(path))
-        template = {"dense": ModelAndOptimizers(self.model, [self.optimizer]),
-                    "sparse": self.embeddings.checkpoint_state()}
+        template = {
+            "dense": ModelAndOptimizers(self.model, [self.optimizer]),
+            "sparse": self.embeddings.checkpoint_state(),
+        }
         position, state = load_checkpoint(path, template, self.cluster)
         saved_world = len(state["rank_states"])
         mean_loss, window_steps = state["window_accumulator"]
@@ -84,8 +115,10 @@ class Checkpointer:
             reseed = resume_seed(self.cfg.seed, position.step, self.cluster.rank)
             torch.manual_seed(reseed)
             self.model.dropout_generator.manual_seed(reseed)
-            self.log(f"checkpoint written by {saved_world} process(es), resuming on {self.cluster.world_size}: "
-                     "random streams re-derived from the seed and the step")
+            self.log(
+                f"checkpoint written by {saved_world} process(es), resuming on {self.cluster.world_size}: "
+                "random streams re-derived from the seed and the step"
+            )
             window_loss = mean_loss
         self.log(f"resumed from {Path(path).name}: step {position.step}, {position.samples_seen:,} samples")
         return Resumed(state["history"], state["runlog"], window_loss, window_steps)
@@ -101,7 +134,9 @@ class Checkpointer:
             return
         listed = "; ".join(changed)
         if not self.cfg.train.allow_changed_settings:
-            raise UserError(f"the checkpoint {path} was written with other settings ({listed}): resume with the "
-                            "same flags, start over with --restart, or continue anyway with "
-                            "--allow-changed-settings true")
+            raise UserError(
+                f"the checkpoint {path} was written with other settings ({listed}): resume with the "
+                "same flags, start over with --restart, or continue anyway with "
+                "--allow-changed-settings true"
+            )
         self.log(f"resuming with changed settings (--allow-changed-settings): {listed}")

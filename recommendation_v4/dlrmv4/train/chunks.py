@@ -51,8 +51,8 @@ class ChunkedEmbeddings:
         t = self.emb.num_history_rows
         for buffer, leaf in zip(self.grads[:3], leaves.tensors()[:3]):
             grad = _grad_or_zeros(leaf)
-            buffer[h0:h1].copy_(grad[:h1 - h0])
-            buffer[t + start:t + stop].copy_(grad[h1 - h0:])
+            buffer[h0:h1].copy_(grad[: h1 - h0])
+            buffer[t + start : t + stop].copy_(grad[h1 - h0 :])
         for buffer, leaf in zip(self.grads[3:], leaves.tensors()[3:]):
             buffer[start:stop].copy_(_grad_or_zeros(leaf))
 
@@ -79,9 +79,16 @@ def chunked_logits(model: DlrmHSTU, batch: TorchJaggedBatch, emb: SequenceEmbedd
     bounds = chunk_bounds(batch.num_samples, chunks)
     if len(bounds) == 1:
         return model(batch, emb, context).logits
-    return torch.cat([model(batch.samples(start, stop),
-                            emb.samples(start, stop, batch.history_row(start), batch.history_row(stop)),
-                            chunk_context(model, batch, context, start)).logits for start, stop in bounds])
+    return torch.cat(
+        [
+            model(
+                batch.samples(start, stop),
+                emb.samples(start, stop, batch.history_row(start), batch.history_row(stop)),
+                chunk_context(model, batch, context, start),
+            ).logits
+            for start, stop in bounds
+        ]
+    )
 
 
 def gradient_sync(train_model: torch.nn.Module, last_chunk: bool):

@@ -61,8 +61,10 @@ class Cluster:
     def describe(self) -> str:
         if not self.distributed:
             return f"one process on {self.device}"
-        return (f"{self.world_size} processes ({self.local_world_size} per node, {self.backend}), "
-                f"rank {self.rank} on {self.device}")
+        return (
+            f"{self.world_size} processes ({self.local_world_size} per node, {self.backend}), "
+            f"rank {self.rank} on {self.device}"
+        )
 
     # -- host-side control messages --------------------------------------------------------
     def guard(self, what: str):
@@ -131,7 +133,7 @@ class Cluster:
         out = tensor.new_empty((self.world_size * longest, *tensor.shape[1:]))
         with self.guard("all_gather"):
             dist.all_gather_into_tensor(out, padded)
-        return torch.cat([out[r * longest: r * longest + n] for r, n in enumerate(sizes)])
+        return torch.cat([out[r * longest : r * longest + n] for r, n in enumerate(sizes)])
 
     # -- a rank's own failure ---------------------------------------------------------------
     def post_failure(self, line: str) -> None:
@@ -185,8 +187,10 @@ def lost_rank_error(cluster: Cluster, what: str, exc: BaseException) -> RankLost
     if posted is not None:
         return RankLostError(f"rank {cluster.rank} of {cluster.world_size}: {what} failed because {posted}")
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return RankLostError(f"rank {cluster.rank} of {cluster.world_size}: {what} failed, another rank exited or "
-                         f"stopped answering (timeout {cluster.timeout_seconds:g} s): {first_line[:200]}")
+    return RankLostError(
+        f"rank {cluster.rank} of {cluster.world_size}: {what} failed, another rank exited or "
+        f"stopped answering (timeout {cluster.timeout_seconds:g} s): {first_line[:200]}"
+    )
 
 
 def own_failure_line(cluster: Cluster, exc: BaseException) -> str:
@@ -206,16 +210,20 @@ def launched_world() -> tuple[int, int, int, int] | None:
         return None
     missing = [v for v in LAUNCHER_VARIABLES if v not in os.environ]
     if missing:
-        raise UserError(f"multi-process launch: {', '.join(missing)} not set (launch with torchrun, or "
-                        "run_and_time.sh, which sets them under SLURM)")
+        raise UserError(
+            f"multi-process launch: {', '.join(missing)} not set (launch with torchrun, or "
+            "run_and_time.sh, which sets them under SLURM)"
+        )
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     except ValueError as exc:
         raise UserError(f"multi-process launch: a rank variable is not an integer ({exc})") from exc
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise UserError(f"multi-process launch: RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local_rank}, "
-                        f"LOCAL_WORLD_SIZE={local_world} are inconsistent")
+        raise UserError(
+            f"multi-process launch: RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local_rank}, "
+            f"LOCAL_WORLD_SIZE={local_world} are inconsistent"
+        )
     return rank, world, local_rank, local_world
 
 
@@ -247,11 +255,19 @@ def start_cluster(cfg: DistributedConfig, need_group: bool = False) -> Cluster:
         if launched is None:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout,
-                                    device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(
+                backend,
+                init_method="env://",
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+                device_id=device if device.type == "cuda" else None,
+            )
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     except (RuntimeError, dist.DistError, ValueError) as exc:
-        raise UserError(f"rank {rank} of {world}: could not join the process group at "
-                        f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}: "
-                        f"{str(exc).strip().splitlines()[0][:200]}") from exc
+        raise UserError(
+            f"rank {rank} of {world}: could not join the process group at "
+            f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}: "
+            f"{str(exc).strip().splitlines()[0][:200]}"
+        ) from exc
     return Cluster(rank, world, local_rank, local_world, device, backend, control, cfg.timeout_seconds)

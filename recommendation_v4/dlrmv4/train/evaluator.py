@@ -24,8 +24,18 @@ class Evaluator:
     """Decides when an eval is due (``train.eval_mode``) and runs it: holdout mode scores the fixed
     holdout window at the eval cadence, next_window mode scores window T + 1 after train window T."""
 
-    def __init__(self, cfg: BenchmarkConfig, store: Store, model: DlrmHSTU, embeddings, chunks: int,
-                 cluster: Cluster, runlog: RunLog, train_samples: int, holdout: int) -> None:
+    def __init__(
+        self,
+        cfg: BenchmarkConfig,
+        store: Store,
+        model: DlrmHSTU,
+        embeddings,
+        chunks: int,
+        cluster: Cluster,
+        runlog: RunLog,
+        train_samples: int,
+        holdout: int,
+    ) -> None:
         self.cfg, self.store, self.model, self.embeddings = cfg, store, model, embeddings
         self.chunks, self.cluster, self.runlog = chunks, cluster, runlog
         self.train_samples, self.holdout = train_samples, holdout
@@ -42,9 +52,15 @@ class Evaluator:
         """Score ``eval_window`` (with the MLPerf eval events) and record it in ``history``."""
         started = time.perf_counter()
         auc = self.runlog.evaluation(history.samples, self.train_samples, lambda: self.auc(eval_window))
-        record = EvalRecord(samples_count=history.samples, step=history.steps, window=window, eval_window=eval_window,
-                            auc=auc, seconds=run_seconds + time.perf_counter() - started,
-                            eval_seconds=time.perf_counter() - started)
+        record = EvalRecord(
+            samples_count=history.samples,
+            step=history.steps,
+            window=window,
+            eval_window=eval_window,
+            auc=auc,
+            seconds=run_seconds + time.perf_counter() - started,
+            eval_seconds=time.perf_counter() - started,
+        )
         history.evals.append(record)
         if auc < self.cfg.train.target_auc:
             self.runlog.block_start(history.samples, self.train_samples)
@@ -70,5 +86,6 @@ class Evaluator:
             return acc.compute()
         sizes = [sum(share_size(p.stop - p.start, r, world, slicing) for p in plan) for r in range(world)]
         state = acc.state_dict()
-        return exact_auc(self.cluster.all_gather_rows(state["scores"], sizes),
-                         self.cluster.all_gather_rows(state["labels"], sizes))
+        return exact_auc(
+            self.cluster.all_gather_rows(state["scores"], sizes), self.cluster.all_gather_rows(state["labels"], sizes)
+        )

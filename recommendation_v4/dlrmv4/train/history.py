@@ -11,10 +11,10 @@ from typing import Any
 class EvalRecord:
     samples_count: int
     step: int
-    window: int       # the train window the loop was in
+    window: int  # the train window the loop was in
     eval_window: int  # the window scored
     auc: float
-    seconds: float    # since the run (first start) began
+    seconds: float  # since the run (first start) began
     eval_seconds: float = 0.0  # this eval's own time (scoring the window and the AUC)
 
 
@@ -26,7 +26,7 @@ class RunHistory:
     samples: int = 0
     evals: list[EvalRecord] = field(default_factory=list)
     window_losses: list[tuple[int, int, float]] = field(default_factory=list)  # (window, samples, mean loss)
-    throughput: list[tuple[float, float]] = field(default_factory=list)       # (seconds, samples/s) per window
+    throughput: list[tuple[float, float]] = field(default_factory=list)  # (seconds, samples/s) per window
     seconds: float = 0.0
     checkpoint_seconds: float = 0.0  # spent writing checkpoints (this process)
 

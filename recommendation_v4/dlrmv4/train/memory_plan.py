@@ -30,10 +30,18 @@ import torch
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
 from dlrmv4.errors import UserError
-from dlrmv4.model.embeddings.sharding import (DEFAULT_SHARDING, PLACEMENTS, SHARDING_TYPES, format_table_options,
-                                              parse_table_options, plan_shards, table_options, target_plan)
+from dlrmv4.model.embeddings.sharding import (
+    DEFAULT_SHARDING,
+    PLACEMENTS,
+    SHARDING_TYPES,
+    format_table_options,
+    parse_table_options,
+    plan_shards,
+    table_options,
+    target_plan,
+)
 from dlrmv4.model.embeddings.tables import TABLE_NAMES
-from dlrmv4.train.activation_memory import ActivationShape, ChunkActivations, DTYPE_BYTES, chunk_activations
+from dlrmv4.train.activation_memory import DTYPE_BYTES, ActivationShape, ChunkActivations, chunk_activations
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -80,9 +88,9 @@ def chunk_efficiency(samples: int) -> float:
 class Target:
     world_size: int
     gpus_per_node: int
-    device_kind: str       # "cuda" or "cpu" (on the CPU, device memory is this process's share of RAM)
-    device_memory: int     # bytes per process
-    host_memory: int       # bytes per node
+    device_kind: str  # "cuda" or "cpu" (on the CPU, device memory is this process's share of RAM)
+    device_memory: int  # bytes per process
+    host_memory: int  # bytes per node
     headroom_fraction: float
 
 
@@ -90,8 +98,8 @@ class Target:
 class TableUse:
     name: str
     rows: int
-    placement: str         # hbm, uvm, uvm_caching; "replicated" (plain), "memory" (CPU)
-    device_bytes: int      # on the fullest rank
+    placement: str  # hbm, uvm, uvm_caching; "replicated" (plain), "memory" (CPU)
+    device_bytes: int  # on the fullest rank
     host_bytes: int
 
 
@@ -116,9 +124,9 @@ class _Attempt:
     placement: dict[str, str] | None
     tables: tuple[TableUse, ...]
     candidates: tuple[Candidate, ...]
-    best: Candidate | None         # the fitting candidate with the smallest estimate
-    smallest: Candidate            # the candidate needing the least device memory
-    hbm_cap: int | None            # what the run's planner gets (None: no cap is written)
+    best: Candidate | None  # the fitting candidate with the smallest estimate
+    smallest: Candidate  # the candidate needing the least device memory
+    hbm_cap: int | None  # what the run's planner gets (None: no cap is written)
     planner_ok: bool
 
     @property
@@ -137,13 +145,13 @@ class MemoryPlan:
     sharding: dict[str, str] | None
     placement: dict[str, str] | None
     static: tuple[Consumer, ...]
-    step: tuple[Consumer, ...]     # without the activations (those are the candidate's)
-    candidate: Candidate           # the chosen one, or the smallest when nothing fits
+    step: tuple[Consumer, ...]  # without the activations (those are the candidate's)
+    candidate: Candidate  # the chosen one, or the smallest when nothing fits
     runner_up: Candidate | None
     fits: bool
-    host_needed: int               # per node
+    host_needed: int  # per node
     hbm_cap: int | None
-    problem: str                   # empty when it fits
+    problem: str  # empty when it fits
     knobs: tuple[str, ...]
 
     @property
@@ -170,11 +178,22 @@ class MemoryPlan:
             name = f"tables {'in HBM' if self.target.device_kind == 'cuda' else 'in memory'} ({what})"
         tables.append(Consumer(name, resident))
         if cache:
-            tables.append(Consumer(f"HBM cache of the uvm_caching tables ({CACHE_LOAD_FACTOR:.0%} of their rows)",
-                                   cache))
-        return tables + list(self.static) + list(self.step) + [Consumer(
-            f"activations of one chunk ({act.samples:,} samples, {act.tokens:,} tokens, recompute "
-            f"{self.candidate.recompute})", act.total, ("chunks",))]
+            tables.append(
+                Consumer(f"HBM cache of the uvm_caching tables ({CACHE_LOAD_FACTOR:.0%} of their rows)", cache)
+            )
+        return (
+            tables
+            + list(self.static)
+            + list(self.step)
+            + [
+                Consumer(
+                    f"activations of one chunk ({act.samples:,} samples, {act.tokens:,} tokens, recompute "
+                    f"{self.candidate.recompute})",
+                    act.total,
+                    ("chunks",),
+                )
+            ]
+        )
 
     def phase_bytes(self) -> dict[str, int]:
         return {p: sum(c.bytes for c in self.consumers() if p in c.phases) for p in PHASES}
@@ -186,44 +205,62 @@ class MemoryPlan:
     def describe(self) -> str:
         t = self.target
         where = "GPU" if t.device_kind == "cuda" else "CPU (device memory = this process's share of RAM)"
-        lines = [f"memory plan for {self.dataset}: {_count(t.world_size, 'process', 'processes')}, "
-                 f"{t.gpus_per_node:,} per node, on "
-                 f"{where}: {_gib(t.device_memory)} GiB per process, {_gib(t.host_memory)} GiB host per node; "
-                 f"{self.backend} embeddings",
-                 f"  global batch {self.global_batch:,}: {self.samples_per_rank:,} samples per process, at most "
-                 f"{self.max_seq_len:,} tokens each",
-                 f"  {'table':<18}{'rows':>13}  {'placement':<12}{'device GiB':>11}{'host GiB':>10}"
-                 "   (one process, the fullest)"]
+        lines = [
+            f"memory plan for {self.dataset}: {_count(t.world_size, 'process', 'processes')}, "
+            f"{t.gpus_per_node:,} per node, on "
+            f"{where}: {_gib(t.device_memory)} GiB per process, {_gib(t.host_memory)} GiB host per node; "
+            f"{self.backend} embeddings",
+            f"  global batch {self.global_batch:,}: {self.samples_per_rank:,} samples per process, at most "
+            f"{self.max_seq_len:,} tokens each",
+            f"  {'table':<18}{'rows':>13}  {'placement':<12}{'device GiB':>11}{'host GiB':>10}"
+            "   (one process, the fullest)",
+        ]
         for u in self.tables:
-            lines.append(f"  {u.name:<18}{u.rows:>13,}  {u.placement:<12}{_gib(u.device_bytes):>11}"
-                         f"{_gib(u.host_bytes):>10}")
-        lines.append(f"  {'all tables':<18}{sum(u.rows for u in self.tables):>13,}  {'':<12}"
-                     f"{_gib(sum(u.device_bytes for u in self.tables)):>11}"
-                     f"{_gib(sum(u.host_bytes for u in self.tables)):>10}")
+            lines.append(
+                f"  {u.name:<18}{u.rows:>13,}  {u.placement:<12}{_gib(u.device_bytes):>11}{_gib(u.host_bytes):>10}"
+            )
+        lines.append(
+            f"  {'all tables':<18}{sum(u.rows for u in self.tables):>13,}  {'':<12}"
+            f"{_gib(sum(u.device_bytes for u in self.tables)):>11}"
+            f"{_gib(sum(u.host_bytes for u in self.tables)):>10}"
+        )
         lines.append("  device memory per process:")
         for use in self.consumers():
             phases = f"  [{', '.join(use.phases)}]" if use.phases else ""
             lines.append(f"    {use.name:<86}{_gib(use.bytes):>9} GiB{phases}")
         peaks = self.phase_bytes()
-        lines.append("    the step's peak, the largest of its phases: " +
-                     ", ".join(f"{p} {_gib(b)}" for p, b in peaks.items()) + " GiB")
-        lines.append(f"    {'total: the run-long consumers + the step peak':<86}"
-                     f"{_gib(self.candidate.device_total):>9} GiB of {_gib(t.device_memory)}")
+        lines.append(
+            "    the step's peak, the largest of its phases: "
+            + ", ".join(f"{p} {_gib(b)}" for p, b in peaks.items())
+            + " GiB"
+        )
+        lines.append(
+            f"    {'total: the run-long consumers + the step peak':<86}"
+            f"{_gib(self.candidate.device_total):>9} GiB of {_gib(t.device_memory)}"
+        )
         if t.device_kind == "cuda":
             per_rank = max((sum(u.host_bytes for u in self.tables)), 0)
-            lines.append(f"  host memory per node: {t.gpus_per_node} x ({_gib(per_rank)} GiB of tables + "
-                         f"{_gib(PROCESS_HOST_BYTES)} GiB per process) = {_gib(self.host_needed)} GiB of "
-                         f"{_gib(t.host_memory)}")
+            lines.append(
+                f"  host memory per node: {t.gpus_per_node} x ({_gib(per_rank)} GiB of tables + "
+                f"{_gib(PROCESS_HOST_BYTES)} GiB per process) = {_gib(self.host_needed)} GiB of "
+                f"{_gib(t.host_memory)}"
+            )
         c = self.candidate
-        lines.append(f"  choice: recompute {c.recompute}, {_count(c.chunks, 'chunk', 'chunks')} of at most "
-                     f"{c.activations.samples:,} samples, estimated step time {c.estimate:.3f} x the best case")
+        lines.append(
+            f"  choice: recompute {c.recompute}, {_count(c.chunks, 'chunk', 'chunks')} of at most "
+            f"{c.activations.samples:,} samples, estimated step time {c.estimate:.3f} x the best case"
+        )
         if self.runner_up is not None:
             r = self.runner_up
-            lines.append(f"    best with another recompute mode: {r.recompute}, {_count(r.chunks, 'chunk', 'chunks')}, "
-                         f"{r.estimate:.3f}")
+            lines.append(
+                f"    best with another recompute mode: {r.recompute}, {_count(r.chunks, 'chunk', 'chunks')}, "
+                f"{r.estimate:.3f}"
+            )
         if self.hbm_cap is not None:
-            lines.append(f"    TorchRec's planner gets the tables' share of the device: hbm_cap_gib "
-                         f"{self.hbm_cap / GIB:.3f}, no reservation")
+            lines.append(
+                f"    TorchRec's planner gets the tables' share of the device: hbm_cap_gib "
+                f"{self.hbm_cap / GIB:.3f}, no reservation"
+            )
         if self.fits:
             lines.append(f"  verdict: fits, {_gib(t.device_memory - c.device_total)} GiB to spare per process")
         else:
@@ -235,9 +272,11 @@ class MemoryPlan:
         c, t = self.candidate, self.target
         moved = [u.name for u in self.tables if u.placement in ("uvm", "uvm_caching")]
         host = f", {', '.join(moved)} in host memory" if moved else ""
-        return (f"memory plan: {_count(c.chunks, 'chunk', 'chunks')} of at most {c.activations.samples:,} samples, "
-                f"recompute {c.recompute}{host}; {_gib(c.device_total)} of {_gib(t.device_memory)} GiB per process "
-                "(python -m dlrmv4 plan with the same flags prints the whole plan)")
+        return (
+            f"memory plan: {_count(c.chunks, 'chunk', 'chunks')} of at most {c.activations.samples:,} samples, "
+            f"recompute {c.recompute}{host}; {_gib(c.device_total)} of {_gib(t.device_memory)} GiB per process "
+            "(python -m dlrmv4 plan with the same flags prints the whole plan)"
+        )
 
     def refusal(self) -> str:
         """One line: why the run cannot fit and what would make it fit."""
@@ -256,10 +295,12 @@ class MemoryPlan:
         if self.backend == "torchrec":
             changes: dict[str, Any] = {}
             if self.sharding and len(parse_table_options(emb.sharding_types, "sharding_types", SHARDING_TYPES)) < len(
-                    TABLE_NAMES):
+                TABLE_NAMES
+            ):
                 changes["sharding_types"] = format_table_options(self.sharding)
             if self.placement and len(parse_table_options(emb.placement, "placement", tuple(PLACEMENTS))) < len(
-                    TABLE_NAMES):
+                TABLE_NAMES
+            ):
                 changes["placement"] = format_table_options(self.placement)
             if self.hbm_cap is not None and emb.hbm_cap_gib == 0:
                 changes["hbm_cap_gib"] = self.hbm_cap / GIB
@@ -277,9 +318,19 @@ def _count(n: int, one: str, many: str) -> str:
 
 # -- the plan -------------------------------------------------------------------------------------
 
-def make_memory_plan(cfg: BenchmarkConfig, *, world_size: int, gpus_per_node: int, device_kind: str,
-                     device_memory_bytes: int, host_memory_bytes: int, table_counts: tuple[int, int, int],
-                     backend: str | None = None, suggest: bool = True) -> MemoryPlan:
+
+def make_memory_plan(
+    cfg: BenchmarkConfig,
+    *,
+    world_size: int,
+    gpus_per_node: int,
+    device_kind: str,
+    device_memory_bytes: int,
+    host_memory_bytes: int,
+    table_counts: tuple[int, int, int],
+    backend: str | None = None,
+    suggest: bool = True,
+) -> MemoryPlan:
     """The plan for ``world_size`` processes of ``device_kind`` ("cuda" or "cpu"); pure: nothing is
     allocated and no process group is needed. ``backend`` None: the config's, auto as a run resolves
     it (TorchRec when it imports and there are several processes). ``suggest``: search a world size
@@ -289,21 +340,39 @@ def make_memory_plan(cfg: BenchmarkConfig, *, world_size: int, gpus_per_node: in
     backend = backend or target_backend(cfg, world_size)
     gbs = cfg.loader.batch_size
     if world_size < 1 or gbs % world_size:
-        raise UserError(f"the global batch size {gbs:,} does not split evenly over {world_size:,} processes: use a "
-                        "multiple of the world size")
+        raise UserError(
+            f"the global batch size {gbs:,} does not split evenly over {world_size:,} processes: use a "
+            "multiple of the world size"
+        )
     emb = cfg.embeddings
     if backend == "plain" and (emb.sharding_types or emb.placement or emb.qcomm != "none"):
-        raise UserError("embeddings.sharding_types, placement and qcomm are TorchRec settings: the plain backend "
-                        "keeps a replica of every table on each rank")
-    target = Target(world_size, max(1, min(gpus_per_node, world_size)), device_kind, int(device_memory_bytes),
-                    int(host_memory_bytes), cfg.plan.plan_headroom_fraction)
+        raise UserError(
+            "embeddings.sharding_types, placement and qcomm are TorchRec settings: the plain backend "
+            "keeps a replica of every table on each rank"
+        )
+    target = Target(
+        world_size,
+        max(1, min(gpus_per_node, world_size)),
+        device_kind,
+        int(device_memory_bytes),
+        int(host_memory_bytes),
+        cfg.plan.plan_headroom_fraction,
+    )
     rows = {s.name: s.rows for s in table_specs(cfg, *table_counts)}
-    static = [_dense(cfg, world_size), Consumer(f"headroom ({cfg.plan.plan_headroom_fraction:.0%} of the device)",
-                                                int(cfg.plan.plan_headroom_fraction * device_memory_bytes))]
+    static = [
+        _dense(cfg, world_size),
+        Consumer(
+            f"headroom ({cfg.plan.plan_headroom_fraction:.0%} of the device)",
+            int(cfg.plan.plan_headroom_fraction * device_memory_bytes),
+        ),
+    ]
     step = _step_consumers(cfg, target, backend)
     candidates = _candidate_settings(cfg, gbs // world_size)
-    sharding = (table_options(emb.sharding_types, "sharding_types", SHARDING_TYPES, DEFAULT_SHARDING)
-                if backend == "torchrec" else None)
+    sharding = (
+        table_options(emb.sharding_types, "sharding_types", SHARDING_TYPES, DEFAULT_SHARDING)
+        if backend == "torchrec"
+        else None
+    )
     fixed = parse_table_options(emb.placement, "placement", tuple(PLACEMENTS)) if backend == "torchrec" else {}
     placement = None
     if backend == "torchrec" and device_kind == "cuda":
@@ -341,12 +410,29 @@ def make_memory_plan(cfg: BenchmarkConfig, *, world_size: int, gpus_per_node: in
     chosen = tried.best if tried.best is not None else tried.smallest
     runner_up = None
     if fits:
-        others = [c for c in tried.candidates
-                  if c.device_total <= device_memory_bytes and c.recompute != chosen.recompute]
+        others = [
+            c for c in tried.candidates if c.device_total <= device_memory_bytes and c.recompute != chosen.recompute
+        ]
         runner_up = min(others, key=_rank) if others else None
-    plan = MemoryPlan(cfg.dataset.name, target, backend, gbs, cfg.sampler.max_seq_len, tried.tables, sharding,
-                      tried.placement, tuple(static), tuple(step), chosen, runner_up, fits, host_needed,
-                      tried.hbm_cap if tried.device_fits else None, "", ())
+    plan = MemoryPlan(
+        cfg.dataset.name,
+        target,
+        backend,
+        gbs,
+        cfg.sampler.max_seq_len,
+        tried.tables,
+        sharding,
+        tried.placement,
+        tuple(static),
+        tuple(step),
+        chosen,
+        runner_up,
+        fits,
+        host_needed,
+        tried.hbm_cap if tried.device_fits else None,
+        "",
+        (),
+    )
     if fits:
         return plan
     problem, knobs = _diagnose(plan, cfg, tried, host_ok, table_counts, suggest)
@@ -383,15 +469,17 @@ def _candidate_settings(cfg: BenchmarkConfig, samples: int) -> list[tuple[str, i
     return [(m, n) for m in modes for n in counts]
 
 
-def _candidate(cfg: BenchmarkConfig, target: Target, backend: str, mode: str, chunks: int, run_long: int,
-               step: list[Consumer]) -> Candidate:
+def _candidate(
+    cfg: BenchmarkConfig, target: Target, backend: str, mode: str, chunks: int, run_long: int, step: list[Consumer]
+) -> Candidate:
     samples = cfg.loader.batch_size // target.world_size
     chunk_samples = -(-samples // max(1, min(chunks, samples)))
     shape = ActivationShape.from_config(cfg.model)
     # TorchRec hands the candidates' rows over in the sequence dtype: the item tower copies them to fp32.
     copy = backend == "torchrec" and shape.dtype_bytes != 4
-    act = chunk_activations(shape, mode, chunk_samples, cfg.sampler.max_seq_len, NUM_CONTEXTUAL,
-                            chunks > 1 and samples > 1, copy)
+    act = chunk_activations(
+        shape, mode, chunk_samples, cfg.sampler.max_seq_len, NUM_CONTEXTUAL, chunks > 1 and samples > 1, copy
+    )
     peak = max(sum(c.bytes for c in step if p in c.phases) + (act.total if p == "chunks" else 0) for p in PHASES)
     return Candidate(mode, chunks, act, run_long + peak, RECOMPUTE_COST[mode] * chunk_efficiency(chunk_samples))
 
@@ -408,8 +496,11 @@ def _attempt(cfg, target, backend, rows, sharding, placement, static, step, cand
     if best is not None and backend == "torchrec" and target.device_kind == "cuda":
         # TorchRec's planner in the run gets the device memory the other consumers leave to the
         # tables (or the configured cap), and no reservation: check that it finds the same plan.
-        hbm_cap = (int(cfg.embeddings.hbm_cap_gib * GIB) if cfg.embeddings.hbm_cap_gib > 0 else
-                   (target.device_memory - (best.device_total - table_device)) // MIB * MIB)
+        hbm_cap = (
+            int(cfg.embeddings.hbm_cap_gib * GIB)
+            if cfg.embeddings.hbm_cap_gib > 0
+            else (target.device_memory - (best.device_total - table_device)) // MIB * MIB
+        )
         planner_ok = _planner_plan(cfg, target, rows, sharding, placement, hbm_cap) is not None
     return _Attempt(placement, tables, tuple(all_candidates), best, smallest, hbm_cap, planner_ok)
 
@@ -417,10 +508,18 @@ def _attempt(cfg, target, backend, rows, sharding, placement, static, step, cand
 def _planner_plan(cfg, target: Target, rows, sharding, placement, hbm_cap: int | None):
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     out = dtype[cfg.model.sequence_dtype] if target.device_kind == "cuda" else torch.float32
-    return target_plan(rows, cfg.model.embedding_dim, sharding, placement, world_size=target.world_size,
-                       local_world_size=target.gpus_per_node, compute_device=target.device_kind,
-                       hbm_cap_bytes=hbm_cap if target.device_kind == "cuda" else None,
-                       ddr_cap_bytes=PLANNER_UNLIMITED, output_dtype=out)
+    return target_plan(
+        rows,
+        cfg.model.embedding_dim,
+        sharding,
+        placement,
+        world_size=target.world_size,
+        local_world_size=target.gpus_per_node,
+        compute_device=target.device_kind,
+        hbm_cap_bytes=hbm_cap if target.device_kind == "cuda" else None,
+        ddr_cap_bytes=PLANNER_UNLIMITED,
+        output_dtype=out,
+    )
 
 
 def _table_layout(cfg, target: Target, backend: str, rows: dict[str, int], sharding, placement) -> tuple[TableUse, ...]:
@@ -430,8 +529,10 @@ def _table_layout(cfg, target: Target, backend: str, rows: dict[str, int], shard
         return tuple(TableUse(n, r, "replicated", r * dim * 4 + r * 4, 0) for n, r in rows.items())
     plan = _planner_plan(cfg, target, rows, sharding, placement, PLANNER_UNLIMITED)
     if plan is None:
-        raise UserError(f"TorchRec's planner found no layout for these tables on {target.world_size:,} rank(s) "
-                        "(embeddings.sharding_types)")
+        raise UserError(
+            f"TorchRec's planner found no layout for these tables on {target.world_size:,} rank(s) "
+            "(embeddings.sharding_types)"
+        )
     kernels = {v: k for k, v in PLACEMENTS.items()}
     device: dict[int, dict[str, int]] = {}
     host: dict[int, dict[str, int]] = {}
@@ -445,8 +546,16 @@ def _table_layout(cfg, target: Target, backend: str, rows: dict[str, int], shard
         host[shard.rank][shard.table] += shard.bytes if where in ("uvm", "uvm_caching") else 0
     fullest = max(range(target.world_size), key=lambda r: (sum(device.get(r, {}).values()), -r))
     host_rank = max(range(target.world_size), key=lambda r: (sum(host.get(r, {}).values()), -r))
-    return tuple(TableUse(n, rows[n], placement[n] if placement else "memory", device.get(fullest, {}).get(n, 0),
-                          host.get(host_rank, {}).get(n, 0)) for n in rows)
+    return tuple(
+        TableUse(
+            n,
+            rows[n],
+            placement[n] if placement else "memory",
+            device.get(fullest, {}).get(n, 0),
+            host.get(host_rank, {}).get(n, 0),
+        )
+        for n in rows
+    )
 
 
 def _dense(cfg: BenchmarkConfig, world_size: int) -> Consumer:
@@ -470,59 +579,82 @@ def _step_consumers(cfg: BenchmarkConfig, target: Target, backend: str) -> list[
     name = cfg.model.sequence_dtype
     # The batch (int64 ids and timestamps, uint8 actions) twice: the prefetcher copies the next one ahead.
     batch = 2 * (history * (SHARED_TABLES * 8 + 8 + 1) + samples * (NUM_CONTEXTUAL * 8 + SHARED_TABLES * 8 + 64))
-    out = [Consumer("the batch (and the next one, prefetched) and the lookup's ids", batch + 2 * rows * 8, PHASES),
-           Consumer(f"looked-up rows, {name} ({rows:,} rows x {e})", rows * e * s, PHASES),
-           Consumer(f"their gradients, {name}", rows * e * s, ("chunks", "update"))]
+    out = [
+        Consumer("the batch (and the next one, prefetched) and the lookup's ids", batch + 2 * rows * 8, PHASES),
+        Consumer(f"looked-up rows, {name} ({rows:,} rows x {e})", rows * e * s, PHASES),
+        Consumer(f"their gradients, {name}", rows * e * s, ("chunks", "update")),
+    ]
     if backend == "torchrec" and target.world_size > 1:
         # Without qcomm the all-to-all carries the lookup's output dtype (the sequence dtype on GPUs).
         c = 2 if cfg.embeddings.qcomm != "none" else (s if target.device_kind == "cuda" else 4)
         comm = cfg.embeddings.qcomm if cfg.embeddings.qcomm != "none" else ("fp32" if c == 4 else name)
-        out += [Consumer(f"embedding all-to-all send buffer, {comm}", rows * e * c, ("lookup",)),
-                Consumer(f"embedding all-to-all gradients received, {comm}", rows * e * c, ("update",))]
+        out += [
+            Consumer(f"embedding all-to-all send buffer, {comm}", rows * e * c, ("lookup",)),
+            Consumer(f"embedding all-to-all gradients received, {comm}", rows * e * c, ("update",)),
+        ]
     if backend == "plain":
         cand = samples * SHARED_TABLES * e * 4
         out.append(Consumer("the candidates' fp32 rows and their gradient", 2 * cand, PHASES))
         # The update sums each row's gradients in fp32; on several ranks every rank's rows are gathered.
         gathered = rows * e * 4 * (1 + (target.world_size if target.world_size > 1 else 0))
-        out.append(Consumer("the sparse update's fp32 gradients" + (" (all ranks', gathered)" if target.world_size > 1
-                                                                    else ""), gathered, ("update",)))
+        out.append(
+            Consumer(
+                "the sparse update's fp32 gradients" + (" (all ranks', gathered)" if target.world_size > 1 else ""),
+                gathered,
+                ("update",),
+            )
+        )
     return out
 
 
-def _diagnose(plan: MemoryPlan, cfg: BenchmarkConfig, tried: _Attempt, host_ok: bool,
-              table_counts: tuple[int, int, int], suggest: bool) -> tuple[str, list[str]]:
+def _diagnose(
+    plan: MemoryPlan,
+    cfg: BenchmarkConfig,
+    tried: _Attempt,
+    host_ok: bool,
+    table_counts: tuple[int, int, int],
+    suggest: bool,
+) -> tuple[str, list[str]]:
     t = plan.target
     unit = "GPU" if t.device_kind == "cuda" else "process"
     in_host = [u.name for u in plan.tables if u.host_bytes]
     if tried.device_fits and not host_ok:
         per_rank = sum(u.host_bytes for u in plan.tables)
-        return (f"{plan.dataset} fits the GPUs with {', '.join(in_host)} in host memory, but that needs "
-                f"{_gib(plan.host_needed)} GiB of host memory per node of {_gib(t.host_memory)} GiB (the largest "
-                f"consumer: those tables, {_gib(per_rank)} GiB per process x {t.gpus_per_node} per node)",
-                _more_gpus(cfg, plan, table_counts, suggest) +
-                ["fewer processes per node (--plan-gpus-per-node) or more host memory (--plan-host-memory-gib)"])
+        return (
+            f"{plan.dataset} fits the GPUs with {', '.join(in_host)} in host memory, but that needs "
+            f"{_gib(plan.host_needed)} GiB of host memory per node of {_gib(t.host_memory)} GiB (the largest "
+            f"consumer: those tables, {_gib(per_rank)} GiB per process x {t.gpus_per_node} per node)",
+            _more_gpus(cfg, plan, table_counts, suggest)
+            + ["fewer processes per node (--plan-gpus-per-node) or more host memory (--plan-host-memory-gib)"],
+        )
     c = plan.candidate
     big = plan.largest_consumer()
-    problem = (f"{plan.dataset} needs {_gib(c.device_total)} GiB per {unit} of {_gib(t.device_memory)} GiB "
-               f"({_count(t.world_size, unit, unit + 'es' if unit == 'process' else unit + 's')}, "
-               f"{plan.samples_per_rank:,} samples each; at best: recompute {c.recompute}, "
-               f"{_count(c.chunks, 'chunk', 'chunks')}"
-               + (f", {', '.join(in_host)} in host memory" if in_host else "") +
-               f"); the largest consumer: {big.name}, {_gib(big.bytes)} GiB")
+    problem = (
+        f"{plan.dataset} needs {_gib(c.device_total)} GiB per {unit} of {_gib(t.device_memory)} GiB "
+        f"({_count(t.world_size, unit, unit + 'es' if unit == 'process' else unit + 's')}, "
+        f"{plan.samples_per_rank:,} samples each; at best: recompute {c.recompute}, "
+        f"{_count(c.chunks, 'chunk', 'chunks')}"
+        + (f", {', '.join(in_host)} in host memory" if in_host else "")
+        + f"); the largest consumer: {big.name}, {_gib(big.bytes)} GiB"
+    )
     if tried.best is not None and not tried.planner_ok:
-        problem += (f"; TorchRec's planner finds no layout within the tables' HBM cap {_gib(tried.hbm_cap or 0)} GiB "
-                    "(embeddings.hbm_cap_gib)")
+        problem += (
+            f"; TorchRec's planner finds no layout within the tables' HBM cap {_gib(tried.hbm_cap or 0)} GiB "
+            "(embeddings.hbm_cap_gib)"
+        )
     knobs = []
     if plan.backend == "plain":
         knobs += _more_gpus(cfg, plan, table_counts, suggest, backend="torchrec")
     else:
         knobs += _more_gpus(cfg, plan, table_counts, suggest)
         if t.device_kind == "cuda":
-            in_hbm = sorted((u for u in plan.tables if u.placement == "hbm" and u.device_bytes),
-                            key=lambda u: -u.device_bytes)[:3]
+            in_hbm = sorted(
+                (u for u in plan.tables if u.placement == "hbm" and u.device_bytes), key=lambda u: -u.device_bytes
+            )[:3]
             if in_hbm:
-                knobs.append("--placement '" + ",".join(f"{u.name}=uvm_caching" for u in in_hbm) +
-                             "' (tables in host memory)")
+                knobs.append(
+                    "--placement '" + ",".join(f"{u.name}=uvm_caching" for u in in_hbm) + "' (tables in host memory)"
+                )
     if cfg.train.chunks:
         knobs.append(f"--chunks 0 (the plan picks) or more than {cfg.train.chunks:,}")
     if cfg.model.recompute not in ("auto", "layer"):
@@ -532,9 +664,10 @@ def _diagnose(plan: MemoryPlan, cfg: BenchmarkConfig, tried: _Attempt, host_ok: 
     return problem, knobs
 
 
-def _more_gpus(cfg: BenchmarkConfig, plan: MemoryPlan, table_counts, suggest: bool,
-               backend: str | None = None) -> list[str]:
-    """"more GPUs", with the smallest world size that fits (doubling, at most 64 x) when found."""
+def _more_gpus(
+    cfg: BenchmarkConfig, plan: MemoryPlan, table_counts, suggest: bool, backend: str | None = None
+) -> list[str]:
+    """ "more GPUs", with the smallest world size that fits (doubling, at most 64 x) when found."""
     t = plan.target
     unit = "GPUs" if t.device_kind == "cuda" else "processes"
     switch = "--embedding-backend torchrec with " if backend else ""
@@ -545,10 +678,17 @@ def _more_gpus(cfg: BenchmarkConfig, plan: MemoryPlan, table_counts, suggest: bo
             if cfg.loader.batch_size % world:
                 break
             try:
-                bigger = make_memory_plan(cfg, world_size=world, gpus_per_node=min(world, max(t.gpus_per_node, 8)),
-                                          device_kind=t.device_kind, device_memory_bytes=t.device_memory,
-                                          host_memory_bytes=t.host_memory, table_counts=table_counts,
-                                          backend=backend or plan.backend, suggest=False)
+                bigger = make_memory_plan(
+                    cfg,
+                    world_size=world,
+                    gpus_per_node=min(world, max(t.gpus_per_node, 8)),
+                    device_kind=t.device_kind,
+                    device_memory_bytes=t.device_memory,
+                    host_memory_bytes=t.host_memory,
+                    table_counts=table_counts,
+                    backend=backend or plan.backend,
+                    suggest=False,
+                )
             except UserError:
                 break
             if bigger.fits:
@@ -557,6 +697,7 @@ def _more_gpus(cfg: BenchmarkConfig, plan: MemoryPlan, table_counts, suggest: bo
 
 
 # -- defaults from the config and this machine ---------------------------------------------------
+
 
 def table_counts_for(cfg: BenchmarkConfig) -> tuple[int, int, int]:
     """(items, artists, albums): from the prepared store, else Yambda-5B's published counts, else
@@ -573,8 +714,10 @@ def table_counts_for(cfg: BenchmarkConfig) -> tuple[int, int, int]:
     emb = cfg.embeddings
     if emb.item_rows and emb.artist_rows and emb.album_rows:
         return emb.item_rows, emb.artist_rows, emb.album_rows
-    raise UserError(f"no prepared store at {path} to size the item/artist/album tables: prepare the data "
-                    "(python -m dlrmv4 prepare with the same flags) or set --item-rows, --artist-rows and --album-rows")
+    raise UserError(
+        f"no prepared store at {path} to size the item/artist/album tables: prepare the data "
+        "(python -m dlrmv4 prepare with the same flags) or set --item-rows, --artist-rows and --album-rows"
+    )
 
 
 def plan_for_config(cfg: BenchmarkConfig, table_counts: tuple[int, int, int] | None = None) -> MemoryPlan:
@@ -582,8 +725,11 @@ def plan_for_config(cfg: BenchmarkConfig, table_counts: tuple[int, int, int] | N
     environment and this machine. A device memory given in the config means a GPU target."""
     p = cfg.plan
     world = p.plan_world_size or int(os.environ.get("WORLD_SIZE", "1") or 1)
-    per_node = p.plan_gpus_per_node or (int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-                                        if not p.plan_world_size else 0) or min(world, 8)
+    per_node = (
+        p.plan_gpus_per_node
+        or (int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) if not p.plan_world_size else 0)
+        or min(world, 8)
+    )
     kind = "cuda" if torch.cuda.is_available() or p.plan_device_memory_gib > 0 else "cpu"
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device(kind)
     return _plan_on(cfg, world, per_node, kind, device, table_counts or table_counts_for(cfg), None)
@@ -595,12 +741,20 @@ def plan_for_run(cfg: BenchmarkConfig, cluster, table_counts: tuple[int, int, in
     from dlrmv4.model.embeddings import resolve_backend
 
     backend = resolve_backend(cfg, cluster.device)
-    return _plan_on(cfg, cluster.world_size, cluster.local_world_size, cluster.device.type, cluster.device,
-                    table_counts, backend)
+    return _plan_on(
+        cfg, cluster.world_size, cluster.local_world_size, cluster.device.type, cluster.device, table_counts, backend
+    )
 
 
-def _plan_on(cfg: BenchmarkConfig, world: int, per_node: int, kind: str, device: torch.device,
-             table_counts: tuple[int, int, int], backend: str | None) -> MemoryPlan:
+def _plan_on(
+    cfg: BenchmarkConfig,
+    world: int,
+    per_node: int,
+    kind: str,
+    device: torch.device,
+    table_counts: tuple[int, int, int],
+    backend: str | None,
+) -> MemoryPlan:
     p = cfg.plan
     if p.plan_device_memory_gib > 0:
         device_memory = int(p.plan_device_memory_gib * GIB)
@@ -609,9 +763,16 @@ def _plan_on(cfg: BenchmarkConfig, world: int, per_node: int, kind: str, device:
     else:  # the local processes share this machine's RAM
         device_memory = _meminfo("MemAvailable") // max(per_node, 1)
     host = int(p.plan_host_memory_gib * GIB) if p.plan_host_memory_gib > 0 else _meminfo("MemTotal")
-    return make_memory_plan(cfg, world_size=world, gpus_per_node=per_node, device_kind=kind,
-                            device_memory_bytes=device_memory, host_memory_bytes=host, table_counts=table_counts,
-                            backend=backend)
+    return make_memory_plan(
+        cfg,
+        world_size=world,
+        gpus_per_node=per_node,
+        device_kind=kind,
+        device_memory_bytes=device_memory,
+        host_memory_bytes=host,
+        table_counts=table_counts,
+        backend=backend,
+    )
 
 
 def _meminfo(key: str) -> int:

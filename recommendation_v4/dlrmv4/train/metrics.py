@@ -18,8 +18,10 @@ def _check_counts(num_pos: float, num_neg: float, bad_labels: float, bad_scores:
     if bad_scores:
         raise ValueError(f"AUC scores must be finite; {int(bad_scores)} are NaN or infinite")
     if num_pos == 0 or num_neg == 0:
-        raise ValueError(f"AUC is undefined with one class only ({int(num_pos)} positives, "
-                         f"{int(num_neg)} negatives); evaluate on data with both labels")
+        raise ValueError(
+            f"AUC is undefined with one class only ({int(num_pos)} positives, "
+            f"{int(num_neg)} negatives); evaluate on data with both labels"
+        )
 
 
 def exact_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -46,12 +48,14 @@ def exact_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     last = torch.cummin(torch.where(ends_group, index, n).flip(0), dim=0).values.flip(0)
     ranks = (first + last).double() / 2 + 1
     num_pos = sorted_labels.sum()
-    stats = torch.stack([
-        (ranks * sorted_labels).sum(),
-        num_pos,
-        ((sorted_labels != 0) & (sorted_labels != 1)).sum().double(),
-        (~torch.isfinite(sorted_scores)).sum().double(),
-    ]).tolist()  # the one host read
+    stats = torch.stack(
+        [
+            (ranks * sorted_labels).sum(),
+            num_pos,
+            ((sorted_labels != 0) & (sorted_labels != 1)).sum().double(),
+            (~torch.isfinite(sorted_scores)).sum().double(),
+        ]
+    ).tolist()  # the one host read
     rank_sum, num_pos, bad_labels, bad_scores = stats
     num_neg = n - num_pos
     _check_counts(num_pos, num_neg, bad_labels, bad_scores)

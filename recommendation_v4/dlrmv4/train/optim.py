@@ -21,8 +21,10 @@ class TrainingDivergedError(UserError):
     def __init__(self, step: int, window: int):
         self.step = step
         self.window = window
-        super().__init__(f"training diverged: non-finite loss at step {step} (window {window}); lower the "
-                         "learning rate or resume from an earlier checkpoint")
+        super().__init__(
+            f"training diverged: non-finite loss at step {step} (window {window}); lower the "
+            "learning rate or resume from an earlier checkpoint"
+        )
 
 
 def make_dense_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Adam:
@@ -35,9 +37,14 @@ def make_dense_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig)
     if not params:
         raise ValueError("make_dense_optimizer got no parameters")
     on_gpu = all(p.device.type == "cuda" and p.is_floating_point() for p in params)
-    return torch.optim.Adam(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                            eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
-                            fused=True if on_gpu else None)
+    return torch.optim.Adam(
+        params,
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        fused=True if on_gpu else None,
+    )
 
 
 class WarmupSchedule:
@@ -52,8 +59,9 @@ class WarmupSchedule:
 
     def __init__(self, cfg: TrainConfig):
         if cfg.learning_rate < 0 or cfg.warmup_steps < 0:
-            raise ValueError(f"learning_rate and warmup_steps must be >= 0, got {cfg.learning_rate} "
-                             f"and {cfg.warmup_steps}")
+            raise ValueError(
+                f"learning_rate and warmup_steps must be >= 0, got {cfg.learning_rate} and {cfg.warmup_steps}"
+            )
         self.peak_lr = float(cfg.learning_rate)
         self.warmup_steps = int(cfg.warmup_steps)
 
@@ -64,8 +72,7 @@ class WarmupSchedule:
             return self.peak_lr
         return self.peak_lr * step / self.warmup_steps
 
-    def apply(self, step: int, dense_opt: torch.optim.Optimizer,
-              set_sparse_lr: Callable[[float], None]) -> float:
+    def apply(self, step: int, dense_opt: torch.optim.Optimizer, set_sparse_lr: Callable[[float], None]) -> float:
         """Set the learning rate of step ``step`` on both optimizers (one rate, SPEC §6).
 
         Called every step, also past the warm-up, so a resumed run and a fresh one set the same
@@ -83,9 +90,11 @@ class WarmupSchedule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = (float(state["peak_lr"]), int(state["warmup_steps"]))
         if saved != (self.peak_lr, self.warmup_steps):
-            raise UserError(f"the checkpoint was trained with peak LR {saved[0]} and {saved[1]} warm-up steps, "
-                            f"the config says {self.peak_lr} and {self.warmup_steps}; resume with the "
-                            "checkpoint's settings or start a new run")
+            raise UserError(
+                f"the checkpoint was trained with peak LR {saved[0]} and {saved[1]} warm-up steps, "
+                f"the config says {self.peak_lr} and {self.warmup_steps}; resume with the "
+                "checkpoint's settings or start a new run"
+            )
 
 
 def clip_dense_gradients(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

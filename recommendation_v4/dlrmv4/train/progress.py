@@ -19,8 +19,17 @@ class TrainProgress:
     def __init__(self, total_samples: int, done_samples: int, enabled: bool, refresh_seconds: float = 2.0):
         self.enabled = enabled
         self.refresh_seconds = refresh_seconds
-        self.bar = tqdm(total=total_samples, initial=done_samples, unit="sample", unit_scale=True, desc="train",
-                        dynamic_ncols=True, mininterval=0.5, smoothing=0.1, disable=not enabled)
+        self.bar = tqdm(
+            total=total_samples,
+            initial=done_samples,
+            unit="sample",
+            unit_scale=True,
+            desc="train",
+            dynamic_ncols=True,
+            mininterval=0.5,
+            smoothing=0.1,
+            disable=not enabled,
+        )
         self.last_auc: float | None = None
         self._next_refresh = 0.0
 

@@ -18,13 +18,29 @@ from typing import Any
 from dlrmv4.config import BenchmarkConfig
 
 RESUMABLE_SECTIONS = ("distributed", "plan")
-RESUMABLE_FIELDS = frozenset({
-    "dataset.data_path", "loader.num_workers", "loader.prefetch_batches", "loader.rank_slicing",
-    "model.recompute", "model.kernels", "embeddings.sharding_types", "embeddings.placement",
-    "embeddings.hbm_cap_gib", "train.chunks", "train.max_steps", "train.run_dir", "train.checkpoint_every_steps",
-    "train.checkpoint_every_seconds", "train.checkpoint_every_window", "train.keep_last_checkpoints",
-    "train.profile_steps", "train.allow_changed_settings", "mlperf.log_file",
-})
+RESUMABLE_FIELDS = frozenset(
+    {
+        "dataset.data_path",
+        "loader.num_workers",
+        "loader.prefetch_batches",
+        "loader.rank_slicing",
+        "model.recompute",
+        "model.kernels",
+        "embeddings.sharding_types",
+        "embeddings.placement",
+        "embeddings.hbm_cap_gib",
+        "train.chunks",
+        "train.max_steps",
+        "train.run_dir",
+        "train.checkpoint_every_steps",
+        "train.checkpoint_every_seconds",
+        "train.checkpoint_every_window",
+        "train.keep_last_checkpoints",
+        "train.profile_steps",
+        "train.allow_changed_settings",
+        "mlperf.log_file",
+    }
+)
 
 
 def run_settings(cfg: BenchmarkConfig) -> dict[str, Any]:
@@ -46,8 +62,12 @@ def run_settings(cfg: BenchmarkConfig) -> dict[str, Any]:
 
 def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """'name saved -> current' for every setting that differs (one only one side records included)."""
+
     def shown(settings: dict[str, Any], name: str) -> str:
         return repr(settings[name]) if name in settings else "(not recorded)"
 
-    return [f"{name} {shown(saved, name)} -> {shown(current, name)}" for name in sorted(set(saved) | set(current))
-            if name not in saved or name not in current or saved[name] != current[name]]
+    return [
+        f"{name} {shown(saved, name)} -> {shown(current, name)}"
+        for name in sorted(set(saved) | set(current))
+        if name not in saved or name not in current or saved[name] != current[name]
+    ]

@@ -35,12 +35,16 @@ def restore_rng_state(state: dict[str, Any], extra_generators: dict[str, torch.G
     """
     saved_names, given_names = set(state["extra"]), set(extra_generators)
     if saved_names != given_names:
-        raise ValueError(f"RNG state holds generators {sorted(saved_names)} but {sorted(given_names)} were "
-                         "given: resume with the same generators the run was saved with")
+        raise ValueError(
+            f"RNG state holds generators {sorted(saved_names)} but {sorted(given_names)} were "
+            "given: resume with the same generators the run was saved with"
+        )
     devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if len(state["cuda"]) != devices:
-        raise ValueError(f"RNG state holds {len(state['cuda'])} CUDA device state(s) but {devices} device(s) "
-                         "are visible: resume on the same number of devices per process")
+        raise ValueError(
+            f"RNG state holds {len(state['cuda'])} CUDA device state(s) but {devices} device(s) "
+            "are visible: resume on the same number of devices per process"
+        )
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

@@ -13,6 +13,7 @@ import torch
 from dlrmv4.config import BenchmarkConfig, to_dict
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
+from dlrmv4.data.windows import sample_counts
 from dlrmv4.errors import UserError
 from dlrmv4.files import check_writable
 from dlrmv4.mlperf.rules import check_closed_division
@@ -20,13 +21,18 @@ from dlrmv4.mlperf.runlog import RunLog
 from dlrmv4.model.embeddings import store_table_counts
 from dlrmv4.model.embeddings.sharding import check_sharding_options, describe_plan, plan_rows
 from dlrmv4.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
-from dlrmv4.train.distributed import (Cluster, RankLostError, is_comm_failure, lost_rank_error, own_failure_line,
-                                     start_cluster)
-from dlrmv4.train.memory_plan import plan_for_run
-from dlrmv4.data.windows import sample_counts
+from dlrmv4.train.distributed import (
+    Cluster,
+    RankLostError,
+    is_comm_failure,
+    lost_rank_error,
+    own_failure_line,
+    start_cluster,
+)
 from dlrmv4.train.history import RunHistory
-from dlrmv4.train.trainer import RUN_LOG_FILE, build_trainer
+from dlrmv4.train.memory_plan import plan_for_run
 from dlrmv4.train.report import AUC_PLOT, REPORT_FILE, THROUGHPUT_PLOT, parameter_digest, write_report
+from dlrmv4.train.trainer import RUN_LOG_FILE, build_trainer
 
 # Tables larger than this are not gathered onto one host for the report's digest.
 DIGEST_TABLE_LIMIT_BYTES = 4 << 30
@@ -54,8 +60,13 @@ def run_log_path(cfg: BenchmarkConfig) -> Path:
     return Path(cfg.mlperf.log_file) if cfg.mlperf.log_file else Path(cfg.train.run_dir) / RUN_LOG_FILE
 
 
-def run_training(cfg: BenchmarkConfig, log: Callable[[str], None] = print, progress: bool = False,
-                 restart: bool = False, config_filename: str = "python-api") -> tuple[RunHistory, Path]:
+def run_training(
+    cfg: BenchmarkConfig,
+    log: Callable[[str], None] = print,
+    progress: bool = False,
+    restart: bool = False,
+    config_filename: str = "python-api",
+) -> tuple[RunHistory, Path]:
     """Train until the target AUC, ``max_steps`` or the end of the data, resuming from the newest
     checkpoint of ``run_dir`` unless ``restart``; returns the history and the report path.
 
@@ -80,16 +91,26 @@ def run_training(cfg: BenchmarkConfig, log: Callable[[str], None] = print, progr
         cluster.shutdown()
 
 
-def _run(cfg: BenchmarkConfig, cluster: Cluster, log: Callable[[str], None], progress: bool, restart: bool,
-         config_filename: str) -> tuple[RunHistory, Path]:
+def _run(
+    cfg: BenchmarkConfig,
+    cluster: Cluster,
+    log: Callable[[str], None],
+    progress: bool,
+    restart: bool,
+    config_filename: str,
+) -> tuple[RunHistory, Path]:
     run_dir = Path(cfg.train.run_dir)
     if cfg.loader.batch_size % cluster.world_size:
-        raise UserError(f"the global batch size {cfg.loader.batch_size} does not split evenly over "
-                        f"{cluster.world_size} processes: use a multiple of the world size")
+        raise UserError(
+            f"the global batch size {cfg.loader.batch_size} does not split evenly over "
+            f"{cluster.world_size} processes: use a multiple of the world size"
+        )
     store_path = store_dir(cfg.dataset)
     if cluster.world_size > 1 and not (store_path / "meta.json").exists():
-        raise UserError(f"no prepared store at {store_path}: prepare the data once before a multi-process run "
-                        "(python -m dlrmv4 prepare with the same flags; run_and_time.sh does it)")
+        raise UserError(
+            f"no prepared store at {store_path}: prepare the data once before a multi-process run "
+            "(python -m dlrmv4 prepare with the same flags; run_and_time.sh does it)"
+        )
     store = open_store(store_path)
     train_samples, eval_samples = sample_counts(store)
     check_closed_division(cfg, train_samples, eval_samples)
@@ -113,10 +134,12 @@ def _run(cfg: BenchmarkConfig, cluster: Cluster, log: Callable[[str], None], pro
     seed_everything(cfg.seed)
     trainer = build_trainer(cfg, store, cluster, log, progress, runlog, config_filename)
     model, embeddings = trainer.model, trainer.embeddings
-    log(f"training on {cluster.describe()} with {embeddings.backend} embeddings: {len(trainer.windows)} train "
+    log(
+        f"training on {cluster.describe()} with {embeddings.backend} embeddings: {len(trainer.windows)} train "
         f"windows, holdout window {trainer.holdout}, {trainer.train_samples:,} train samples, global batch "
         f"{cfg.loader.batch_size} ({cfg.loader.batch_size // cluster.world_size} per process), eval every "
-        f"{trainer.evaluator.schedule.interval:,} samples from {trainer.evaluator.schedule.first:,}, target AUC {cfg.train.target_auc}")
+        f"{trainer.evaluator.schedule.interval:,} samples from {trainer.evaluator.schedule.first:,}, target AUC {cfg.train.target_auc}"
+    )
     if embeddings.backend == "torchrec":
         log(describe_plan(embeddings.plan))
     try:
@@ -126,14 +149,27 @@ def _run(cfg: BenchmarkConfig, cluster: Cluster, log: Callable[[str], None], pro
     digest = run_digest(model, embeddings)
     if not cluster.is_main:
         return history, run_dir / REPORT_FILE
-    report, plots = write_report(run_dir, {
-        "history": history.to_dict(), "config": to_dict(cfg), "eval_interval": trainer.evaluator.schedule.interval,
-        "first_eval_samples": trainer.evaluator.schedule.first, "train_samples": trainer.train_samples,
-        "device": str(cluster.device), "world_size": cluster.world_size, "embedding_backend": embeddings.backend,
-        "sharding_plan": plan_rows(embeddings.plan) if embeddings.backend == "torchrec" else None,
-        "memory_plan": plan.describe(), "chunks": cfg.train.chunks, "recompute": cfg.model.recompute,
-        "parameters_sha256": digest, "mlperf_log": str(runlog.path),
-        "eval_samples": trainer.eval_samples}, cfg.train.target_auc)
+    report, plots = write_report(
+        run_dir,
+        {
+            "history": history.to_dict(),
+            "config": to_dict(cfg),
+            "eval_interval": trainer.evaluator.schedule.interval,
+            "first_eval_samples": trainer.evaluator.schedule.first,
+            "train_samples": trainer.train_samples,
+            "device": str(cluster.device),
+            "world_size": cluster.world_size,
+            "embedding_backend": embeddings.backend,
+            "sharding_plan": plan_rows(embeddings.plan) if embeddings.backend == "torchrec" else None,
+            "memory_plan": plan.describe(),
+            "chunks": cfg.train.chunks,
+            "recompute": cfg.model.recompute,
+            "parameters_sha256": digest,
+            "mlperf_log": str(runlog.path),
+            "eval_samples": trainer.eval_samples,
+        },
+        cfg.train.target_auc,
+    )
     if plots:
         log(f"plots: {', '.join(str(p) for p in plots)}")
     else:

@@ -53,8 +53,7 @@ def skip_threshold(global_batch_size: int, train_samples: int = REFERENCE_TRAIN_
     return numerator // (FIRST_EVAL_DIVISOR * REFERENCE_TRAIN_SAMPLES)
 
 
-def first_eval_samples(global_batch_size: int, interval: int,
-                       train_samples: int = REFERENCE_TRAIN_SAMPLES) -> int:
+def first_eval_samples(global_batch_size: int, interval: int, train_samples: int = REFERENCE_TRAIN_SAMPLES) -> int:
     """The first grid point at or after the skip threshold (at least one interval)."""
     _check_positive("eval interval", interval)
     threshold = skip_threshold(global_batch_size, train_samples)
@@ -91,7 +90,8 @@ class EvalSchedule:
         return iter(range(self.first, limit + 1, self.interval))
 
 
-def eval_points(train_samples: int, global_batch_size: int, eval_every_data_pct: float = 0.001,
-                max_samples: int | None = None) -> Iterator[int]:
+def eval_points(
+    train_samples: int, global_batch_size: int, eval_every_data_pct: float = 0.001, max_samples: int | None = None
+) -> Iterator[int]:
     """The sample counts at which evals happen, up to ``max_samples`` (default: one epoch)."""
     return EvalSchedule(train_samples, global_batch_size, eval_every_data_pct).points(max_samples)

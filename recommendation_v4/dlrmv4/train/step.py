@@ -25,8 +25,14 @@ from dlrmv4.train.optim import FiniteMonitor, WarmupSchedule, clip_dense_gradien
 class TrainStep:
     """``step(batch, step_index, window)`` -> the loss (a device tensor, detached)."""
 
-    def __init__(self, model: DlrmHSTU, embeddings: SparseEmbeddings, cfg: TrainConfig, finite: FiniteMonitor,
-                 train_model: torch.nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        model: DlrmHSTU,
+        embeddings: SparseEmbeddings,
+        cfg: TrainConfig,
+        finite: FiniteMonitor,
+        train_model: torch.nn.Module | None = None,
+    ) -> None:
         self.model = model
         self.train_model = train_model if train_model is not None else model  # DDP-wrapped on several ranks
         self.embeddings = embeddings
@@ -54,8 +60,9 @@ class TrainStep:
             for i, (start, stop) in enumerate(bounds):
                 leaves = chunked.leaves(start, stop)
                 with gradient_sync(self.train_model, last_chunk=i + 1 == len(bounds)):
-                    part = self.train_model(batch.samples(start, stop), leaves,
-                                            chunk_context(self.model, batch, context, start)).loss
+                    part = self.train_model(
+                        batch.samples(start, stop), leaves, chunk_context(self.model, batch, context, start)
+                    ).loss
                     part.backward()
                 chunked.store(start, stop, leaves)
                 parts.append(part.detach())

@@ -30,8 +30,9 @@ def parse_step_windows(text: str) -> list[tuple[int, int]]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         match = re.fullmatch(r"(\d+)-(\d+)", part)
         if not match or int(match.group(2)) <= int(match.group(1)):
-            raise UserError(f"config field train.profile_steps: {part!r} is not a step window 'start-end' "
-                            "with end > start")
+            raise UserError(
+                f"config field train.profile_steps: {part!r} is not a step window 'start-end' with end > start"
+            )
         windows.append((int(match.group(1)), int(match.group(2))))
     windows.sort()
     for (a0, a1), (b0, _) in zip(windows, windows[1:]):

@@ -33,10 +33,10 @@ from dlrmv4.data.store import Store
 from dlrmv4.data.windows import sample_counts, split_windows
 from dlrmv4.errors import UserError
 from dlrmv4.mlperf.runlog import RunFacts, RunLog
+from dlrmv4.model.embeddings import SparseEmbeddings, make_embeddings, store_table_counts, table_specs
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.checkpointer import Checkpointer
 from dlrmv4.train.distributed import Cluster
-from dlrmv4.model.embeddings import SparseEmbeddings, make_embeddings, store_table_counts, table_specs
 from dlrmv4.train.evaluator import Evaluator
 from dlrmv4.train.history import RunHistory, TrainClock
 from dlrmv4.train.optim import FiniteMonitor, TrainingDivergedError
@@ -49,8 +49,9 @@ from dlrmv4.train.trace import StepProfiler, parse_step_windows
 RUN_LOG_FILE = "mlperf_log.txt"
 
 
-def build_model_and_tables(cfg: BenchmarkConfig, table_counts: tuple[int, int, int], cluster: Cluster,
-                           seed: int | None = None) -> tuple[DlrmHSTU, SparseEmbeddings]:
+def build_model_and_tables(
+    cfg: BenchmarkConfig, table_counts: tuple[int, int, int], cluster: Cluster, seed: int | None = None
+) -> tuple[DlrmHSTU, SparseEmbeddings]:
     """The dense model on the cluster's device and the sparse tables (their rows for
     ``table_counts``' item/artist/album sizes where the config sets none). From the run's seed
     (the model rank-seeded), or, given ``seed``, both from it after seeding torch with it."""
@@ -58,22 +59,30 @@ def build_model_and_tables(cfg: BenchmarkConfig, table_counts: tuple[int, int, i
         torch.manual_seed(seed)
     model_seed = rank_seed(cfg.seed, cluster.rank) if seed is None else seed
     model = DlrmHSTU(cfg.model, seed=model_seed).to(cluster.device)
-    embeddings = make_embeddings(table_specs(cfg, *table_counts), cfg, cluster.device,
-                                 cfg.seed if seed is None else seed, cluster)
+    embeddings = make_embeddings(
+        table_specs(cfg, *table_counts), cfg, cluster.device, cfg.seed if seed is None else seed, cluster
+    )
     return model, embeddings
 
 
-def build_step(cfg: BenchmarkConfig, table_counts: tuple[int, int, int], device: torch.device | str,
-               seed: int = 0) -> TrainStep:
+def build_step(
+    cfg: BenchmarkConfig, table_counts: tuple[int, int, int], device: torch.device | str, seed: int = 0
+) -> TrainStep:
     """One process's model, tables and training step from ``seed`` (benchmarks and tests of the step)."""
     device = torch.device(device)
     model, embeddings = build_model_and_tables(cfg, table_counts, Cluster.single(device), seed)
     return TrainStep(model, embeddings, cfg.train, FiniteMonitor(device))
 
 
-def build_trainer(cfg: BenchmarkConfig, store: Store, cluster: Cluster, log: Callable[[str], None] = print,
-                  progress: bool = False, runlog: RunLog | None = None,
-                  config_filename: str = "python-api") -> "Trainer":
+def build_trainer(
+    cfg: BenchmarkConfig,
+    store: Store,
+    cluster: Cluster,
+    log: Callable[[str], None] = print,
+    progress: bool = False,
+    runlog: RunLog | None = None,
+    config_filename: str = "python-api",
+) -> "Trainer":
     """A ``Trainer`` for ``cfg`` on ``store``: the model and tables built and placed for this rank."""
     model, embeddings = build_model_and_tables(cfg, store_table_counts(store), cluster)
     return Trainer(cfg, store, model, embeddings, cluster, log, progress, runlog, config_filename)
@@ -82,13 +91,24 @@ def build_trainer(cfg: BenchmarkConfig, store: Store, cluster: Cluster, log: Cal
 class Trainer:
     """One run on one device per rank: the model, the sparse tables, both optimizers, the data stream."""
 
-    def __init__(self, cfg: BenchmarkConfig, store: Store, model: DlrmHSTU, embeddings, cluster: Cluster,
-                 log: Callable[[str], None] = print, progress: bool = False, runlog: RunLog | None = None,
-                 config_filename: str = "python-api") -> None:
+    def __init__(
+        self,
+        cfg: BenchmarkConfig,
+        store: Store,
+        model: DlrmHSTU,
+        embeddings,
+        cluster: Cluster,
+        log: Callable[[str], None] = print,
+        progress: bool = False,
+        runlog: RunLog | None = None,
+        config_filename: str = "python-api",
+    ) -> None:
         world = cluster.world_size
         if cfg.loader.batch_size % world:
-            raise UserError(f"the global batch size {cfg.loader.batch_size} does not split evenly over {world} "
-                            "processes: use a multiple of the world size")
+            raise UserError(
+                f"the global batch size {cfg.loader.batch_size} does not split evenly over {world} "
+                "processes: use a multiple of the world size"
+            )
         self.cfg, self.store, self.model, self.embeddings, self.cluster = cfg, store, model, embeddings, cluster
         self.device = cluster.device
         self._log, self.show_progress, self.config_filename = log, progress, config_filename
@@ -98,14 +118,19 @@ class Trainer:
         self.runlog = runlog if runlog is not None else RunLog(Path(cfg.train.run_dir) / RUN_LOG_FILE)
         self.finite = FiniteMonitor(self.device, None if world == 1 else lambda t: cluster.all_reduce_(t, "min"))
         # Buffers are not synchronised: every rank builds the same ones. Inputs are already on the device.
-        train_model = model if world == 1 else DistributedDataParallel(
-            model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
+        train_model = (
+            model
+            if world == 1
+            else DistributedDataParallel(model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
+        )
         self.step = TrainStep(model, embeddings, cfg.train, self.finite, train_model)
-        self.evaluator = Evaluator(cfg, store, model, embeddings, self.step.chunks, cluster, self.runlog,
-                                   self.train_samples, self.holdout)
+        self.evaluator = Evaluator(
+            cfg, store, model, embeddings, self.step.chunks, cluster, self.runlog, self.train_samples, self.holdout
+        )
         self.checkpointer = Checkpointer(cfg, cluster, model, self.step.optimizer, embeddings, self.log)
-        self.profiler = StepProfiler(parse_step_windows(cfg.train.profile_steps), Path(cfg.train.run_dir),
-                                     cluster.rank, self.device)
+        self.profiler = StepProfiler(
+            parse_step_windows(cfg.train.profile_steps), Path(cfg.train.run_dir), cluster.rank, self.device
+        )
         # The current window's running loss: checkpointed, so a resumed window reports the same mean.
         self.window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self.window_steps = 0
@@ -124,11 +149,21 @@ class Trainer:
         if history.status != "running":
             self.log(f"run already finished ({history.status}); nothing to do")
             return history
-        loader = make_window_loader(self.store, self.windows, self.cfg, start_batch=history.steps, drop_last=True,
-                                    rank=self.cluster.rank, world_size=self.cluster.world_size)
+        loader = make_window_loader(
+            self.store,
+            self.windows,
+            self.cfg,
+            start_batch=history.steps,
+            drop_last=True,
+            rank=self.cluster.rank,
+            world_size=self.cluster.world_size,
+        )
         assert isinstance(loader.dataset, WindowDataset)
-        self.progress = TrainProgress(len(loader.dataset.plan) * self.cfg.loader.batch_size, history.samples,
-                                      self.show_progress and self.cluster.is_main)
+        self.progress = TrainProgress(
+            len(loader.dataset.plan) * self.cfg.loader.batch_size,
+            history.samples,
+            self.show_progress and self.cluster.is_main,
+        )
         try:
             self._stream(history, loader)
         except TrainingDivergedError:
@@ -148,9 +183,16 @@ class Trainer:
             if not self.runlog.opened:
                 self.runlog.open(0)
                 self.runlog.init_start()
-            self.runlog.init_stop_and_run_start(self.cfg, RunFacts(self.train_samples, self.eval_samples,
-                                                                   self.config_filename, self.cluster.world_size,
-                                                                   self.step.chunks))
+            self.runlog.init_stop_and_run_start(
+                self.cfg,
+                RunFacts(
+                    self.train_samples,
+                    self.eval_samples,
+                    self.config_filename,
+                    self.cluster.world_size,
+                    self.step.chunks,
+                ),
+            )
             return RunHistory()
         self.window_loss.fill_(resumed.window_loss)
         self.window_steps = resumed.window_steps
@@ -199,16 +241,18 @@ class Trainer:
         assert self.progress is not None  # run() sets it for the stream
         self.progress.update(self.cfg.loader.batch_size, self._running_loss)
 
-    def _eval_if_due(self, history: RunHistory, window: int, last_of_window: bool, before_close: bool,
-                     started: float) -> bool:
+    def _eval_if_due(
+        self, history: RunHistory, window: int, last_of_window: bool, before_close: bool, started: float
+    ) -> bool:
         """Run the eval due at this point, if any; True when it reached the target."""
         eval_window = self.evaluator.window_due(history.samples, window, last_of_window, before_close)
         if eval_window is None:
             return False
         self.finite.check()
         record = self.evaluator.run(history, window, eval_window, history.seconds + time.perf_counter() - started)
-        self.log(f"eval at {history.samples:,} samples (window {window}, scored window {eval_window}): "
-                 f"AUC {record.auc:.4f}")
+        self.log(
+            f"eval at {history.samples:,} samples (window {window}, scored window {eval_window}): AUC {record.auc:.4f}"
+        )
         assert self.progress is not None  # run() sets it for the stream
         self.progress.record_auc(record.auc)
         return record.auc >= self.cfg.train.target_auc

@@ -18,8 +18,9 @@ if _spec:
             if index == _step:
                 if torch.cuda.is_available():
                     device = torch.cuda.current_device()
-                    torch.empty(2 * torch.cuda.get_device_properties(device).total_memory, dtype=torch.uint8,
-                                device=device)
+                    torch.empty(
+                        2 * torch.cuda.get_device_properties(device).total_memory, dtype=torch.uint8, device=device
+                    )
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB (injected by the test)")
             return _original(self, batch, index, *args, **kwargs)
 

@@ -25,8 +25,9 @@ def process_group(tmp_path_factory):
     created = not dist.is_initialized()
     if created:
         store = tmp_path_factory.mktemp("pg") / "store"
-        dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
+        dist.init_process_group(
+            "nccl", init_method=f"file://{store}", rank=0, world_size=1, device_id=torch.device("cuda", 0)
+        )
     yield
     if created:
         dist.destroy_process_group()

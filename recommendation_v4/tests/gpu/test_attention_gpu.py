@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_ops_attention import check_against_reference, fresh_seed, make_batch, poison_outputs
 
 from dlrmv4.ops.attention import hstu_attention
-from test_ops_attention import check_against_reference, fresh_seed, make_batch, poison_outputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 HEADS, DIM, BATCH = 4, 128, 32
-ALPHA = DIM ** -0.5
+ALPHA = DIM**-0.5
 
 
 def reference_lengths(gen: torch.Generator) -> list[int]:
@@ -80,4 +80,3 @@ def test_reference_bf16_full_size_finite():
     q, k, v, offsets, nt = make_batch(reference_lengths(gen), HEADS, DIM, DIM, torch.bfloat16, "cuda", seed, 1)
     out = hstu_attention(q * 4, k * 4, v, offsets, 4_095, num_targets=nt, alpha=ALPHA, kernels="pytorch")
     assert torch.isfinite(out).all(), f"seed {seed}"
-

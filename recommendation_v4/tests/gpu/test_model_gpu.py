@@ -7,18 +7,19 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from model_inputs import random_batch, random_embeddings
 
 from dlrmv4.config import load_config
 from dlrmv4.model.hstu import DlrmHSTU
-from model_inputs import random_batch, random_embeddings
 
 
 def _run(cfg, batch, seed):
     torch.manual_seed(0)
     model = DlrmHSTU(cfg).cuda()
     emb = random_embeddings(batch, cfg.embedding_dim, seed=seed)
-    emb = dataclasses.replace(emb, **{f.name: getattr(emb, f.name).detach().cuda().requires_grad_()
-                                      for f in dataclasses.fields(emb)})
+    emb = dataclasses.replace(
+        emb, **{f.name: getattr(emb, f.name).detach().cuda().requires_grad_() for f in dataclasses.fields(emb)}
+    )
     out = model(batch, emb)
     out.loss.backward()
     grads = torch.cat([p.grad.flatten().float() for p in model.parameters()])
@@ -27,8 +28,9 @@ def _run(cfg, batch, seed):
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-3), ("bfloat16", 3e-2)])
 def test_kernel_modes_agree_at_the_reference_shape(dtype, tol):
-    base = dataclasses.replace(load_config("yambda-5b").model, input_dropout=0.0, linear_dropout=0.0,
-                               sequence_dtype=dtype)
+    base = dataclasses.replace(
+        load_config("yambda-5b").model, input_dropout=0.0, linear_dropout=0.0, sequence_dtype=dtype
+    )
     rng = np.random.default_rng()
     lengths = [0, 1, 4087, int(rng.integers(2, 4087)), int(rng.integers(2, 4087)) | 1]
     batch = random_batch(lengths, seed=int(rng.integers(2**31))).to("cuda")

@@ -14,13 +14,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from sync_guard import run_without_syncs
+from test_ops_layer_norm import assert_close, gen, leaf64, poison, randn  # noqa: F401  (fixtures)
 
 from dlrmv4.ops.jagged import concat_sequence_timestamps, concat_sequences, take_last
 from dlrmv4.ops.layer_norm import layer_norm, swish_layer_norm
 from dlrmv4.ops.output_block import output_block, output_block_keep_mask
 from dlrmv4.ops.position import input_dropout_keep_mask, position_time_encode
-from sync_guard import run_without_syncs
-from test_ops_layer_norm import assert_close, gen, leaf64, poison, randn  # noqa: F401  (fixtures)
 
 CUDA = "cuda"
 B, C, D, MAX_HISTORY = 32, 8, 512, 4087
@@ -189,10 +189,12 @@ def test_position_time_encode(dtype, p, gen, poison):
     x = randn((n, D), gen, dtype, CUDA).requires_grad_()
     pos_table = randn((8192, D), gen, device=CUDA, scale=10.0).requires_grad_()
     time_table = randn((2048, D), gen, device=CUDA, scale=10.0).requires_grad_()
-    drop = dict(dropout_p=p, seed=2**33 + int(torch.randint(2**31, (1,), generator=gen)), training=True,
-                row_offset=HIGH_ROW)
-    out = position_time_encode(x, seq_offsets, ts, query, C, pos_table, time_table, math.sqrt(D), kernels="triton",
-                               **drop)
+    drop = dict(
+        dropout_p=p, seed=2**33 + int(torch.randint(2**31, (1,), generator=gen)), training=True, row_offset=HIGH_ROW
+    )
+    out = position_time_encode(
+        x, seq_offsets, ts, query, C, pos_table, time_table, math.sqrt(D), kernels="triton", **drop
+    )
     g = randn(out.shape, gen, dtype, CUDA)
     out.backward(g)
     x64, p64, t64 = leaf64(x), leaf64(pos_table), leaf64(time_table)
@@ -232,8 +234,18 @@ def test_position_time_encode_chunks_are_the_whole(gen, poison):
     sums = [torch.zeros_like(t) for t in tables]
     for i, j in ((0, 5), (5, nseq // 2 + 1), (nseq // 2 + 1, nseq)):
         a, e = int(seq_offsets[i]), int(seq_offsets[j])
-        out = position_time_encode(x[a:e], seq_offsets[i:j + 1] - a, ts[a:e], query[i:j], C, *tables, math.sqrt(D),
-                                   kernels="triton", row_offset=a, **drop)
+        out = position_time_encode(
+            x[a:e],
+            seq_offsets[i : j + 1] - a,
+            ts[a:e],
+            query[i:j],
+            C,
+            *tables,
+            math.sqrt(D),
+            kernels="triton",
+            row_offset=a,
+            **drop,
+        )
         dx, dpt, dtt = torch.autograd.grad(out, (x, *tables), g[a:e])
         assert torch.equal(out, whole[0][a:e]) and torch.equal(dx[a:e], whole[1][a:e]), f"rows [{a}, {e})"
         sums = [sums[0] + dpt, sums[1] + dtt]
@@ -256,8 +268,20 @@ def test_no_host_sync(gen):
 
     def step():
         x, offs = concat_sequences(ctx, torch.cat([hist, cand]), hist_offsets, MAX_HISTORY, kernels="triton")
-        x = position_time_encode(x, offs, ts, query, C, *tables, math.sqrt(D), kernels="triton", dropout_p=0.2,
-                                 seed=9, training=True, row_offset=HIGH_ROW)
+        x = position_time_encode(
+            x,
+            offs,
+            ts,
+            query,
+            C,
+            *tables,
+            math.sqrt(D),
+            kernels="triton",
+            dropout_p=0.2,
+            seed=9,
+            training=True,
+            row_offset=HIGH_ROW,
+        )
         n = swish_layer_norm(layer_norm(x, w, b, 1e-6, kernels="triton"), w, b, 1e-6, kernels="triton")
         y = output_block(n, x, w, b, 1e-6, 0.1, 7, True, kernels="triton", row_offset=HIGH_ROW)
         loss = take_last(y, offs, kernels="triton").float().sum()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from model_inputs import random_batch
 
 from dlrmv4.data.batch import BATCH_DTYPES
 from dlrmv4.train.prefetch import DevicePrefetcher
-from model_inputs import random_batch
 
 
 def test_batches_arrive_whole_in_order_without_syncs():

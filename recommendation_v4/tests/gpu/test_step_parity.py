@@ -10,11 +10,11 @@ import dataclasses
 
 import numpy as np
 import torch
+from model_inputs import random_batch
 
 from dlrmv4.config import load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.train.trainer import build_step
-from model_inputs import random_batch
 
 ROWS = 100  # random_batch draws every id below this
 STEPS, WINDOW = 200, 20
@@ -25,10 +25,12 @@ NOISE = 0.2
 def _losses(kernels: str, batches) -> np.ndarray:
     cfg = load_config("yambda-5b")
     cfg = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, kernels=kernels, input_dropout=0.0, linear_dropout=0.0),
+        cfg,
+        model=dataclasses.replace(cfg.model, kernels=kernels, input_dropout=0.0, linear_dropout=0.0),
         embeddings=dataclasses.replace(cfg.embeddings, embedding_backend="plain"),
         sampler=dataclasses.replace(cfg.sampler, **{f"{name}_rows": ROWS for name in CONTEXTUAL_FEATURES}),
-        train=dataclasses.replace(cfg.train, warmup_steps=20, learning_rate=5e-4))
+        train=dataclasses.replace(cfg.train, warmup_steps=20, learning_rate=5e-4),
+    )
     device = torch.device("cuda")
     step = build_step(cfg, (ROWS, ROWS, ROWS), device, seed=0)
     losses = torch.stack([step(batch, i, 0) for i, batch in enumerate(batches)])

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from dlrmv4.ops.output_block import output_block_keep_mask
-from dlrmv4.ops.stu_mixing import stu_mixing
 from sync_guard import run_without_syncs
 from test_ops_attention import poison_outputs
 from test_ops_gpu import assert_zeros_follow
 from test_ops_layer_norm import gen, poison  # noqa: F401  (fixtures)
 from test_ops_stu_mixing import check, fused_and_separate, make_inputs, op_args, run_both
+
+from dlrmv4.ops.output_block import output_block_keep_mask
+from dlrmv4.ops.stu_mixing import stu_mixing
 
 CUDA = "cuda"
 DIMS = (4, 128, 128)  # heads, Dqk, Dv
@@ -74,8 +74,16 @@ def test_chunks_are_the_whole(monkeypatch, gen, poison):
     dw, db = torch.zeros_like(w), torch.zeros_like(b)
     for i, j in ((0, 5), (5, 11), (11, len(seq_lengths))):
         a, e = int(offsets[i]), int(offsets[j])
-        y = stu_mixing(uvqk[a:e], offsets[i:j + 1] - a, n, norm_weight=w, norm_bias=b, kernels="triton",
-                       row_offset=base + a, **kw)
+        y = stu_mixing(
+            uvqk[a:e],
+            offsets[i : j + 1] - a,
+            n,
+            norm_weight=w,
+            norm_bias=b,
+            kernels="triton",
+            row_offset=base + a,
+            **kw,
+        )
         got = (y, *torch.autograd.grad(y, (uvqk, w, b), dy[a:e]))
         assert torch.equal(got[0], whole[0][a:e]), f"y of sequences [{i}, {j})"
         assert torch.equal(got[1][a:e], whole[1][a:e]), f"d_uvqk of sequences [{i}, {j})"
@@ -91,8 +99,9 @@ def test_no_host_sync(gen):
     kw = op_args(DIMS, P, 5, True)
 
     def step():
-        y = stu_mixing(uvqk, offsets, max(seq_lengths), norm_weight=w, norm_bias=b, kernels="triton",
-                       row_offset=123_456, **kw)
+        y = stu_mixing(
+            uvqk, offsets, max(seq_lengths), norm_weight=w, norm_bias=b, kernels="triton", row_offset=123_456, **kw
+        )
         torch.autograd.grad(y, (uvqk, w, b), torch.ones_like(y))
 
     run_without_syncs(step)

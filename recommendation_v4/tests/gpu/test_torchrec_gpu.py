@@ -9,10 +9,10 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-
 from model_inputs import random_batch
-from dlrmv4.train.trainer import build_step
 from step_setup import small_table_config
+
+from dlrmv4.train.trainer import build_step
 
 pytest.importorskip("torchrec")
 ROWS = 1_000
@@ -36,9 +36,13 @@ def _batches(n: int, batch: int, max_len: int, seed: int):
 
 
 def _reference(backend: str, recompute: str = "none", **train):
-    return small_table_config("yambda-5b", backend, ROWS,
-                              model={"input_dropout": 0.0, "linear_dropout": 0.0, "recompute": recompute},
-                              train={"warmup_steps": 10, "learning_rate": 5e-4, **train})
+    return small_table_config(
+        "yambda-5b",
+        backend,
+        ROWS,
+        model={"input_dropout": 0.0, "linear_dropout": 0.0, "recompute": recompute},
+        train={"warmup_steps": 10, "learning_rate": 5e-4, **train},
+    )
 
 
 def test_lookup_and_update_equal_the_plain_backend():

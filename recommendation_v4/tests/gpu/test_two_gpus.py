@@ -14,16 +14,28 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from multi_process import (PAUSE, STEPS, assert_same_trajectory, free_port, launch_env, make_data, run_flags,
-                           torchrun, train_report)
+from multi_process import (
+    PAUSE,
+    STEPS,
+    assert_same_trajectory,
+    free_port,
+    launch_env,
+    make_data,
+    run_flags,
+    torchrun,
+    train_report,
+)
 
 pytest.importorskip("torchrec")
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h200-x2)")
 
 # bf16 sequences (Triton kernels) and TorchRec row-wise tables on the GPUs.
-GPU = {"model.sequence_dtype": "bfloat16", "model.kernels": "triton", "embeddings.embedding_backend": "torchrec",
-       "embeddings.sharding_types": "*=row_wise"}
+GPU = {
+    "model.sequence_dtype": "bfloat16",
+    "model.kernels": "triton",
+    "embeddings.embedding_backend": "torchrec",
+    "embeddings.sharding_types": "*=row_wise",
+}
 BF16_LOSS_RTOL = 2e-2  # 8 mantissa bits: two reduction orders drift apart over 70 steps by about this much
 BF16_AUC_ATOL = 2e-2
 
@@ -40,8 +52,12 @@ def one_gpu(data_path, tmp_path_factory):
 
 @pytest.mark.parametrize("qcomm, slicing", [("none", "strided"), ("fp16", "balanced")])
 def test_two_gpus_follow_the_one_gpu_trajectory(data_path, tmp_path, one_gpu, qcomm, slicing):
-    report = train_report(2, data_path, tmp_path / "run", **{
-        "train.max_steps": STEPS, **GPU, "embeddings.qcomm": qcomm, "loader.rank_slicing": slicing})
+    report = train_report(
+        2,
+        data_path,
+        tmp_path / "run",
+        **{"train.max_steps": STEPS, **GPU, "embeddings.qcomm": qcomm, "loader.rank_slicing": slicing},
+    )
     assert report["world_size"] == 2 and report["device"].startswith("cuda")
     assert all(row["ranks"] == [0, 1] for row in report["sharding_plan"])
     assert_same_trajectory(report, one_gpu, loss_rtol=BF16_LOSS_RTOL, auc_atol=BF16_AUC_ATOL)
@@ -55,8 +71,9 @@ def test_resume_across_gpu_counts(data_path, tmp_path, one_gpu, first, second):
     proc = torchrun(second, run_flags(data_path, run_dir, **{"train.max_steps": STEPS, **GPU}))
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert f"checkpoint written by {first} process(es), resuming on {second}" in proc.stdout
-    assert_same_trajectory(json.loads((run_dir / "report.json").read_text()), one_gpu,
-                           loss_rtol=BF16_LOSS_RTOL, auc_atol=BF16_AUC_ATOL)
+    assert_same_trajectory(
+        json.loads((run_dir / "report.json").read_text()), one_gpu, loss_rtol=BF16_LOSS_RTOL, auc_atol=BF16_AUC_ATOL
+    )
 
 
 def test_a_gpu_that_cannot_allocate_ends_both_ranks(data_path, tmp_path):
@@ -66,11 +83,24 @@ def test_a_gpu_that_cannot_allocate_ends_both_ranks(data_path, tmp_path):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(launch_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DLRMV4_TEST_OOM="1:5")
+        env = dict(
+            launch_env(),
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            DLRMV4_TEST_OOM="1:5",
+        )
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "failure_injection"), env["PYTHONPATH"]])
-        cmd = [sys.executable, "-m", "dlrmv4", "train", *run_flags(data_path, tmp_path / "run", **{
-            **GPU, "distributed.timeout_seconds": 20.0})]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dlrmv4",
+            "train",
+            *run_flags(data_path, tmp_path / "run", **{**GPU, "distributed.timeout_seconds": 20.0}),
+        ]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     started = time.time()
     outputs = [proc.communicate(timeout=300) for proc in procs]

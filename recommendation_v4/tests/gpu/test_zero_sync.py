@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from model_inputs import random_batch
 
 from dlrmv4.config import load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.train.trainer import build_step
-from model_inputs import random_batch
 
 ROWS = 100  # random_batch draws every id below this: small tables, the reference's widths
 
@@ -24,9 +24,11 @@ ROWS = 100  # random_batch draws every id below this: small tables, the referenc
 def _steps(preset: str, max_len: int, chunks: int, backend: str, sharding: str = ""):
     cfg = load_config(preset)
     cfg = dataclasses.replace(
-        cfg, embeddings=dataclasses.replace(cfg.embeddings, embedding_backend=backend, sharding_types=sharding),
+        cfg,
+        embeddings=dataclasses.replace(cfg.embeddings, embedding_backend=backend, sharding_types=sharding),
         sampler=dataclasses.replace(cfg.sampler, **{f"{name}_rows": ROWS for name in CONTEXTUAL_FEATURES}),
-        train=dataclasses.replace(cfg.train, warmup_steps=3, chunks=chunks))
+        train=dataclasses.replace(cfg.train, warmup_steps=3, chunks=chunks),
+    )
     device = torch.device("cuda")
     step = build_step(cfg, (ROWS, ROWS, ROWS), device, seed=0)
     rng = np.random.default_rng(7)
@@ -37,8 +39,9 @@ def _steps(preset: str, max_len: int, chunks: int, backend: str, sharding: str =
     return step, batches
 
 
-@pytest.mark.parametrize("preset, max_len, chunks", [("synthetic-tiny", 48, 1), ("yambda-5b", 4087, 1),
-                                                     ("yambda-5b", 4087, 3)])
+@pytest.mark.parametrize(
+    "preset, max_len, chunks", [("synthetic-tiny", 48, 1), ("yambda-5b", 4087, 1), ("yambda-5b", 4087, 3)]
+)
 def test_training_steps_do_not_synchronise(preset, max_len, chunks):
     step, batches = _steps(preset, max_len, chunks, "plain")
     torch.cuda.set_sync_debug_mode("error")

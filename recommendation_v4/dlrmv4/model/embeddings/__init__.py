@@ -17,16 +17,36 @@ The batch's id features and their KeyedJaggedTensor layout are the data side's
 (``data/sparse_features.py``).
 """
 
-from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
-from dlrmv4.model.embeddings.tables import (SHARED_TABLES, TABLE_NAMES, SparseEmbeddings, TableSpec, init_rows,
-                                            store_table_counts, table_features, table_specs)
+from dlrmv4.model.embeddings.backend import make_embeddings, resolve_backend, torchrec_works
 from dlrmv4.model.embeddings.checkpoint_state import TableState
 from dlrmv4.model.embeddings.plain import PlainEmbeddings
+from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
+from dlrmv4.model.embeddings.tables import (
+    SHARED_TABLES,
+    TABLE_NAMES,
+    SparseEmbeddings,
+    TableSpec,
+    init_rows,
+    store_table_counts,
+    table_features,
+    table_specs,
+)
 from dlrmv4.model.embeddings.torchrec_tables import TorchRecEmbeddings
-from dlrmv4.model.embeddings.backend import make_embeddings, resolve_backend, torchrec_works
 
 __all__ = [
-    "SHARED_TABLES", "TABLE_NAMES", "PlainEmbeddings", "SequenceEmbeddings", "SparseEmbeddings", "TableSpec",
-    "TableState", "TorchRecEmbeddings", "init_rows", "make_embeddings", "resolve_backend", "store_table_counts",
-    "table_features", "table_specs", "torchrec_works",
+    "SHARED_TABLES",
+    "TABLE_NAMES",
+    "PlainEmbeddings",
+    "SequenceEmbeddings",
+    "SparseEmbeddings",
+    "TableSpec",
+    "TableState",
+    "TorchRecEmbeddings",
+    "init_rows",
+    "make_embeddings",
+    "resolve_backend",
+    "store_table_counts",
+    "table_features",
+    "table_specs",
+    "torchrec_works",
 ]

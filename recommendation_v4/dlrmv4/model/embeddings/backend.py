@@ -17,17 +17,27 @@ from dlrmv4.train.distributed import Cluster
 def torchrec_works(device: torch.device) -> bool:
     """True when TorchRec imports and FBGEMM's fused row-wise Adagrad kernel runs on ``device``."""
     try:
+        import torchrec  # noqa: F401
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
-        import torchrec  # noqa: F401
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
 
         on_gpu = device.type == "cuda"
         tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            [(4, 4, EmbeddingLocation.DEVICE if on_gpu else EmbeddingLocation.HOST,
-              ComputeDevice.CUDA if on_gpu else ComputeDevice.CPU)],
-            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, device=device)
+            [
+                (
+                    4,
+                    4,
+                    EmbeddingLocation.DEVICE if on_gpu else EmbeddingLocation.HOST,
+                    ComputeDevice.CUDA if on_gpu else ComputeDevice.CPU,
+                )
+            ],
+            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            device=device,
+        )
         tbe(torch.tensor([1, 2], device=device), torch.tensor([0, 1, 2], device=device)).sum().backward()
         return True
     except Exception:  # noqa: BLE001 - any failure to import or run means "use the plain backend"
@@ -42,18 +52,29 @@ def resolve_backend(cfg: BenchmarkConfig, device: torch.device) -> str:
     return "torchrec" if dist.is_initialized() and torchrec_works(device) else "plain"
 
 
-def make_embeddings(specs: list[TableSpec], cfg: BenchmarkConfig, device: torch.device | str,
-                    seed: int, cluster: Cluster | None = None) -> SparseEmbeddings:
+def make_embeddings(
+    specs: list[TableSpec], cfg: BenchmarkConfig, device: torch.device | str, seed: int, cluster: Cluster | None = None
+) -> SparseEmbeddings:
     # Imported here: the model (hstu.py) imports this package for SequenceEmbeddings.
     from dlrmv4.model.hstu import DTYPES
 
     device = torch.device(device)
     cluster = cluster or Cluster.single(device)
-    args = (specs, cfg.model.embedding_dim, cfg.train.learning_rate, cfg.train.adagrad_eps,
-            cfg.embeddings.embedding_init_std, seed, device, cluster)
+    args = (
+        specs,
+        cfg.model.embedding_dim,
+        cfg.train.learning_rate,
+        cfg.train.adagrad_eps,
+        cfg.embeddings.embedding_init_std,
+        seed,
+        device,
+        cluster,
+    )
     if resolve_backend(cfg, device) == "torchrec":
         return TorchRecEmbeddings(*args, cfg.embeddings, sequence_dtype=DTYPES[cfg.model.sequence_dtype])
     if cfg.embeddings.sharding_types or cfg.embeddings.placement or cfg.embeddings.qcomm != "none":
-        raise UserError("embeddings.sharding_types, placement and qcomm are TorchRec settings: the plain backend "
-                        "keeps a replica of every table on each rank")
+        raise UserError(
+            "embeddings.sharding_types, placement and qcomm are TorchRec settings: the plain backend "
+            "keeps a replica of every table on each rank"
+        )
     return PlainEmbeddings(*args, kernels=cfg.model.kernels, sequence_dtype=DTYPES[cfg.model.sequence_dtype])

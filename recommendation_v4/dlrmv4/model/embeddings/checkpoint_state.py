@@ -29,8 +29,12 @@ class TableState(Stateful):
         self.embeddings = embeddings
 
     def state_dict(self) -> dict[str, Any]:
-        return {"tables": {name: {part: t for part, t in parts.items() if t is not None}
-                           for name, parts in self.embeddings.live_tables().items()}}
+        return {
+            "tables": {
+                name: {part: t for part, t in parts.items() if t is not None}
+                for name, parts in self.embeddings.live_tables().items()
+            }
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for name, parts in self.embeddings.live_tables().items():
@@ -67,8 +71,9 @@ def load_full_tables(embeddings: SparseEmbeddings, state: dict) -> None:
                 continue
             if hasattr(live, "local_shards"):
                 for shard in live.local_shards():
-                    index = tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets,
-                                                                   shard.metadata.shard_sizes))
+                    index = tuple(
+                        slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes)
+                    )
                     shard.tensor.copy_(full[index])
             else:
                 live.copy_(full)
@@ -77,10 +82,15 @@ def load_full_tables(embeddings: SparseEmbeddings, state: dict) -> None:
 def _check_shapes(embeddings: SparseEmbeddings, state: dict) -> None:
     for spec in embeddings.specs:
         table = state["tables"].get(spec.name)
-        if table is None or tuple(table["weight"].shape) != (spec.rows, embeddings.dim) \
-                or tuple(table["momentum"].shape) != (spec.rows,):
-            raise UserError(f"checkpoint embedding table {spec.name!r} does not match "
-                            f"{spec.rows} rows x {embeddings.dim}: was it saved with another config?")
+        if (
+            table is None
+            or tuple(table["weight"].shape) != (spec.rows, embeddings.dim)
+            or tuple(table["momentum"].shape) != (spec.rows,)
+        ):
+            raise UserError(
+                f"checkpoint embedding table {spec.name!r} does not match "
+                f"{spec.rows} rows x {embeddings.dim}: was it saved with another config?"
+            )
 
 
 def _full_on_rank0(tensor, shape: tuple[int, ...], cluster: Cluster) -> torch.Tensor | None:

@@ -16,8 +16,13 @@ from dlrmv4.model.embeddings.tables import TableSpec
 from dlrmv4.train.distributed import Cluster
 
 
-def exchange_gradients(grads: dict[str, tuple[torch.Tensor, list[torch.Tensor]]], specs: list[TableSpec], dim: int,
-                       cluster: Cluster, device: torch.device) -> dict[str, Any]:
+def exchange_gradients(
+    grads: dict[str, tuple[torch.Tensor, list[torch.Tensor]]],
+    specs: list[TableSpec],
+    dim: int,
+    cluster: Cluster,
+    device: torch.device,
+) -> dict[str, Any]:
     """Every rank's gradient of every table; values / world size, as each rank's loss is the mean
     over its own slice. Row counts are host-side shapes (one small gloo message between ranks).
     A table with fewer rows than the gradient rows of all ranks goes dense: the rows summed into
@@ -27,10 +32,12 @@ def exchange_gradients(grads: dict[str, tuple[torch.Tensor, list[torch.Tensor]]]
     world = cluster.world_size
     if world == 1:
         return grads
-    local = {s.name: (grads[s.name][0], torch.cat([g.float() for g in grads[s.name][1]])) if s.name in grads
-             else (torch.zeros(0, dtype=torch.int64, device=device),
-                   torch.zeros(0, dim, dtype=torch.float32, device=device))
-             for s in specs}
+    local = {
+        s.name: (grads[s.name][0], torch.cat([g.float() for g in grads[s.name][1]]))
+        if s.name in grads
+        else (torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dim, dtype=torch.float32, device=device))
+        for s in specs
+    }
     counts = cluster.all_gather_ints([local[s.name][0].numel() for s in specs])
     out: dict[str, Any] = {}
     gathered = []

@@ -51,15 +51,26 @@ class PlainEmbeddings(SparseEmbeddings):
     backend = "plain"
     lr_tensor: torch.Tensor  # a registered buffer
 
-    def __init__(self, specs: list[TableSpec], dim: int, lr: float, eps: float, std: float, seed: int,
-                 device: torch.device, cluster: Cluster, kernels: str = "auto",
-                 sequence_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        specs: list[TableSpec],
+        dim: int,
+        lr: float,
+        eps: float,
+        std: float,
+        seed: int,
+        device: torch.device,
+        cluster: Cluster,
+        kernels: str = "auto",
+        sequence_dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__(specs, dim, lr, eps, cluster)
         self.kernels = kernels  # the update's implementation (ops/rowwise_adagrad.py)
         # The sequence rows come in the sequence model's dtype: its first layers would cast them anyway.
         self.sequence_dtype = sequence_dtype
-        self.weights = nn.ParameterDict({
-            s.name: nn.Parameter(init_rows(i, s.rows, 0, s.rows, dim, std, seed, device)) for i, s in enumerate(specs)})
+        self.weights = nn.ParameterDict(
+            {s.name: nn.Parameter(init_rows(i, s.rows, 0, s.rows, dim, std, seed, device)) for i, s in enumerate(specs)}
+        )
         for s in specs:
             self.register_buffer(f"momentum_{s.name}", torch.zeros(s.rows, dtype=torch.float32, device=device))
         # A tensor, not a float: lr / tensor would become reciprocal-then-multiply, not FBGEMM's division.
@@ -74,8 +85,12 @@ class PlainEmbeddings(SparseEmbeddings):
             features = [ids[f] for f in table_features(spec.name)]
             # History and candidate ids in one lookup: its rows are SequenceEmbeddings' layout.
             rows, candidate_rows = _TableLookup.apply(
-                self.weights[spec.name], torch.cat(features) if len(features) > 1 else features[0],
-                features[1] if len(features) > 1 else no_ids, self.sequence_dtype, self.pending[spec.name])
+                self.weights[spec.name],
+                torch.cat(features) if len(features) > 1 else features[0],
+                features[1] if len(features) > 1 else no_ids,
+                self.sequence_dtype,
+                self.pending[spec.name],
+            )
             sequence[spec.name] = rows
             if len(features) > 1:
                 candidate.append(candidate_rows)
@@ -90,13 +105,16 @@ class PlainEmbeddings(SparseEmbeddings):
                 pieces.clear()
         exchanged = exchange_gradients(grads, self.specs, self.dim, self.cluster, self.lr_tensor.device)
         for name, grad in exchanged.items():
-            rowwise_adagrad_step_(self.weights[name], getattr(self, f"momentum_{name}"), grad, self.lr_tensor,
-                                  self.eps, self.kernels)
+            rowwise_adagrad_step_(
+                self.weights[name], getattr(self, f"momentum_{name}"), grad, self.lr_tensor, self.eps, self.kernels
+            )
 
     def set_learning_rate(self, lr: float) -> None:
         self.lr = lr
         self.lr_tensor.fill_(lr)
 
     def live_tables(self) -> dict[str, dict[str, Any]]:
-        return {s.name: {"weight": self.weights[s.name].data, "momentum": getattr(self, f"momentum_{s.name}")}
-                for s in self.specs}
+        return {
+            s.name: {"weight": self.weights[s.name].data, "momentum": getattr(self, f"momentum_{s.name}")}
+            for s in self.specs
+        }

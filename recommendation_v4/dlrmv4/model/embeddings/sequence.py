@@ -18,11 +18,11 @@ import torch
 
 @dataclass(frozen=True, eq=False)
 class SequenceEmbeddings:
-    item: torch.Tensor        # [T + B, E]: history rows, then one candidate row per sample
-    artist: torch.Tensor      # [T + B, E]
-    album: torch.Tensor       # [T + B, E]
+    item: torch.Tensor  # [T + B, E]: history rows, then one candidate row per sample
+    artist: torch.Tensor  # [T + B, E]
+    album: torch.Tensor  # [T + B, E]
     contextual: torch.Tensor  # [B, C, E], C = 8 (uid + 7 crosses, hashing.CONTEXTUAL_FEATURES order)
-    candidate: torch.Tensor   # [B, 3E] fp32: the candidate's (item ‖ artist ‖ album) rows, for the item tower
+    candidate: torch.Tensor  # [B, 3E] fp32: the candidate's (item ‖ artist ‖ album) rows, for the item tower
 
     @property
     def num_candidates(self) -> int:
@@ -41,7 +41,12 @@ class SequenceEmbeddings:
         t = self.num_history_rows
 
         def shared(x: torch.Tensor) -> torch.Tensor:
-            return torch.cat([x[first_row:last_row], x[t + start:t + stop]])
+            return torch.cat([x[first_row:last_row], x[t + start : t + stop]])
 
-        return SequenceEmbeddings(item=shared(self.item), artist=shared(self.artist), album=shared(self.album),
-                                  contextual=self.contextual[start:stop], candidate=self.candidate[start:stop])
+        return SequenceEmbeddings(
+            item=shared(self.item),
+            artist=shared(self.artist),
+            album=shared(self.album),
+            contextual=self.contextual[start:stop],
+            candidate=self.candidate[start:stop],
+        )

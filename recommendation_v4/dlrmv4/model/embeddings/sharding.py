@@ -45,15 +45,17 @@ def parse_table_options(text: str, field: str, allowed: tuple[str, ...]) -> dict
         if not sep or not name or not value:
             raise UserError(f"config field embeddings.{field}: {item!r} is not 'table=value'")
         if value not in allowed:
-            raise UserError(f"config field embeddings.{field}: {value!r} for {name!r} is not one of "
-                            f"{', '.join(allowed)}")
+            raise UserError(
+                f"config field embeddings.{field}: {value!r} for {name!r} is not one of {', '.join(allowed)}"
+            )
         if name == "*":
             default = value
         elif name in TABLE_NAMES:
             out[name] = value
         else:
-            raise UserError(f"config field embeddings.{field}: unknown table {name!r}; tables: "
-                            f"{', '.join(TABLE_NAMES)}")
+            raise UserError(
+                f"config field embeddings.{field}: unknown table {name!r}; tables: {', '.join(TABLE_NAMES)}"
+            )
     if default is not None:
         out = {name: out.get(name, default) for name in TABLE_NAMES}
     return out
@@ -72,12 +74,20 @@ def constraints(cfg: EmbeddingConfig) -> dict[str, Any]:
     # shards, whose row-wise Adagrad state is per shard (another update), or a UVM cache.
     sharding = table_options(cfg.sharding_types, "sharding_types", SHARDING_TYPES, DEFAULT_SHARDING)
     placement = table_options(cfg.placement, "placement", tuple(PLACEMENTS), "hbm")
-    return {name: ParameterConstraints(sharding_types=[sharding[name]], compute_kernels=[PLACEMENTS[placement[name]]])
-            for name in TABLE_NAMES}
+    return {
+        name: ParameterConstraints(sharding_types=[sharding[name]], compute_kernels=[PLACEMENTS[placement[name]]])
+        for name in TABLE_NAMES
+    }
 
 
-def plan_sharding(module: torch.nn.Module, sharders: list, cfg: EmbeddingConfig, world_size: int,
-                  local_world_size: int, device: torch.device):
+def plan_sharding(
+    module: torch.nn.Module,
+    sharders: list,
+    cfg: EmbeddingConfig,
+    world_size: int,
+    local_world_size: int,
+    device: torch.device,
+):
     """The ShardingPlan every rank agrees on (the planner runs on each and rank 0's plan wins)."""
     import torch.distributed as dist
 
@@ -88,28 +98,44 @@ def plan_sharding(module: torch.nn.Module, sharders: list, cfg: EmbeddingConfig,
     # A configured cap is the tables' own budget (the memory plan counted the rest); otherwise the
     # dense model, activations and optimizer state share the device with the tables.
     reserve = 0.0 if cfg.hbm_cap_gib > 0 else DENSE_RESERVATION
-    planner = _planner(constraints(cfg), world_size, local_world_size, kind, hbm,
-                       _host_memory_per_rank(local_world_size), reserve)
+    planner = _planner(
+        constraints(cfg), world_size, local_world_size, kind, hbm, _host_memory_per_rank(local_world_size), reserve
+    )
     try:
         return planner.collective_plan(module, sharders, dist.GroupMember.WORLD)
     except Exception as exc:  # the planner's own errors are long multi-line reports
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"TorchRec found no sharding plan for these tables on {world_size} rank(s) "
-                        f"(embeddings.sharding_types / placement / hbm_cap_gib): {first[:300]}") from exc
+        raise UserError(
+            f"TorchRec found no sharding plan for these tables on {world_size} rank(s) "
+            f"(embeddings.sharding_types / placement / hbm_cap_gib): {first[:300]}"
+        ) from exc
 
 
-def _planner(table_constraints: dict[str, Any], world_size: int, local_world_size: int, compute_device: str,
-             hbm_cap_bytes: int | None, ddr_cap_bytes: int | None, reserve: float):
+def _planner(
+    table_constraints: dict[str, Any],
+    world_size: int,
+    local_world_size: int,
+    compute_device: str,
+    hbm_cap_bytes: int | None,
+    ddr_cap_bytes: int | None,
+    reserve: float,
+):
     from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
     from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 
     topology = TopologyFactory.create_topology(
-        TrainerConfig(world_size=world_size, local_world_size=local_world_size, hbm_cap_bytes=hbm_cap_bytes,
-                      ddr_cap_bytes=ddr_cap_bytes),
-        kernel_config=KernelConfig(compute_device=compute_device))
-    return EmbeddingShardingPlanner(topology=topology, constraints=table_constraints,
-                                    storage_reservation=FixedPercentageStorageReservation(reserve))
+        TrainerConfig(
+            world_size=world_size,
+            local_world_size=local_world_size,
+            hbm_cap_bytes=hbm_cap_bytes,
+            ddr_cap_bytes=ddr_cap_bytes,
+        ),
+        kernel_config=KernelConfig(compute_device=compute_device),
+    )
+    return EmbeddingShardingPlanner(
+        topology=topology, constraints=table_constraints, storage_reservation=FixedPercentageStorageReservation(reserve)
+    )
 
 
 def _host_memory_per_rank(local_world_size: int) -> int:
@@ -136,8 +162,7 @@ def format_table_options(values: dict[str, str]) -> str:
     for value in values.values():
         counts[value] = counts.get(value, 0) + 1
     common = max(counts, key=lambda v: (counts[v], -list(values.values()).index(v)))
-    return ",".join([f"*={common}"] + [f"{name}={values[name]}" for name in TABLE_NAMES
-                                        if values[name] != common])
+    return ",".join([f"*={common}"] + [f"{name}={values[name]}" for name in TABLE_NAMES if values[name] != common])
 
 
 def planning_sharder(output_dtype: torch.dtype):
@@ -146,33 +171,57 @@ def planning_sharder(output_dtype: torch.dtype):
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
 
     output = {torch.bfloat16: SparseType.BF16, torch.float16: SparseType.FP16, torch.float32: SparseType.FP32}
-    return EmbeddingCollectionSharder(fused_params={
-        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.0, "eps": 1e-8, "weight_decay": 0.0,
-        "output_dtype": output[output_dtype], "uvm_host_mapped": True})
+    return EmbeddingCollectionSharder(
+        fused_params={
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            "learning_rate": 0.0,
+            "eps": 1e-8,
+            "weight_decay": 0.0,
+            "output_dtype": output[output_dtype],
+            "uvm_host_mapped": True,
+        }
+    )
 
 
-def target_plan(table_rows: dict[str, int], dim: int, sharding: dict[str, str], placement: dict[str, str] | None,
-                *, world_size: int, local_world_size: int, compute_device: str, hbm_cap_bytes: int | None,
-                ddr_cap_bytes: int | None, output_dtype: torch.dtype = torch.float32):
+def target_plan(
+    table_rows: dict[str, int],
+    dim: int,
+    sharding: dict[str, str],
+    placement: dict[str, str] | None,
+    *,
+    world_size: int,
+    local_world_size: int,
+    compute_device: str,
+    hbm_cap_bytes: int | None,
+    ddr_cap_bytes: int | None,
+    output_dtype: torch.dtype = torch.float32,
+):
     """TorchRec's ShardingPlan for ``world_size`` ranks of ``compute_device`` ("cuda" or "cpu"),
     without a process group: the tables are built on "meta". ``sharding`` and ``placement`` give
     every table's sharding type and placement (``placement`` None: the planner picks the kernel).
     None when the planner finds no plan (the tables do not fit its caps); no extra reservation."""
-    from torchrec import EmbeddingCollection, EmbeddingConfig as TableConfig
+    from torchrec import EmbeddingCollection
+    from torchrec import EmbeddingConfig as TableConfig
     from torchrec.distributed.planner import ParameterConstraints
     from torchrec.distributed.planner.types import PlannerError
 
-    tables = [TableConfig(name=name, embedding_dim=dim, num_embeddings=rows, feature_names=list(table_features(name)))
-              for name, rows in table_rows.items()]
+    tables = [
+        TableConfig(name=name, embedding_dim=dim, num_embeddings=rows, feature_names=list(table_features(name)))
+        for name, rows in table_rows.items()
+    ]
     kernels = {name: [PLACEMENTS[placement[name]]] if placement else list(PLACEMENTS.values()) for name in table_rows}
-    table_constraints = {name: ParameterConstraints(sharding_types=[sharding[name]], compute_kernels=kernels[name])
-                         for name in table_rows}
-    planner = _planner(table_constraints, world_size, local_world_size, compute_device,
-                       hbm_cap_bytes, ddr_cap_bytes, 0.0)
+    table_constraints = {
+        name: ParameterConstraints(sharding_types=[sharding[name]], compute_kernels=kernels[name])
+        for name in table_rows
+    }
+    planner = _planner(
+        table_constraints, world_size, local_world_size, compute_device, hbm_cap_bytes, ddr_cap_bytes, 0.0
+    )
     with _quiet_torchrec():
         try:
-            return planner.plan(EmbeddingCollection(tables=tables, device=torch.device("meta")),
-                                [planning_sharder(output_dtype)])
+            return planner.plan(
+                EmbeddingCollection(tables=tables, device=torch.device("meta")), [planning_sharder(output_dtype)]
+            )
         except PlannerError:
             return None
 
@@ -211,8 +260,9 @@ def plan_shards(plan) -> list[ShardBytes]:
         for table, ps in module_plan.items():
             for shard in ps.sharding_spec.shards if ps.sharding_spec else []:
                 rank = shard.placement.rank() if shard.placement is not None else 0
-                out.append(ShardBytes(table, rank, int(shard.shard_sizes[0]), int(shard.shard_sizes[1]),
-                                      ps.compute_kernel))
+                out.append(
+                    ShardBytes(table, rank, int(shard.shard_sizes[0]), int(shard.shard_sizes[1]), ps.compute_kernel)
+                )
     return out
 
 
@@ -222,8 +272,15 @@ def plan_rows(plan) -> list[dict[str, Any]]:
     for module_plan in plan.plan.values():
         for table, ps in sorted(module_plan.items(), key=lambda kv: TABLE_NAMES.index(kv[0])):
             shards = [tuple(s.shard_sizes) for s in ps.sharding_spec.shards] if ps.sharding_spec else []
-            rows.append({"table": table, "sharding_type": ps.sharding_type, "compute_kernel": ps.compute_kernel,
-                         "ranks": list(ps.ranks or []), "shards": shards})
+            rows.append(
+                {
+                    "table": table,
+                    "sharding_type": ps.sharding_type,
+                    "compute_kernel": ps.compute_kernel,
+                    "ranks": list(ps.ranks or []),
+                    "shards": shards,
+                }
+            )
     return rows
 
 
@@ -231,8 +288,10 @@ def describe_plan(plan) -> str:
     lines = ["sharding plan (table: type, kernel, ranks, shard sizes):"]
     for row in plan_rows(plan):
         shards = ", ".join("x".join(map(str, s)) for s in row["shards"]) or "replicated"
-        lines.append(f"  {row['table']}: {row['sharding_type']}, {row['compute_kernel']}, ranks "
-                     f"{row['ranks'] or 'all'}, {shards}")
+        lines.append(
+            f"  {row['table']}: {row['sharding_type']}, {row['compute_kernel']}, ranks "
+            f"{row['ranks'] or 'all'}, {shards}"
+        )
     return "\n".join(lines)
 
 

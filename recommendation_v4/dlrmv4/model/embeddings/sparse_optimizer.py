@@ -18,8 +18,9 @@ import torch
 from dlrmv4.ops.rowwise_adagrad import rowwise_adagrad_
 
 
-def rowwise_adagrad_dense_(weight: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, lr: torch.Tensor,
-                           eps: float) -> None:
+def rowwise_adagrad_dense_(
+    weight: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, lr: torch.Tensor, eps: float
+) -> None:
     """The same update from a dense [rows, E] gradient (duplicates already summed): a row with an
     all-zero gradient changes neither its state nor its weight, as in FBGEMM."""
     touched = (grad != 0).any(1)
@@ -28,9 +29,14 @@ def rowwise_adagrad_dense_(weight: torch.Tensor, momentum: torch.Tensor, grad: t
     weight.sub_(grad * multiplier[:, None])
 
 
-def rowwise_adagrad_step_(weight: torch.Tensor, momentum: torch.Tensor,
-                          grad: torch.Tensor | tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]],
-                          lr: torch.Tensor, eps: float, kernels: str) -> None:
+def rowwise_adagrad_step_(
+    weight: torch.Tensor,
+    momentum: torch.Tensor,
+    grad: torch.Tensor | tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]],
+    lr: torch.Tensor,
+    eps: float,
+    kernels: str,
+) -> None:
     """One table's update from a dense [rows, E] gradient or from (ids, gradient rows) pairs, the
     rows as one tensor or in pieces (``kernels``: the sparse update's implementation)."""
     if isinstance(grad, torch.Tensor):

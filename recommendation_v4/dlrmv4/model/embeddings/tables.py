@@ -52,19 +52,32 @@ def store_table_counts(store) -> tuple[int, int, int]:
 def table_specs(cfg: BenchmarkConfig, num_items: int, num_artists: int, num_albums: int) -> list[TableSpec]:
     """The 11 tables; a configured size of 0 takes the store's count."""
     emb = cfg.embeddings
-    shared = {"item": emb.item_rows or num_items, "artist": emb.artist_rows or num_artists,
-              "album": emb.album_rows or num_albums}
+    shared = {
+        "item": emb.item_rows or num_items,
+        "artist": emb.artist_rows or num_artists,
+        "album": emb.album_rows or num_albums,
+    }
     specs = [TableSpec(name, int(rows)) for name, rows in shared.items()]
     specs += [TableSpec(name, rows) for name, rows in zip(CONTEXTUAL_FEATURES, table_rows(cfg.sampler))]
     for spec in specs:
         if spec.rows <= 0:
-            raise UserError(f"embedding table {spec.name!r} has {spec.rows} rows: set "
-                            f"embeddings.{spec.name}_rows or use a store with at least one item")
+            raise UserError(
+                f"embedding table {spec.name!r} has {spec.rows} rows: set "
+                f"embeddings.{spec.name}_rows or use a store with at least one item"
+            )
     return specs
 
 
-def init_rows(table_index: int, table_rows: int, row_begin: int, row_end: int, dim: int, std: float,
-              seed: int, device: torch.device) -> torch.Tensor:
+def init_rows(
+    table_index: int,
+    table_rows: int,
+    row_begin: int,
+    row_end: int,
+    dim: int,
+    std: float,
+    seed: int,
+    device: torch.device,
+) -> torch.Tensor:
     """Rows [row_begin, row_end) of a table's N(0, std) init, the same whatever the slicing (drawn on
     ``device``: CPU and CUDA generators give different numbers for one seed)."""
     out = torch.empty(row_end - row_begin, dim, dtype=torch.float32, device=device)
@@ -75,7 +88,7 @@ def init_rows(table_index: int, table_rows: int, row_begin: int, row_end: int, d
         # Always the whole chunk: a prefix of normal_(n) is not normal_(k), so shards must agree.
         values = torch.empty(c1 - c0, dim, dtype=torch.float32, device=device).normal_(0.0, std, generator=gen)
         lo, hi = max(c0, row_begin), min(c1, row_end)
-        out[lo - row_begin:hi - row_begin] = values[lo - c0:hi - c0]
+        out[lo - row_begin : hi - row_begin] = values[lo - c0 : hi - c0]
     return out
 
 
@@ -87,9 +100,13 @@ def table_features(name: str) -> tuple[str, ...]:
 def assemble_embeddings(sequence: dict[str, torch.Tensor], candidate: list[torch.Tensor]) -> SequenceEmbeddings:
     """SequenceEmbeddings from per-table sequence rows ([T + B, E] for the shared tables, [B, E]
     for the contextual ones) and the candidate's fp32 (item, artist, album) rows."""
-    return SequenceEmbeddings(item=sequence["item"], artist=sequence["artist"], album=sequence["album"],
-                              contextual=torch.stack([sequence[name] for name in CONTEXTUAL_FEATURES], dim=1),
-                              candidate=torch.cat(candidate, -1))
+    return SequenceEmbeddings(
+        item=sequence["item"],
+        artist=sequence["artist"],
+        album=sequence["album"],
+        contextual=torch.stack([sequence[name] for name in CONTEXTUAL_FEATURES], dim=1),
+        candidate=torch.cat(candidate, -1),
+    )
 
 
 class SparseEmbeddings(nn.Module, abc.ABC):
@@ -115,8 +132,10 @@ class SparseEmbeddings(nn.Module, abc.ABC):
             for feature in table_features(spec.name):
                 ids = features[feature]
                 if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= spec.rows):
-                    raise ValueError(f"{feature}: ids span [{int(ids.min())}, {int(ids.max())}], "
-                                     f"table {spec.name!r} has {spec.rows} rows")
+                    raise ValueError(
+                        f"{feature}: ids span [{int(ids.min())}, {int(ids.max())}], "
+                        f"table {spec.name!r} has {spec.rows} rows"
+                    )
 
     @abc.abstractmethod
     def forward(self, batch: TorchJaggedBatch) -> SequenceEmbeddings:

@@ -16,8 +16,14 @@ from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings import torchrec_permute
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
 from dlrmv4.model.embeddings.sharding import plan_sharding, qcomm_registry
-from dlrmv4.model.embeddings.tables import (SHARED_TABLES, SparseEmbeddings, TableSpec, assemble_embeddings,
-                                            init_rows, table_features)
+from dlrmv4.model.embeddings.tables import (
+    SHARED_TABLES,
+    SparseEmbeddings,
+    TableSpec,
+    assemble_embeddings,
+    init_rows,
+    table_features,
+)
 from dlrmv4.train.distributed import Cluster
 
 
@@ -32,29 +38,53 @@ class TorchRecEmbeddings(SparseEmbeddings):
 
     backend = "torchrec"
 
-    def __init__(self, specs: list[TableSpec], dim: int, lr: float, eps: float, std: float, seed: int,
-                 device: torch.device, cluster: Cluster, cfg: EmbeddingConfig,
-                 sequence_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        specs: list[TableSpec],
+        dim: int,
+        lr: float,
+        eps: float,
+        std: float,
+        seed: int,
+        device: torch.device,
+        cluster: Cluster,
+        cfg: EmbeddingConfig,
+        sequence_dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__(specs, dim, lr, eps, cluster)
         from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
-        from torchrec import EmbeddingCollection, EmbeddingConfig as TableConfig
+        from torchrec import EmbeddingCollection
+        from torchrec import EmbeddingConfig as TableConfig
         from torchrec.distributed import DistributedModelParallel
         from torchrec.distributed.embedding import EmbeddingCollectionSharder
 
         torchrec_permute.install()
         if not dist.is_initialized():
-            raise UserError("the torchrec embedding backend needs torch.distributed initialised "
-                            "(gloo on the CPU, NCCL on GPUs); or set embeddings.embedding_backend=plain")
-        tables = [TableConfig(name=s.name, embedding_dim=dim, num_embeddings=s.rows,
-                              feature_names=list(table_features(s.name))) for s in specs]
+            raise UserError(
+                "the torchrec embedding backend needs torch.distributed initialised "
+                "(gloo on the CPU, NCCL on GPUs); or set embeddings.embedding_backend=plain"
+            )
+        tables = [
+            TableConfig(
+                name=s.name, embedding_dim=dim, num_embeddings=s.rows, feature_names=list(table_features(s.name))
+            )
+            for s in specs
+        ]
         # FBGEMM's CPU kernels write fp32 only: there the rows are cast after the lookup (same numbers).
         self.sequence_dtype = sequence_dtype
         output_dtype = sequence_dtype if device.type == "cuda" else torch.float32
         output = {torch.bfloat16: SparseType.BF16, torch.float16: SparseType.FP16, torch.float32: SparseType.FP32}
-        sharder = EmbeddingCollectionSharder(fused_params={
-            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr, "eps": eps,
-            "weight_decay": 0.0, "output_dtype": output[output_dtype], "uvm_host_mapped": True},
-            qcomm_codecs_registry=qcomm_registry(cfg))
+        sharder = EmbeddingCollectionSharder(
+            fused_params={
+                "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                "learning_rate": lr,
+                "eps": eps,
+                "weight_decay": 0.0,
+                "output_dtype": output[output_dtype],
+                "uvm_host_mapped": True,
+            },
+            qcomm_codecs_registry=qcomm_registry(cfg),
+        )
         # Built on "meta": DMP allocates only this rank's shards.
         collection = EmbeddingCollection(tables=tables, device=torch.device("meta"))
         self.plan = plan_sharding(collection, [sharder], cfg, cluster.world_size, cluster.local_world_size, device)
@@ -65,7 +95,7 @@ class TorchRecEmbeddings(SparseEmbeddings):
                 for shard in self._weight(s.name).local_shards():
                     (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
                     rows = init_rows(i, s.rows, r0, r0 + nr, dim, std, seed, shard.tensor.device)
-                    shard.tensor.copy_(rows[:, c0:c0 + nc])
+                    shard.tensor.copy_(rows[:, c0 : c0 + nc])
 
     def _weight(self, name: str):
         return self.dmp.state_dict()[f"embeddings.{name}.weight"]
@@ -78,8 +108,10 @@ class TorchRecEmbeddings(SparseEmbeddings):
     def forward(self, batch: TorchJaggedBatch) -> SequenceEmbeddings:
         kjt = keyed_jagged_features(batch, self.keys)
         out = {k: jt.values().to(self.sequence_dtype) for k, jt in self.dmp(kjt).items()}
-        return assemble_embeddings({s.name: torch.cat([out[f] for f in table_features(s.name)]) for s in self.specs},
-                                   [out[f"candidate_{name}_id"] for name in SHARED_TABLES])
+        return assemble_embeddings(
+            {s.name: torch.cat([out[f] for f in table_features(s.name)]) for s in self.specs},
+            [out[f"candidate_{name}_id"] for name in SHARED_TABLES],
+        )
 
     def sparse_step(self) -> None:
         """Nothing to do: FBGEMM applied the update inside the backward."""

@@ -29,7 +29,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _chunk(q, k, v, starts, lengths, prefix, alpha: float, n: int):
     """Outputs [b, N, H, Dv] (compute dtype) for the sequences starting at ``starts``."""
     pos = torch.arange(n, device=q.device)
-    valid = pos[None, :] < lengths[:, None]                                  # [b, N]
+    valid = pos[None, :] < lengths[:, None]  # [b, N]
     idx = torch.where(valid, starts[:, None] + pos[None, :], 0)
     cdt = _compute_dtype(q.dtype)
     # index_select, not t[idx]: its backward is index_add_, which the CPU runs far faster than
@@ -37,14 +37,21 @@ def _chunk(q, k, v, starts, lengths, prefix, alpha: float, n: int):
     qp, kp, vp = (t.index_select(0, idx.flatten()).unflatten(0, idx.shape).to(cdt) for t in (q, k, v))
     s = torch.einsum("bihd,bjhd->bhij", qp * alpha, kp)
     i, j = pos[:, None], pos[None, :]
-    allowed = ((j <= i)[None] & (j[None] < prefix[:, None, None])) | (j == i)[None]   # [b, N, N]
+    allowed = ((j <= i)[None] & (j[None] < prefix[:, None, None])) | (j == i)[None]  # [b, N, N]
     allowed = allowed & valid[:, None, :]
     a = F.silu(s) * (allowed[:, None].to(cdt) / n)
     return torch.einsum("bhij,bjhd->bihd", a, vp)
 
 
-def hstu_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
-                             max_seq_len: int, num_targets: torch.Tensor | None, alpha: float) -> torch.Tensor:
+def hstu_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    max_seq_len: int,
+    num_targets: torch.Tensor | None,
+    alpha: float,
+) -> torch.Tensor:
     """[T, H, Dv] in q's dtype; differentiable through autograd."""
     total, heads, dv = v.shape
     batch = seq_offsets.numel() - 1
@@ -60,9 +67,9 @@ def hstu_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     recompute = track and batch > step
     outs = []
     for lo in range(0, batch, step):
-        args = (q, k, v, offsets[:-1][lo:lo + step], lengths[lo:lo + step], prefix[lo:lo + step], alpha, n)
+        args = (q, k, v, offsets[:-1][lo : lo + step], lengths[lo : lo + step], prefix[lo : lo + step], alpha, n)
         outs.append(checkpoint(_chunk, *args, use_reentrant=False) if recompute else _chunk(*args))
-    padded = torch.cat(outs) if len(outs) > 1 else outs[0]                   # [B, N, H, Dv]
+    padded = torch.cat(outs) if len(outs) > 1 else outs[0]  # [B, N, H, Dv]
     token = torch.arange(total, device=q.device)
     seq = torch.searchsorted(offsets, token, right=True) - 1
     return padded.flatten(0, 1).index_select(0, seq * n + token - offsets[seq]).to(q.dtype)

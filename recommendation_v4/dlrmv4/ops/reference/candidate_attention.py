@@ -19,16 +19,24 @@ def split_vk(vk: torch.Tensor, num_heads: int, qk_dim: int, v_dim: int) -> tuple
     return v.unflatten(-1, (num_heads, v_dim)), k.unflatten(-1, (num_heads, qk_dim))
 
 
-def candidate_attention(q: torch.Tensor, vk: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
-                        num_heads: int, qk_dim: int, v_dim: int, alpha: float) -> torch.Tensor:
+def candidate_attention(
+    q: torch.Tensor,
+    vk: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    max_seq_len: int,
+    num_heads: int,
+    qk_dim: int,
+    v_dim: int,
+    alpha: float,
+) -> torch.Tensor:
     """q [B, H, Dqk] (the candidates' queries), vk [T, H·Dv + H·Dqk] -> [B, H, Dv] in q's dtype;
     differentiable through autograd."""
     v, k = split_vk(vk, num_heads, qk_dim, v_dim)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     offsets = seq_offsets.to(device=q.device, dtype=torch.int64)
     token = torch.arange(vk.shape[0], device=q.device)
-    seq = torch.searchsorted(offsets, token, right=True) - 1                     # [T]
-    scores = (q.to(cdt).index_select(0, seq) * k.to(cdt)).sum(-1) * alpha       # [T, H]
+    seq = torch.searchsorted(offsets, token, right=True) - 1  # [T]
+    scores = (q.to(cdt).index_select(0, seq) * k.to(cdt)).sum(-1) * alpha  # [T, H]
     weights = F.silu(scores) / max(int(max_seq_len), 1)
     out = torch.zeros(q.shape[0], num_heads, v_dim, dtype=cdt, device=q.device)
     return out.index_add(0, seq, weights[..., None] * v.to(cdt)).to(q.dtype)

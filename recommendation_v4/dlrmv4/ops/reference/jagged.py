@@ -34,8 +34,9 @@ def _source_rows(history_offsets: torch.Tensor, num_contextual: int, num_history
     return torch.where(pos < c, ctx_src, torch.where(pos == length - 1, cand_src, hist_src))
 
 
-def concat_sequences(contextual: torch.Tensor, history: torch.Tensor, candidate: torch.Tensor,
-                     history_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def concat_sequences(
+    contextual: torch.Tensor, history: torch.Tensor, candidate: torch.Tensor, history_offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """contextual [B, C, D], history [T, D] (jagged), candidate [B, D] -> (values [T + B(C+1), D], offsets)."""
     b, c, d = contextual.shape
     src = torch.cat([contextual.reshape(b * c, d), history, candidate])
@@ -48,10 +49,16 @@ def take_last(values: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor:
     return values[seq_offsets[1:] - 1]
 
 
-def concat_sequence_timestamps(history_timestamp: torch.Tensor, history_offsets: torch.Tensor,
-                               query_time: torch.Tensor, num_contextual: int) -> torch.Tensor:
+def concat_sequence_timestamps(
+    history_timestamp: torch.Tensor, history_offsets: torch.Tensor, query_time: torch.Tensor, num_contextual: int
+) -> torch.Tensor:
     """Timestamps laid out like ``concat_sequences``; contextual and candidate rows carry query_time."""
     c = num_contextual
-    src = torch.cat([query_time.to(history_timestamp.dtype).repeat_interleave(c), history_timestamp,
-                     query_time.to(history_timestamp.dtype)])
+    src = torch.cat(
+        [
+            query_time.to(history_timestamp.dtype).repeat_interleave(c),
+            history_timestamp,
+            query_time.to(history_timestamp.dtype),
+        ]
+    )
     return src[_source_rows(history_offsets, c, history_timestamp.numel())]

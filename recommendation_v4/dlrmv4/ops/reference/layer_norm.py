@@ -18,12 +18,12 @@ def _ln(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
     return F.layer_norm(x.to(acc), (x.shape[-1],), w, b, eps)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-               eps: float) -> torch.Tensor:
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     return _ln(x, weight, bias, eps).to(x.dtype)
 
 
-def swish_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                     eps: float) -> torch.Tensor:
+def swish_layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
     """x * sigmoid(LayerNorm(x))."""
     return (x.to(compute_dtype(x.dtype)) * torch.sigmoid(_ln(x, weight, bias, eps))).to(x.dtype)

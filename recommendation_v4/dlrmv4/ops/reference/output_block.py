@@ -19,8 +19,9 @@ from dlrmv4.ops.reference.philox import check_dropout, dropout_threshold, philox
 _COUNTERS_PER_CHUNK = 1 << 24
 
 
-def draw_keep_mask(t: int, hd: int, dropout_p: float, seed: int, device: torch.device | str,
-                   row_offset: int = 0) -> torch.Tensor:
+def draw_keep_mask(
+    t: int, hd: int, dropout_p: float, seed: int, device: torch.device | str, row_offset: int = 0
+) -> torch.Tensor:
     """bool [t, 3·hd]: the keep decisions of the Triton output block for the global rows
     row_offset .. row_offset + t - 1 (see the module docstring)."""
     seed, row_offset = check_dropout("output_block_keep_mask", dropout_p, seed, row_offset)
@@ -31,7 +32,7 @@ def draw_keep_mask(t: int, hd: int, dropout_p: float, seed: int, device: torch.d
     step = max(1, _COUNTERS_PER_CHUNK // ((hd + 1) // 2))
     for r0 in range(0, t, step):
         rows = torch.arange(row_offset + r0, row_offset + min(t, r0 + step), device=device)
-        out[r0:r0 + rows.numel()] = keep_mask_of_rows(rows, hd, dropout_p, seed)
+        out[r0 : r0 + rows.numel()] = keep_mask_of_rows(rows, hd, dropout_p, seed)
     return out
 
 
@@ -45,9 +46,19 @@ def keep_mask_of_rows(rows: torch.Tensor, hd: int, dropout_p: float, seed: int) 
     return torch.cat([split16(n)[:, :hd] for n in numbers[:3]], dim=1) >= threshold
 
 
-def output_block(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 eps: float, dropout_p: float, training: bool, keep_mask: torch.Tensor | None = None, *,
-                 seed: int = 0, row_offset: int = 0) -> torch.Tensor:
+def output_block(
+    u: torch.Tensor,
+    attn: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    dropout_p: float,
+    training: bool,
+    keep_mask: torch.Tensor | None = None,
+    *,
+    seed: int = 0,
+    row_offset: int = 0,
+) -> torch.Tensor:
     """u (before its SiLU), attn [T, HD] -> [T, 3·HD] in u's dtype; SiLU and the LayerNorm over the
     HD columns of attn in fp32 (or wider).
 

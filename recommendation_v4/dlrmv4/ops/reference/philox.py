@@ -29,8 +29,7 @@ def _mul32(a: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return high, low
 
 
-def philox_randint4x(seed: int, offsets: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def philox_randint4x(seed: int, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The four uint32 outputs (as int64 tensors shaped like ``offsets``) that ``tl.randint4x(seed,
     offsets)`` gives for int64 offsets >= 0 and an int seed in [0, 2^63)."""
     seed = _index("philox_randint4x", "seed", seed, 2**63)

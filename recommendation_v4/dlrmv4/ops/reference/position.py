@@ -16,9 +16,15 @@ from dlrmv4.ops.reference.philox import check_dropout, dropout_threshold, philox
 _COUNTERS_PER_CHUNK = 1 << 24  # bounds the int64 temporaries of a full-size mask
 
 
-def positions_and_buckets(seq_offsets: torch.Tensor, timestamps: torch.Tensor, query_time: torch.Tensor,
-                          num_contextual: int, num_positions: int, num_buckets: int,
-                          time_bucket_seconds: float) -> tuple[torch.Tensor, torch.Tensor]:
+def positions_and_buckets(
+    seq_offsets: torch.Tensor,
+    timestamps: torch.Tensor,
+    query_time: torch.Tensor,
+    num_contextual: int,
+    num_positions: int,
+    num_buckets: int,
+    time_bucket_seconds: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token: the position index and the time bucket (int64 [T'])."""
     c = num_contextual
     rows = torch.arange(timestamps.numel(), device=timestamps.device)
@@ -33,14 +39,31 @@ def positions_and_buckets(seq_offsets: torch.Tensor, timestamps: torch.Tensor, q
     return pos, bucket
 
 
-def position_time_encode(x: torch.Tensor, seq_offsets: torch.Tensor, timestamps: torch.Tensor,
-                         query_time: torch.Tensor, num_contextual: int, pos_table: torch.Tensor,
-                         time_table: torch.Tensor, x_scale: float, time_bucket_seconds: float = 60.0,
-                         dropout_p: float = 0.0, seed: int = 0, training: bool = False, row_offset: int = 0
-                         ) -> torch.Tensor:
+def position_time_encode(
+    x: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    timestamps: torch.Tensor,
+    query_time: torch.Tensor,
+    num_contextual: int,
+    pos_table: torch.Tensor,
+    time_table: torch.Tensor,
+    x_scale: float,
+    time_bucket_seconds: float = 60.0,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    training: bool = False,
+    row_offset: int = 0,
+) -> torch.Tensor:
     """Dropout applies when ``training`` and p > 0, with the mask of ``input_dropout_keep_mask``."""
-    pos, bucket = positions_and_buckets(seq_offsets, timestamps, query_time, num_contextual,
-                                        pos_table.shape[0], time_table.shape[0], time_bucket_seconds)
+    pos, bucket = positions_and_buckets(
+        seq_offsets,
+        timestamps,
+        query_time,
+        num_contextual,
+        pos_table.shape[0],
+        time_table.shape[0],
+        time_bucket_seconds,
+    )
     acc = compute_dtype(x.dtype)
     out = x.to(acc) * x_scale + pos_table.to(acc)[pos] + time_table.to(acc)[bucket]
     if training and dropout_p > 0.0:
@@ -49,8 +72,9 @@ def position_time_encode(x: torch.Tensor, seq_offsets: torch.Tensor, timestamps:
     return out.to(x.dtype)
 
 
-def input_dropout_keep_mask(num_rows: int, d: int, dropout_p: float, seed: int, device: torch.device | str,
-                            row_offset: int = 0) -> torch.Tensor:
+def input_dropout_keep_mask(
+    num_rows: int, d: int, dropout_p: float, seed: int, device: torch.device | str, row_offset: int = 0
+) -> torch.Tensor:
     """bool [num_rows, d]: the input dropout's keep decisions for the global rows row_offset ..
     row_offset + num_rows - 1 (see the module docstring), as the Triton kernel draws them."""
     seed, row_offset = check_dropout("input_dropout_keep_mask", dropout_p, seed, row_offset)
@@ -64,5 +88,5 @@ def input_dropout_keep_mask(num_rows: int, d: int, dropout_p: float, seed: int, 
     for r0 in range(0, num_rows, step):
         rows = torch.arange(row_offset + r0, row_offset + min(num_rows, r0 + step), device=device)
         numbers = torch.stack(philox_randint4x(seed, rows[:, None] * groups + cols), dim=-1)  # [R, G, 4]
-        out[r0:r0 + rows.numel()] = split16(numbers).flatten(1)[:, :d] >= threshold
+        out[r0 : r0 + rows.numel()] = split16(numbers).flatten(1)[:, :d] >= threshold
     return out

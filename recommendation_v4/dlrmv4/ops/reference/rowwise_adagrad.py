@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def rowwise_adagrad_(weight: torch.Tensor, momentum: torch.Tensor, ids: torch.Tensor, values: torch.Tensor,
-                     lr: torch.Tensor, eps: float) -> None:
+def rowwise_adagrad_(
+    weight: torch.Tensor, momentum: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, lr: torch.Tensor, eps: float
+) -> None:
     """Update for gradient rows ``values`` of rows ``ids`` (duplicates summed), in place.
 
     Static shapes and no host sync: the sorted ids are cut into segments, segment s sums into slot

@@ -54,8 +54,7 @@ INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 
 @triton.jit
 def _tanh(t):
-    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [t], dtype=tl.float32,
-                                     is_pure=True, pack=1)
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [t], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -70,7 +69,13 @@ def _weights(s, alpha, dtype: tl.constexpr, SILU: tl.constexpr):
             cvt.rn.bf16x2.f32 t, $2, $1;
             tanh.approx.bf16x2 h, t;
             fma.rn.bf16x2 $0, t, h, t;
-            }""", "=r,f,f", [s * (0.5 * alpha)], dtype=tl.bfloat16, is_pure=True, pack=2)
+            }""",
+            "=r,f,f",
+            [s * (0.5 * alpha)],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=2,
+        )
     elif SILU == "tanh":
         t = s * (0.5 * alpha)
         a = (t + t * _tanh(t)).to(dtype)
@@ -101,8 +106,13 @@ def _weights_and_grads(s, dp, alpha, dtype: tl.constexpr, SILU: tl.constexpr):
             cvt.rn.bf16x2.f32 dp, $5, $4;
             mul.rn.bf16x2 $1, dp, u;
             mov.b32 $0, a;
-            }""", "=r,=r,f,f,f,f", [s * (0.5 * alpha), dp], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
-            pack=2)
+            }""",
+            "=r,=r,f,f,f,f",
+            [s * (0.5 * alpha), dp],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=2,
+        )
     else:
         if SILU == "tanh":
             t = s * (0.5 * alpha)
@@ -156,9 +166,26 @@ def _key_spans(m_start, seq_len, prefix, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _fwd_span(acc, q, k_seq, v_seq, stride_kt, stride_vt, offs_m, lo, hi, seq_len, prefix, alpha,
-              DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-              SILU: tl.constexpr, PREC: tl.constexpr):
+def _fwd_span(
+    acc,
+    q,
+    k_seq,
+    v_seq,
+    stride_kt,
+    stride_vt,
+    offs_m,
+    lo,
+    hi,
+    seq_len,
+    prefix,
+    alpha,
+    DQK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    SILU: tl.constexpr,
+    PREC: tl.constexpr,
+):
     offs_dk = tl.arange(0, DQK)
     offs_dv = tl.arange(0, DV)
     for n0 in range(lo, hi, BLOCK_N):
@@ -174,11 +201,33 @@ def _fwd_span(acc, q, k_seq, v_seq, stride_kt, stride_vt, offs_m, lo, hi, seq_le
 
 
 @triton.jit(do_not_specialize=["N_BUCKET"])
-def _hstu_attention_fwd(Q, K, V, O, seq_offsets, num_targets,
-                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                        H, alpha, inv_n, N_BUCKET,
-                        DQK: tl.constexpr, DV: tl.constexpr, HAS_TARGETS: tl.constexpr, SILU: tl.constexpr,
-                        PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _hstu_attention_fwd(
+    Q,
+    K,
+    V,
+    O,
+    seq_offsets,
+    num_targets,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    H,
+    alpha,
+    inv_n,
+    N_BUCKET,
+    DQK: tl.constexpr,
+    DV: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    SILU: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
@@ -187,27 +236,106 @@ def _hstu_attention_fwd(Q, K, V, O, seq_offsets, num_targets,
         return
     offs_m = m_start + tl.arange(0, BLOCK_M)
     in_seq = (offs_m < seq_len)[:, None]
-    q = tl.load(Q + start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + tl.arange(0, DQK)[None, :],
-                mask=in_seq, other=0.0)
+    q = tl.load(
+        Q + start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + tl.arange(0, DQK)[None, :],
+        mask=in_seq,
+        other=0.0,
+    )
     k_seq = K + start * stride_kt + h * stride_kh
     v_seq = V + start * stride_vt + h * stride_vh
     nf, e1, s2, hi = _key_spans(m_start, seq_len, prefix, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
-    acc = _fwd_span(acc, q, k_seq, v_seq, stride_kt, stride_vt, offs_m, 0, nf, seq_len, prefix, alpha,
-                    DQK, DV, BLOCK_N, False, SILU, PREC)
-    acc = _fwd_span(acc, q, k_seq, v_seq, stride_kt, stride_vt, offs_m, nf, e1, seq_len, prefix, alpha,
-                    DQK, DV, BLOCK_N, True, SILU, PREC)
-    acc = _fwd_span(acc, q, k_seq, v_seq, stride_kt, stride_vt, offs_m, s2, hi, seq_len, prefix, alpha,
-                    DQK, DV, BLOCK_N, True, SILU, PREC)
+    acc = _fwd_span(
+        acc,
+        q,
+        k_seq,
+        v_seq,
+        stride_kt,
+        stride_vt,
+        offs_m,
+        0,
+        nf,
+        seq_len,
+        prefix,
+        alpha,
+        DQK,
+        DV,
+        BLOCK_N,
+        False,
+        SILU,
+        PREC,
+    )
+    acc = _fwd_span(
+        acc,
+        q,
+        k_seq,
+        v_seq,
+        stride_kt,
+        stride_vt,
+        offs_m,
+        nf,
+        e1,
+        seq_len,
+        prefix,
+        alpha,
+        DQK,
+        DV,
+        BLOCK_N,
+        True,
+        SILU,
+        PREC,
+    )
+    acc = _fwd_span(
+        acc,
+        q,
+        k_seq,
+        v_seq,
+        stride_kt,
+        stride_vt,
+        offs_m,
+        s2,
+        hi,
+        seq_len,
+        prefix,
+        alpha,
+        DQK,
+        DV,
+        BLOCK_N,
+        True,
+        SILU,
+        PREC,
+    )
     o_ptrs = O + start * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + tl.arange(0, DV)[None, :]
     tl.store(o_ptrs, (acc * inv_n).to(O.dtype.element_ty), mask=in_seq)
 
 
 @triton.jit
-def _dkdv_span(dk, dv, k, v, q_seq, do_seq, dq_seq, stride_qt, stride_dot, stride_dqt, offs_n, lo, hi,
-               seq_len, prefix, alpha, dq_scale,
-               DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-               ATOMIC_DQ: tl.constexpr, SILU: tl.constexpr, PREC: tl.constexpr):
+def _dkdv_span(
+    dk,
+    dv,
+    k,
+    v,
+    q_seq,
+    do_seq,
+    dq_seq,
+    stride_qt,
+    stride_dot,
+    stride_dqt,
+    offs_n,
+    lo,
+    hi,
+    seq_len,
+    prefix,
+    alpha,
+    dq_scale,
+    DQK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+    SILU: tl.constexpr,
+    PREC: tl.constexpr,
+):
     offs_dk = tl.arange(0, DQK)
     offs_dv = tl.arange(0, DV)
     for m0 in range(lo, hi, BLOCK_M):
@@ -232,12 +360,43 @@ def _dkdv_span(dk, dv, k, v, q_seq, do_seq, dq_seq, stride_qt, stride_dot, strid
 
 
 @triton.jit(do_not_specialize=["N_BUCKET"])
-def _hstu_attention_dkdv(Q, K, V, DO, DQ, DK, DV_, seq_offsets, num_targets,
-                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                         stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                         H, alpha, inv_n, N_BUCKET,
-                         DQK: tl.constexpr, DV: tl.constexpr, HAS_TARGETS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                         SILU: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _hstu_attention_dkdv(
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    DK,
+    DV_,
+    seq_offsets,
+    num_targets,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    H,
+    alpha,
+    inv_n,
+    N_BUCKET,
+    DQK: tl.constexpr,
+    DV: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+    SILU: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     n_start = tl.program_id(0) * BLOCK_N  # low key blocks are seen by the most rows: they start first
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
@@ -246,10 +405,16 @@ def _hstu_attention_dkdv(Q, K, V, DO, DQ, DK, DV_, seq_offsets, num_targets,
         return
     offs_n = n_start + tl.arange(0, BLOCK_N)
     in_seq = (offs_n < seq_len)[:, None]
-    k = tl.load(K + start * stride_kt + h * stride_kh + offs_n[:, None] * stride_kt + tl.arange(0, DQK)[None, :],
-                mask=in_seq, other=0.0)
-    v = tl.load(V + start * stride_vt + h * stride_vh + offs_n[:, None] * stride_vt + tl.arange(0, DV)[None, :],
-                mask=in_seq, other=0.0)
+    k = tl.load(
+        K + start * stride_kt + h * stride_kh + offs_n[:, None] * stride_kt + tl.arange(0, DQK)[None, :],
+        mask=in_seq,
+        other=0.0,
+    )
+    v = tl.load(
+        V + start * stride_vt + h * stride_vh + offs_n[:, None] * stride_vt + tl.arange(0, DV)[None, :],
+        mask=in_seq,
+        other=0.0,
+    )
     # Query spans: [m_lo, d_end) masked (diagonal), [d_end, u_end) unmasked, [u_end, m_hi) masked
     # (candidate rows, when this block straddles the prefix end). Candidate keys: diagonal only.
     n_end = tl.minimum(n_start + BLOCK_N, seq_len)
@@ -264,12 +429,84 @@ def _hstu_attention_dkdv(Q, K, V, DO, DQ, DK, DV_, seq_offsets, num_targets,
     dq_scale = alpha * inv_n
     dk = tl.zeros([BLOCK_N, DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, DV], dtype=tl.float32)
-    dk, dv = _dkdv_span(dk, dv, k, v, q_seq, do_seq, dq_seq, stride_qt, stride_dot, stride_dqt, offs_n, m_lo, d_end,
-                        seq_len, prefix, alpha, dq_scale, DQK, DV, BLOCK_M, True, ATOMIC_DQ, SILU, PREC)
-    dk, dv = _dkdv_span(dk, dv, k, v, q_seq, do_seq, dq_seq, stride_qt, stride_dot, stride_dqt, offs_n, d_end, u_end,
-                        seq_len, prefix, alpha, dq_scale, DQK, DV, BLOCK_M, False, ATOMIC_DQ, SILU, PREC)
-    dk, dv = _dkdv_span(dk, dv, k, v, q_seq, do_seq, dq_seq, stride_qt, stride_dot, stride_dqt, offs_n, u_end, m_hi,
-                        seq_len, prefix, alpha, dq_scale, DQK, DV, BLOCK_M, True, ATOMIC_DQ, SILU, PREC)
+    dk, dv = _dkdv_span(
+        dk,
+        dv,
+        k,
+        v,
+        q_seq,
+        do_seq,
+        dq_seq,
+        stride_qt,
+        stride_dot,
+        stride_dqt,
+        offs_n,
+        m_lo,
+        d_end,
+        seq_len,
+        prefix,
+        alpha,
+        dq_scale,
+        DQK,
+        DV,
+        BLOCK_M,
+        True,
+        ATOMIC_DQ,
+        SILU,
+        PREC,
+    )
+    dk, dv = _dkdv_span(
+        dk,
+        dv,
+        k,
+        v,
+        q_seq,
+        do_seq,
+        dq_seq,
+        stride_qt,
+        stride_dot,
+        stride_dqt,
+        offs_n,
+        d_end,
+        u_end,
+        seq_len,
+        prefix,
+        alpha,
+        dq_scale,
+        DQK,
+        DV,
+        BLOCK_M,
+        False,
+        ATOMIC_DQ,
+        SILU,
+        PREC,
+    )
+    dk, dv = _dkdv_span(
+        dk,
+        dv,
+        k,
+        v,
+        q_seq,
+        do_seq,
+        dq_seq,
+        stride_qt,
+        stride_dot,
+        stride_dqt,
+        offs_n,
+        u_end,
+        m_hi,
+        seq_len,
+        prefix,
+        alpha,
+        dq_scale,
+        DQK,
+        DV,
+        BLOCK_M,
+        True,
+        ATOMIC_DQ,
+        SILU,
+        PREC,
+    )
     dk_ptrs = DK + start * stride_dkt + h * stride_dkh + offs_n[:, None] * stride_dkt + tl.arange(0, DQK)[None, :]
     dv_ptrs = DV_ + start * stride_dvt + h * stride_dvh + offs_n[:, None] * stride_dvt + tl.arange(0, DV)[None, :]
     tl.store(dk_ptrs, (dk * dq_scale).to(DK.dtype.element_ty), mask=in_seq)
@@ -277,9 +514,27 @@ def _hstu_attention_dkdv(Q, K, V, DO, DQ, DK, DV_, seq_offsets, num_targets,
 
 
 @triton.jit
-def _dq_span(dq, q, do, k_seq, v_seq, stride_kt, stride_vt, offs_m, lo, hi, seq_len, prefix, alpha,
-             DQK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-             SILU: tl.constexpr, PREC: tl.constexpr):
+def _dq_span(
+    dq,
+    q,
+    do,
+    k_seq,
+    v_seq,
+    stride_kt,
+    stride_vt,
+    offs_m,
+    lo,
+    hi,
+    seq_len,
+    prefix,
+    alpha,
+    DQK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    SILU: tl.constexpr,
+    PREC: tl.constexpr,
+):
     offs_dk = tl.arange(0, DQK)
     offs_dv = tl.arange(0, DV)
     for n0 in range(lo, hi, BLOCK_N):
@@ -297,11 +552,36 @@ def _dq_span(dq, q, do, k_seq, v_seq, stride_kt, stride_vt, offs_m, lo, hi, seq_
 
 
 @triton.jit(do_not_specialize=["N_BUCKET"])
-def _hstu_attention_dq(Q, K, V, DO, DQ, seq_offsets, num_targets,
-                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                       stride_dqt, stride_dqh, H, alpha, inv_n, N_BUCKET,
-                       DQK: tl.constexpr, DV: tl.constexpr, HAS_TARGETS: tl.constexpr, SILU: tl.constexpr,
-                       PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _hstu_attention_dq(
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    seq_offsets,
+    num_targets,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    H,
+    alpha,
+    inv_n,
+    N_BUCKET,
+    DQK: tl.constexpr,
+    DV: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    SILU: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
@@ -310,20 +590,83 @@ def _hstu_attention_dq(Q, K, V, DO, DQ, seq_offsets, num_targets,
         return
     offs_m = m_start + tl.arange(0, BLOCK_M)
     in_seq = (offs_m < seq_len)[:, None]
-    q = tl.load(Q + start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + tl.arange(0, DQK)[None, :],
-                mask=in_seq, other=0.0)
-    do = tl.load(DO + start * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot + tl.arange(0, DV)[None, :],
-                 mask=in_seq, other=0.0)
+    q = tl.load(
+        Q + start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + tl.arange(0, DQK)[None, :],
+        mask=in_seq,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + start * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot + tl.arange(0, DV)[None, :],
+        mask=in_seq,
+        other=0.0,
+    )
     k_seq = K + start * stride_kt + h * stride_kh
     v_seq = V + start * stride_vt + h * stride_vh
     nf, e1, s2, hi = _key_spans(m_start, seq_len, prefix, BLOCK_M, BLOCK_N)
     dq = tl.zeros([BLOCK_M, DQK], dtype=tl.float32)
-    dq = _dq_span(dq, q, do, k_seq, v_seq, stride_kt, stride_vt, offs_m, 0, nf, seq_len, prefix, alpha,
-                  DQK, DV, BLOCK_N, False, SILU, PREC)
-    dq = _dq_span(dq, q, do, k_seq, v_seq, stride_kt, stride_vt, offs_m, nf, e1, seq_len, prefix, alpha,
-                  DQK, DV, BLOCK_N, True, SILU, PREC)
-    dq = _dq_span(dq, q, do, k_seq, v_seq, stride_kt, stride_vt, offs_m, s2, hi, seq_len, prefix, alpha,
-                  DQK, DV, BLOCK_N, True, SILU, PREC)
+    dq = _dq_span(
+        dq,
+        q,
+        do,
+        k_seq,
+        v_seq,
+        stride_kt,
+        stride_vt,
+        offs_m,
+        0,
+        nf,
+        seq_len,
+        prefix,
+        alpha,
+        DQK,
+        DV,
+        BLOCK_N,
+        False,
+        SILU,
+        PREC,
+    )
+    dq = _dq_span(
+        dq,
+        q,
+        do,
+        k_seq,
+        v_seq,
+        stride_kt,
+        stride_vt,
+        offs_m,
+        nf,
+        e1,
+        seq_len,
+        prefix,
+        alpha,
+        DQK,
+        DV,
+        BLOCK_N,
+        True,
+        SILU,
+        PREC,
+    )
+    dq = _dq_span(
+        dq,
+        q,
+        do,
+        k_seq,
+        v_seq,
+        stride_kt,
+        stride_vt,
+        offs_m,
+        s2,
+        hi,
+        seq_len,
+        prefix,
+        alpha,
+        DQK,
+        DV,
+        BLOCK_N,
+        True,
+        SILU,
+        PREC,
+    )
     dq_ptrs = DQ + start * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt + tl.arange(0, DQK)[None, :]
     tl.store(dq_ptrs, (dq * (alpha * inv_n)).to(DQ.dtype.element_ty), mask=in_seq)
 
@@ -348,8 +691,9 @@ def _footprint(kind: str, bm: int, bn: int, stages: int, dqk: int, dv: int, atom
     if kind == "fwd":
         return stages * bn * (dqk + dv) + bm * dqk, bm * dv + bm * bn
     if kind == "dkdv":
-        return stages * bm * (dqk + dv) + bn * (dqk + dv) + 2 * bm * bn, \
-            bn * (dqk + dv) + 2 * bm * bn + (bm * dqk if atomic else 0)
+        return stages * bm * (dqk + dv) + bn * (dqk + dv) + 2 * bm * bn, bn * (dqk + dv) + 2 * bm * bn + (
+            bm * dqk if atomic else 0
+        )
     return stages * bn * (dqk + dv) + bm * (dqk + dv), bm * dqk + 2 * bm * bn
 
 
@@ -365,20 +709,30 @@ def _pruner(kind: str):
         smem_limit = _max_shared_mem(q.device.index if q.device.index is not None else torch.cuda.current_device())
         fits, cost = [], {}
         for c in configs:
-            smem, regs = _footprint(kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, meta["DQK"],
-                                    meta["DV"], meta.get("ATOMIC_DQ", False))
+            smem, regs = _footprint(
+                kind,
+                c.kwargs["BLOCK_M"],
+                c.kwargs["BLOCK_N"],
+                c.num_stages,
+                meta["DQK"],
+                meta["DV"],
+                meta.get("ATOMIC_DQ", False),
+            )
             cost[c] = smem
             if smem * q.element_size() <= smem_limit and regs <= 256 * 32 * c.num_warps:
                 fits.append(c)
         return fits or [min(configs, key=cost.get)]
+
     return prune
 
 
 def _tuned(kernel, kind: str, configs, extra_key=(), reset=None):
     return triton.autotune(
         configs=[_config(*c) for c in configs],
-        key=TUNE_KEY + list(extra_key), prune_configs_by={"early_config_prune": _pruner(kind)},
-        reset_to_zero=reset)(kernel)
+        key=TUNE_KEY + list(extra_key),
+        prune_configs_by={"early_config_prune": _pruner(kind)},
+        reset_to_zero=reset,
+    )(kernel)
 
 
 _fwd_tuned = _tuned(_hstu_attention_fwd, "fwd", FWD_CONFIGS)
@@ -432,16 +786,22 @@ def _common(q: torch.Tensor, v: torch.Tensor, num_targets, silu: str | None, kin
     # fp32: three TF32 products on NVIDIA tensor cores (fp32-level error); plain FMA elsewhere.
     nvidia = q.is_cuda and torch.version.hip is None and not interpreting()
     prec = "tf32" if q.dtype != torch.float32 else ("tf32x3" if nvidia else "ieee")
-    return {"DQK": q.shape[2], "DV": v.shape[2], "HAS_TARGETS": num_targets is not None,
-            "SILU": _silu_form(q, silu, kind), "PREC": prec}
+    return {
+        "DQK": q.shape[2],
+        "DV": v.shape[2],
+        "HAS_TARGETS": num_targets is not None,
+        "SILU": _silu_form(q, silu, kind),
+        "PREC": prec,
+    }
 
 
 def _empty_batch(q: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int) -> bool:
     return q.shape[0] == 0 or seq_offsets.numel() < 2 or max_seq_len <= 0
 
 
-def attention_fwd(q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: float, *,
-                  silu: str | None = None) -> torch.Tensor:
+def attention_fwd(
+    q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: float, *, silu: str | None = None
+) -> torch.Tensor:
     """out [T, H, Dv] in q's dtype."""
     q, k, v = (_unit_stride(t) for t in (q, k, v))
     total, heads, _ = q.shape
@@ -450,24 +810,56 @@ def attention_fwd(q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: fl
         return out.zero_()
     bh = (seq_offsets.numel() - 1) * heads
     targets = num_targets if num_targets is not None else seq_offsets
-    args = (q, k, v, out, seq_offsets, targets, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), out.stride(0), out.stride(1), heads, float(alpha), 1.0 / max_seq_len,
-            triton.next_power_of_2(max_seq_len))
+    args = (
+        q,
+        k,
+        v,
+        out,
+        seq_offsets,
+        targets,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        heads,
+        float(alpha),
+        1.0 / max_seq_len,
+        triton.next_power_of_2(max_seq_len),
+    )
     _launch("fwd", _fwd_tuned, _hstu_attention_fwd, max_seq_len, bh, args, _common(q, v, num_targets, silu, "fwd"))
     return out
 
 
 def _grad_buffers(out, q, k, v):
     """The caller's (dq, dk, dv) buffers, each shaped like its input with a dense feature dim."""
-    if len(out) != 3 or any(tuple(o.shape) != tuple(t.shape) or o.stride(-1) != 1 or o.device != t.device
-                            for o, t in zip(out, (q, k, v))):
-        raise ValueError("attention_bwd: out must be (dq, dk, dv) shaped like q, k, v on their device, each "
-                         "with unit stride in the feature dim")
+    if len(out) != 3 or any(
+        tuple(o.shape) != tuple(t.shape) or o.stride(-1) != 1 or o.device != t.device for o, t in zip(out, (q, k, v))
+    ):
+        raise ValueError(
+            "attention_bwd: out must be (dq, dk, dv) shaped like q, k, v on their device, each "
+            "with unit stride in the feature dim"
+        )
     return out
 
 
-def attention_bwd(do, q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: float, *,
-                  dq_mode: str | None = None, silu: str | None = None, out=None):
+def attention_bwd(
+    do,
+    q,
+    k,
+    v,
+    seq_offsets,
+    num_targets,
+    max_seq_len: int,
+    alpha: float,
+    *,
+    dq_mode: str | None = None,
+    silu: str | None = None,
+    out=None,
+):
     """(dq, dk, dv), each in its input's dtype and shape. ``out`` = (dq, dk, dv) buffers (e.g. column
     slices of one wider gradient; any row and head strides) receives them instead of new tensors."""
     dq_mode = dq_mode or DQ_MODE
@@ -492,14 +884,60 @@ def attention_bwd(do, q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha
     bh = (seq_offsets.numel() - 1) * heads
     targets = num_targets if num_targets is not None else seq_offsets
     scalars = (heads, float(alpha), 1.0 / max_seq_len, triton.next_power_of_2(max_seq_len))
-    args = (q, k, v, do, dq, dk, dv, seq_offsets, targets, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), dk.stride(0),
-            dk.stride(1), dv.stride(0), dv.stride(1)) + scalars
-    _launch("dkdv", _dkdv_tuned, _hstu_attention_dkdv, max_seq_len, bh, args,
-            {**_common(q, v, num_targets, silu, "dkdv"), "ATOMIC_DQ": atomic})
+    args = (
+        q,
+        k,
+        v,
+        do,
+        dq,
+        dk,
+        dv,
+        seq_offsets,
+        targets,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        do.stride(0),
+        do.stride(1),
+        dq.stride(0),
+        dq.stride(1),
+        dk.stride(0),
+        dk.stride(1),
+        dv.stride(0),
+        dv.stride(1),
+    ) + scalars
+    _launch(
+        "dkdv",
+        _dkdv_tuned,
+        _hstu_attention_dkdv,
+        max_seq_len,
+        bh,
+        args,
+        {**_common(q, v, num_targets, silu, "dkdv"), "ATOMIC_DQ": atomic},
+    )
     if atomic:  # the fp32 accumulator, rounded once into the input dtype (or the caller's buffer)
         return (dq.to(q.dtype) if dq_out is None else dq_out.copy_(dq)), dk, dv
-    dq_args = (q, k, v, do, dq, seq_offsets, targets, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-               v.stride(0), v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1)) + scalars
+    dq_args = (
+        q,
+        k,
+        v,
+        do,
+        dq,
+        seq_offsets,
+        targets,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        do.stride(0),
+        do.stride(1),
+        dq.stride(0),
+        dq.stride(1),
+    ) + scalars
     _launch("dq", _dq_tuned, _hstu_attention_dq, max_seq_len, bh, dq_args, _common(q, v, num_targets, silu, "dq"))
     return dq, dk, dv

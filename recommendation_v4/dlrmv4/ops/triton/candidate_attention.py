@@ -30,23 +30,39 @@ def _query(Q, SEQ_OFFSETS, s_qb, s_qh, DQK: tl.constexpr):
 
 
 @triton.jit
-def _keys_values(VK, start, row0, seq_len, s_vk, v_cols, h, DQK: tl.constexpr, DV: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _keys_values(VK, start, row0, seq_len, s_vk, v_cols, h, DQK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
     """Rows row0 .. row0 + BLOCK - 1 of the sequence: (row index, live mask, fp32 k [BLOCK, DQK],
     fp32 v [BLOCK, DV]); rows past its end read as 0."""
     local = row0 + tl.arange(0, BLOCK)
     live = local < seq_len
     rows = start + local
-    k = tl.load(VK + rows[:, None] * s_vk + v_cols + h * DQK + tl.arange(0, DQK)[None, :], mask=live[:, None],
-                other=0.0).to(tl.float32)
-    v = tl.load(VK + rows[:, None] * s_vk + h * DV + tl.arange(0, DV)[None, :], mask=live[:, None],
-                other=0.0).to(tl.float32)
+    k = tl.load(
+        VK + rows[:, None] * s_vk + v_cols + h * DQK + tl.arange(0, DQK)[None, :], mask=live[:, None], other=0.0
+    ).to(tl.float32)
+    v = tl.load(VK + rows[:, None] * s_vk + h * DV + tl.arange(0, DV)[None, :], mask=live[:, None], other=0.0).to(
+        tl.float32
+    )
     return rows, live, k, v
 
 
 @triton.jit
-def _candidate_attention_fwd(Q, VK, OUT, SEQ_OFFSETS, alpha, inv_n, s_qb, s_qh, s_vk, s_ob, s_oh, v_cols,
-                             DQK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+def _candidate_attention_fwd(
+    Q,
+    VK,
+    OUT,
+    SEQ_OFFSETS,
+    alpha,
+    inv_n,
+    s_qb,
+    s_qh,
+    s_vk,
+    s_ob,
+    s_oh,
+    v_cols,
+    DQK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     h = tl.program_id(1)
     start, seq_len, q = _query(Q, SEQ_OFFSETS, s_qb, s_qh, DQK)
     acc = tl.zeros([DV], dtype=tl.float32)
@@ -59,25 +75,51 @@ def _candidate_attention_fwd(Q, VK, OUT, SEQ_OFFSETS, alpha, inv_n, s_qb, s_qh, 
 
 
 @triton.jit
-def _candidate_attention_bwd(Q, VK, DOUT, DQ, DVK, SEQ_OFFSETS, alpha, inv_n, s_qb, s_qh, s_vk, s_db, s_dh, s_dqb,
-                             s_dqh, s_dvk, v_cols, DQK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+def _candidate_attention_bwd(
+    Q,
+    VK,
+    DOUT,
+    DQ,
+    DVK,
+    SEQ_OFFSETS,
+    alpha,
+    inv_n,
+    s_qb,
+    s_qh,
+    s_vk,
+    s_db,
+    s_dh,
+    s_dqb,
+    s_dqh,
+    s_dvk,
+    v_cols,
+    DQK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     start, seq_len, q = _query(Q, SEQ_OFFSETS, s_qb, s_qh, DQK)
     dq_cols = tl.arange(0, DQK)
     dv_cols = tl.arange(0, DV)
-    dout = tl.load(DOUT + b * s_db + h * s_dh + dv_cols).to(tl.float32) * inv_n   # d(sum_j A_j v_j) with 1/N
+    dout = tl.load(DOUT + b * s_db + h * s_dh + dv_cols).to(tl.float32) * inv_n  # d(sum_j A_j v_j) with 1/N
     dq = tl.zeros([DQK], dtype=tl.float32)
     for row0 in range(0, seq_len, BLOCK):
         rows, live, k, v = _keys_values(VK, start, row0, seq_len, s_vk, v_cols, h, DQK, DV, BLOCK)
         x = tl.sum(k * q[None, :], axis=1) * alpha
         sig = tl.sigmoid(x)
         da = tl.sum(v * dout[None, :], axis=1)
-        ds = da * sig * (1.0 + x * (1.0 - sig)) * alpha     # SiLU'(x) = sig (1 + x (1 - sig))
-        tl.store(DVK + rows[:, None] * s_dvk + h * DV + dv_cols[None, :],
-                 ((x * sig)[:, None] * dout[None, :]).to(DVK.dtype.element_ty), mask=live[:, None])
-        tl.store(DVK + rows[:, None] * s_dvk + v_cols + h * DQK + dq_cols[None, :],
-                 (ds[:, None] * q[None, :]).to(DVK.dtype.element_ty), mask=live[:, None])
+        ds = da * sig * (1.0 + x * (1.0 - sig)) * alpha  # SiLU'(x) = sig (1 + x (1 - sig))
+        tl.store(
+            DVK + rows[:, None] * s_dvk + h * DV + dv_cols[None, :],
+            ((x * sig)[:, None] * dout[None, :]).to(DVK.dtype.element_ty),
+            mask=live[:, None],
+        )
+        tl.store(
+            DVK + rows[:, None] * s_dvk + v_cols + h * DQK + dq_cols[None, :],
+            (ds[:, None] * q[None, :]).to(DVK.dtype.element_ty),
+            mask=live[:, None],
+        )
         dq += tl.sum(ds[:, None] * k, axis=0)
     tl.store(DQ + b * s_dqb + h * s_dqh + dq_cols, dq.to(DQ.dtype.element_ty))
 
@@ -92,21 +134,52 @@ def _block(dqk: int, dv: int) -> int:
     return 16 if interpreting() else (64 if max(dqk, dv) <= 64 else 32)
 
 
-def forward(q: torch.Tensor, vk: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, num_heads: int,
-            qk_dim: int, v_dim: int, alpha: float) -> torch.Tensor:
+def forward(
+    q: torch.Tensor,
+    vk: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    max_seq_len: int,
+    num_heads: int,
+    qk_dim: int,
+    v_dim: int,
+    alpha: float,
+) -> torch.Tensor:
     """q [B, H, Dqk] (unit column stride), vk [T, H·Dv + H·Dqk] (unit column stride) -> [B, H, Dv]."""
     batch = q.shape[0]
     out = _empty((batch, num_heads, v_dim), q.dtype, q.device)
     if batch == 0:
         return out
-    _candidate_attention_fwd[(batch, num_heads)](q, vk, out, seq_offsets, float(alpha), 1.0 / max(int(max_seq_len), 1),
-                                       q.stride(0), q.stride(1), vk.stride(0), out.stride(0), out.stride(1),
-                                       num_heads * v_dim, DQK=qk_dim, DV=v_dim, BLOCK=_block(qk_dim, v_dim))
+    _candidate_attention_fwd[(batch, num_heads)](
+        q,
+        vk,
+        out,
+        seq_offsets,
+        float(alpha),
+        1.0 / max(int(max_seq_len), 1),
+        q.stride(0),
+        q.stride(1),
+        vk.stride(0),
+        out.stride(0),
+        out.stride(1),
+        num_heads * v_dim,
+        DQK=qk_dim,
+        DV=v_dim,
+        BLOCK=_block(qk_dim, v_dim),
+    )
     return out
 
 
-def backward(dout: torch.Tensor, q: torch.Tensor, vk: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
-             num_heads: int, qk_dim: int, v_dim: int, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    vk: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    max_seq_len: int,
+    num_heads: int,
+    qk_dim: int,
+    v_dim: int,
+    alpha: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq [B, H, Dqk], dvk [T, H·Dv + H·Dqk]); every row of vk must lie in a sequence
     (seq_offsets runs from 0 to T), since each is written once and never zeroed."""
     dq = _empty(q.shape, q.dtype, q.device)
@@ -115,8 +188,26 @@ def backward(dout: torch.Tensor, q: torch.Tensor, vk: torch.Tensor, seq_offsets:
     if batch == 0:
         return dq, dvk.zero_()
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    _candidate_attention_bwd[(batch, num_heads)](q, vk, dout, dq, dvk, seq_offsets, float(alpha),
-                                       1.0 / max(int(max_seq_len), 1), q.stride(0), q.stride(1), vk.stride(0),
-                                       dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), dvk.stride(0),
-                                       num_heads * v_dim, DQK=qk_dim, DV=v_dim, BLOCK=_block(qk_dim, v_dim))
+    _candidate_attention_bwd[(batch, num_heads)](
+        q,
+        vk,
+        dout,
+        dq,
+        dvk,
+        seq_offsets,
+        float(alpha),
+        1.0 / max(int(max_seq_len), 1),
+        q.stride(0),
+        q.stride(1),
+        vk.stride(0),
+        dout.stride(0),
+        dout.stride(1),
+        dq.stride(0),
+        dq.stride(1),
+        dvk.stride(0),
+        num_heads * v_dim,
+        DQK=qk_dim,
+        DV=v_dim,
+        BLOCK=_block(qk_dim, v_dim),
+    )
     return dq, dvk

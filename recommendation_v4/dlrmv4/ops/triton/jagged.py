@@ -20,8 +20,23 @@ def _tile(d: int, rows_hint: int = 4096) -> tuple[int, int]:
 
 
 @triton.jit
-def _jagged_concat(CTX, HIST, CAND, HOFF, OUT, C, D: tl.constexpr, s_ctx_b, s_ctx_c, s_hist, s_cand, s_out,
-                   BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _jagged_concat(
+    CTX,
+    HIST,
+    CAND,
+    HOFF,
+    OUT,
+    C,
+    D: tl.constexpr,
+    s_ctx_b,
+    s_ctx_c,
+    s_hist,
+    s_cand,
+    s_out,
+    BACKWARD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     h0 = tl.load(HOFF + b)
     length = tl.load(HOFF + b + 1) - h0
@@ -56,13 +71,33 @@ def _launch_concat(ctx, hist, cand, history_offsets, out, max_history_len: int, 
         return
     block_m, block_d = _tile(d)
     grid = (b, triton.cdiv(c + max_history_len + 1, block_m))
-    _jagged_concat[grid](ctx, hist, cand, history_offsets, out, c, d, ctx.stride(0), ctx.stride(1),
-                         hist.stride(0), cand.stride(0), out.stride(0), BACKWARD=backward,
-                         BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+    _jagged_concat[grid](
+        ctx,
+        hist,
+        cand,
+        history_offsets,
+        out,
+        c,
+        d,
+        ctx.stride(0),
+        ctx.stride(1),
+        hist.stride(0),
+        cand.stride(0),
+        out.stride(0),
+        BACKWARD=backward,
+        BLOCK_M=block_m,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
 
 
-def concat_forward(contextual: torch.Tensor, history: torch.Tensor, candidate: torch.Tensor,
-                   history_offsets: torch.Tensor, max_history_len: int) -> torch.Tensor:
+def concat_forward(
+    contextual: torch.Tensor,
+    history: torch.Tensor,
+    candidate: torch.Tensor,
+    history_offsets: torch.Tensor,
+    max_history_len: int,
+) -> torch.Tensor:
     """values [T + B(C+1), D]; inputs need unit column stride, history_offsets int64 [B+1]."""
     b, c, d = contextual.shape
     out = torch.empty((history.shape[0] + b * (c + 1), d), device=history.device, dtype=history.dtype)
@@ -70,16 +105,32 @@ def concat_forward(contextual: torch.Tensor, history: torch.Tensor, candidate: t
     return out
 
 
-def concat_backward(grad: torch.Tensor, history_offsets: torch.Tensor, dcontextual: torch.Tensor,
-                    dhistory: torch.Tensor, dcandidate: torch.Tensor, max_history_len: int) -> None:
+def concat_backward(
+    grad: torch.Tensor,
+    history_offsets: torch.Tensor,
+    dcontextual: torch.Tensor,
+    dhistory: torch.Tensor,
+    dcandidate: torch.Tensor,
+    max_history_len: int,
+) -> None:
     """Scatter the gradient of the values back into the given (contextual, history, candidate)
     buffers (any row strides, unit column stride); each of their rows is written once."""
     _launch_concat(dcontextual, dhistory, dcandidate, history_offsets, grad, max_history_len, backward=True)
 
 
 @triton.jit
-def _jagged_take_last(SRC, DST, SOFF, B, D: tl.constexpr, s_src, s_dst, BACKWARD: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _jagged_take_last(
+    SRC,
+    DST,
+    SOFF,
+    B,
+    D: tl.constexpr,
+    s_src,
+    s_dst,
+    BACKWARD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     seq = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     smask = seq < B
     last = tl.load(SOFF + seq + 1, mask=smask, other=1) - 1
@@ -100,8 +151,19 @@ def _launch_last(src, dst, seq_offsets, backward: bool) -> None:
     if b == 0:
         return
     block_m, block_d = _tile(d, rows_hint=2048)
-    _jagged_take_last[(triton.cdiv(b, block_m),)](src, dst, seq_offsets, b, d, src.stride(0), dst.stride(0),
-                                             BACKWARD=backward, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+    _jagged_take_last[(triton.cdiv(b, block_m),)](
+        src,
+        dst,
+        seq_offsets,
+        b,
+        d,
+        src.stride(0),
+        dst.stride(0),
+        BACKWARD=backward,
+        BLOCK_M=block_m,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
 
 
 def take_last_forward(values: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor:

@@ -34,28 +34,31 @@ def row_tile(width: int, tile: int, per_thread: int) -> tuple[int, int, int]:
     registers, ``per_thread`` elements of each live tensor per thread (backward kernels keep more
     tensors live, so they take smaller tiles to stay clear of register spills)."""
     if width > MAX_WIDTH:
-        raise ValueError(f"row width {width} is over the Triton kernels' limit of {MAX_WIDTH}; "
-                         "use kernels='pytorch'")
+        raise ValueError(f"row width {width} is over the Triton kernels' limit of {MAX_WIDTH}; use kernels='pytorch'")
     block_d = triton.next_power_of_2(max(width, 16))
     block_m = max(1, min(16, tile // block_d))
     return block_m, block_d, max(1, min(16, block_m * block_d // (32 * per_thread)))
 
 
-def weight_grad_partials(device: torch.device, programs: int, width: int, rows: int,
-                         weight: torch.Tensor | None, bias: torch.Tensor | None
-                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def weight_grad_partials(
+    device: torch.device, programs: int, width: int, rows: int, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """fp32 [programs, width] buffers for the per-program weight/bias gradient partials (None where
     the parameter is absent). Every program stores its whole partial row, so they need a zero fill
     only when there are no rows (and no launch)."""
     alloc = torch.empty if rows > 0 else torch.zeros
-    dw_part, db_part = (alloc((programs, width), device=device, dtype=torch.float32) if param is not None else None
-                        for param in (weight, bias))
+    dw_part, db_part = (
+        alloc((programs, width), device=device, dtype=torch.float32) if param is not None else None
+        for param in (weight, bias)
+    )
     return dw_part, db_part
 
 
-def sum_weight_grads(dw_part: torch.Tensor | None, db_part: torch.Tensor | None, weight: torch.Tensor | None,
-                     bias: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def sum_weight_grads(
+    dw_part: torch.Tensor | None, db_part: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Sum the per-program partials into the parameters' gradients."""
+
     def total(part: torch.Tensor | None, param: torch.Tensor | None) -> torch.Tensor | None:
         if param is None:
             return None
@@ -88,9 +91,24 @@ def normalize_rows(x, W, B, cols, mask, cmask, D, eps, HAS_W: tl.constexpr, HAS_
 
 
 @triton.jit
-def _layer_norm_fwd(X, W, B, Y, Mean, Rstd, N, D, stride_x, stride_y, eps,
-                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, SWISH: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _layer_norm_fwd(
+    X,
+    W,
+    B,
+    Y,
+    Mean,
+    Rstd,
+    N,
+    D,
+    stride_x,
+    stride_y,
+    eps,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    SWISH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < N
@@ -107,9 +125,29 @@ def _layer_norm_fwd(X, W, B, Y, Mean, Rstd, N, D, stride_x, stride_y, eps,
 
 
 @triton.jit
-def _layer_norm_bwd(X, W, B, DY, DX, DWp, DBp, Mean, Rstd, N, D, stride_x, stride_dy, stride_dx, n_iters, n_progs,
-                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, SWISH: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _layer_norm_bwd(
+    X,
+    W,
+    B,
+    DY,
+    DX,
+    DWp,
+    DBp,
+    Mean,
+    Rstd,
+    N,
+    D,
+    stride_x,
+    stride_dy,
+    stride_dx,
+    n_iters,
+    n_progs,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    SWISH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -157,8 +195,14 @@ def _layer_norm_bwd(X, W, B, DY, DX, DWp, DBp, Mean, Rstd, N, D, stride_x, strid
 FWD_TILE, BWD_TILE = (4096, 16), (1024, 4, 8)
 
 
-def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-            swish: bool, tile: tuple[int, int] = FWD_TILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def forward(
+    x2d: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    swish: bool,
+    tile: tuple[int, int] = FWD_TILE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y [N, D] contiguous in x's dtype, mean [N] fp32, rstd [N] fp32)."""
     n, d = x2d.shape
     y = torch.empty((n, d), device=x2d.device, dtype=x2d.dtype)
@@ -168,16 +212,37 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
         return y, mean, rstd
     block_m, block_d, warps = row_tile(d, *tile)
     _layer_norm_fwd[(triton.cdiv(n, block_m),)](
-        x2d, weight, bias, y, mean, rstd, n, d, x2d.stride(0), y.stride(0), eps,
-        HAS_W=weight is not None, HAS_B=bias is not None, SWISH=swish,
-        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+        x2d,
+        weight,
+        bias,
+        y,
+        mean,
+        rstd,
+        n,
+        d,
+        x2d.stride(0),
+        y.stride(0),
+        eps,
+        HAS_W=weight is not None,
+        HAS_B=bias is not None,
+        SWISH=swish,
+        BLOCK_M=block_m,
+        BLOCK_D=block_d,
+        num_warps=warps,
+    )
     return y, mean, rstd
 
 
-def backward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, dy: torch.Tensor,
-             mean: torch.Tensor, rstd: torch.Tensor,
-             swish: bool, tile: tuple[int, int, int] = BWD_TILE
-             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def backward(
+    x2d: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    dy: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    swish: bool,
+    tile: tuple[int, int, int] = BWD_TILE,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx [N, D], dweight or None, dbias or None); weight/bias grads are summed in fp32."""
     n, d = x2d.shape
     dx = torch.empty((n, d), device=x2d.device, dtype=x2d.dtype)
@@ -187,9 +252,28 @@ def backward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     dw_part, db_part = weight_grad_partials(x2d.device, progs, d, n, weight, bias)
     if n > 0:
         _layer_norm_bwd[(progs,)](
-            x2d, weight, bias, dy, dx, dw_part, db_part, mean, rstd, n, d,
-            x2d.stride(0), dy.stride(0), dx.stride(0), triton.cdiv(n_blocks, progs), progs,
-            HAS_W=weight is not None, HAS_B=bias is not None, SWISH=swish,
-            BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+            x2d,
+            weight,
+            bias,
+            dy,
+            dx,
+            dw_part,
+            db_part,
+            mean,
+            rstd,
+            n,
+            d,
+            x2d.stride(0),
+            dy.stride(0),
+            dx.stride(0),
+            triton.cdiv(n_blocks, progs),
+            progs,
+            HAS_W=weight is not None,
+            HAS_B=bias is not None,
+            SWISH=swish,
+            BLOCK_M=block_m,
+            BLOCK_D=block_d,
+            num_warps=warps,
+        )
     dw, db = sum_weight_grads(dw_part, db_part, weight, bias)
     return dx, dw, db

@@ -24,8 +24,13 @@ import triton
 import triton.language as tl
 
 from dlrmv4.ops.reference.philox import dropout_threshold
-from dlrmv4.ops.triton.layer_norm import (normalize_rows, persistent_programs, row_tile, sum_weight_grads,
-                                          weight_grad_partials)
+from dlrmv4.ops.triton.layer_norm import (
+    normalize_rows,
+    persistent_programs,
+    row_tile,
+    sum_weight_grads,
+    weight_grad_partials,
+)
 
 
 @triton.jit
@@ -52,9 +57,31 @@ def _keep(seed, rows, HD, threshold, BLOCK_H: tl.constexpr):
 # Kernels take the seed and row offset unspecialised: they change every step (chunk), and each new
 # value's divisibility by 16 would otherwise be compiled as a variant of its own.
 @triton.jit(do_not_specialize=["seed", "row_offset"])
-def _output_block_fwd(U, A, W, B, Y, Mean, Rstd, KEEP, T, HD, stride_u, stride_a, stride_y, eps, threshold, scale,
-                      seed, row_offset, HAS_W: tl.constexpr, HAS_B: tl.constexpr, DROPOUT: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+def _output_block_fwd(
+    U,
+    A,
+    W,
+    B,
+    Y,
+    Mean,
+    Rstd,
+    KEEP,
+    T,
+    HD,
+    stride_u,
+    stride_a,
+    stride_y,
+    eps,
+    threshold,
+    scale,
+    seed,
+    row_offset,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_H)
     rmask = rows < T
@@ -84,10 +111,35 @@ def _output_block_fwd(U, A, W, B, Y, Mean, Rstd, KEEP, T, HD, stride_u, stride_a
 
 
 @triton.jit
-def _output_block_bwd(U, A, W, B, DY, DU, DA, DWp, DBp, Mean, Rstd, KEEP, T, HD,
-                      stride_u, stride_a, stride_dy, stride_du, stride_da, scale, n_iters, n_progs,
-                      HAS_W: tl.constexpr, HAS_B: tl.constexpr, DROPOUT: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+def _output_block_bwd(
+    U,
+    A,
+    W,
+    B,
+    DY,
+    DU,
+    DA,
+    DWp,
+    DBp,
+    Mean,
+    Rstd,
+    KEEP,
+    T,
+    HD,
+    stride_u,
+    stride_a,
+    stride_dy,
+    stride_du,
+    stride_da,
+    scale,
+    n_iters,
+    n_progs,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < HD
@@ -160,10 +212,18 @@ def _dropout_args(dropout_p: float, training: bool) -> tuple[bool, float]:
 FWD_TILE, BWD_TILE = (2048, 8), (1024, 4, 8)
 
 
-def forward(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-            eps: float, dropout_p: float, seed: int, training: bool, row_offset: int = 0,
-            tile: tuple[int, int] = FWD_TILE
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def forward(
+    u: torch.Tensor,
+    attn: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    dropout_p: float,
+    seed: int,
+    training: bool,
+    row_offset: int = 0,
+    tile: tuple[int, int] = FWD_TILE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(y [T, 3·HD] in u's dtype, mean [T] fp32, rstd [T] fp32, keep) from u before its SiLU; u and
     attn need unit column stride. ``keep``: uint8 [T, HD], the three segments' keep decisions in
     bits 0-2, for the backward (None without dropout); the masks are drawn for the global rows
@@ -178,16 +238,48 @@ def forward(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | None, bi
         return y, mean, rstd, keep
     block_m, block_h, warps = row_tile(hd, *tile)
     _output_block_fwd[(triton.cdiv(t, block_m),)](
-        u, attn, weight, bias, y, mean, rstd, keep, t, hd, u.stride(0), attn.stride(0), y.stride(0), eps,
-        dropout_threshold(dropout_p), scale, seed, row_offset, HAS_W=weight is not None, HAS_B=bias is not None,
-        DROPOUT=dropout, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps)
+        u,
+        attn,
+        weight,
+        bias,
+        y,
+        mean,
+        rstd,
+        keep,
+        t,
+        hd,
+        u.stride(0),
+        attn.stride(0),
+        y.stride(0),
+        eps,
+        dropout_threshold(dropout_p),
+        scale,
+        seed,
+        row_offset,
+        HAS_W=weight is not None,
+        HAS_B=bias is not None,
+        DROPOUT=dropout,
+        BLOCK_M=block_m,
+        BLOCK_H=block_h,
+        num_warps=warps,
+    )
     return y, mean, rstd, keep
 
 
-def backward(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-             dy: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, keep: torch.Tensor | None, dropout_p: float,
-             tile: tuple[int, int, int] = BWD_TILE, *, du_out: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def backward(
+    u: torch.Tensor,
+    attn: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    dy: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    keep: torch.Tensor | None,
+    dropout_p: float,
+    tile: tuple[int, int, int] = BWD_TILE,
+    *,
+    du_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(du, dattn, dweight or None, dbias or None), du with respect to u before its SiLU; ``keep``
     is the forward's mask (None: no dropout). ``du_out`` ([T, HD], unit column stride; e.g. the u
     columns of a wider gradient) receives du instead of a new tensor, and is returned as du."""
@@ -196,8 +288,10 @@ def backward(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | None, b
     if du_out is None:
         du = torch.empty((t, hd), device=u.device, dtype=u.dtype)
     elif tuple(du_out.shape) != (t, hd) or (t > 0 and du_out.stride(1) != 1):
-        raise ValueError(f"output_block: du_out must be [{t}, {hd}] with unit column stride; got "
-                         f"{tuple(du_out.shape)}, strides {du_out.stride()}")
+        raise ValueError(
+            f"output_block: du_out must be [{t}, {hd}] with unit column stride; got "
+            f"{tuple(du_out.shape)}, strides {du_out.stride()}"
+        )
     else:
         du = du_out
     da = torch.empty((t, hd), device=u.device, dtype=attn.dtype)
@@ -207,22 +301,47 @@ def backward(u: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor | None, b
     dw_part, db_part = weight_grad_partials(u.device, progs, hd, t, weight, bias)
     if t > 0:
         _output_block_bwd[(progs,)](
-            u, attn, weight, bias, dy, du, da, dw_part, db_part, mean, rstd, keep, t, hd,
-            u.stride(0), attn.stride(0), dy.stride(0), du.stride(0), da.stride(0), scale,
-            triton.cdiv(n_blocks, progs), progs, HAS_W=weight is not None, HAS_B=bias is not None,
-            DROPOUT=keep is not None, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps)
+            u,
+            attn,
+            weight,
+            bias,
+            dy,
+            du,
+            da,
+            dw_part,
+            db_part,
+            mean,
+            rstd,
+            keep,
+            t,
+            hd,
+            u.stride(0),
+            attn.stride(0),
+            dy.stride(0),
+            du.stride(0),
+            da.stride(0),
+            scale,
+            triton.cdiv(n_blocks, progs),
+            progs,
+            HAS_W=weight is not None,
+            HAS_B=bias is not None,
+            DROPOUT=keep is not None,
+            BLOCK_M=block_m,
+            BLOCK_H=block_h,
+            num_warps=warps,
+        )
     dw, db = sum_weight_grads(dw_part, db_part, weight, bias)
     return du, da, dw, db
 
 
-def keep_mask(t: int, hd: int, dropout_p: float, seed: int, device: torch.device, row_offset: int = 0
-              ) -> torch.Tensor:
+def keep_mask(t: int, hd: int, dropout_p: float, seed: int, device: torch.device, row_offset: int = 0) -> torch.Tensor:
     """bool [t, 3·hd]: the keep decisions the kernels make for (dropout_p, seed) at the global rows
     row_offset .. row_offset + t - 1 (the reference's ``keep_mask`` draws the same without Triton;
     this one lets tests compare the two)."""
     m = torch.empty((t, 3 * hd), device=device, dtype=torch.uint8)
     if t > 0:
         block_m, block_h, warps = row_tile(hd, *FWD_TILE)
-        _output_block_mask[(triton.cdiv(t, block_m),)](m, t, hd, dropout_threshold(dropout_p), seed, row_offset,
-                                                        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps)
+        _output_block_mask[(triton.cdiv(t, block_m),)](
+            m, t, hd, dropout_threshold(dropout_p), seed, row_offset, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps
+        )
     return m.view(torch.bool)

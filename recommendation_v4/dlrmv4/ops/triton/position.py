@@ -63,9 +63,35 @@ def _keep8(seed, rows, d0, threshold, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 # The seed and row offset change every step (chunk): unspecialised, so they compile no variants.
 @triton.jit(do_not_specialize=["seed", "row_offset"])
-def _position_time_fwd(X, SOFF, TS, QT, PT, TT, OUT, N, B, C, P, NT, n_search, bucket_seconds_bits, x_scale,
-                       s_x, s_pt, s_tt, s_out, seed, row_offset, threshold, drop_scale, D: tl.constexpr,
-                       DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _position_time_fwd(
+    X,
+    SOFF,
+    TS,
+    QT,
+    PT,
+    TT,
+    OUT,
+    N,
+    B,
+    C,
+    P,
+    NT,
+    n_search,
+    bucket_seconds_bits,
+    x_scale,
+    s_x,
+    s_pt,
+    s_tt,
+    s_out,
+    seed,
+    row_offset,
+    threshold,
+    drop_scale,
+    D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
     pos, bucket = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds_bits)
@@ -83,9 +109,33 @@ def _position_time_fwd(X, SOFF, TS, QT, PT, TT, OUT, N, B, C, P, NT, n_search, b
 
 
 @triton.jit(do_not_specialize=["seed", "row_offset"])
-def _position_time_bwd(G, SOFF, TS, QT, DX, DPT, DTT, N, B, C, P, NT, n_search, bucket_seconds_bits, x_scale,
-                       s_g, s_dx, seed, row_offset, threshold, drop_scale, D: tl.constexpr, DROPOUT: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _position_time_bwd(
+    G,
+    SOFF,
+    TS,
+    QT,
+    DX,
+    DPT,
+    DTT,
+    N,
+    B,
+    C,
+    P,
+    NT,
+    n_search,
+    bucket_seconds_bits,
+    x_scale,
+    s_g,
+    s_dx,
+    seed,
+    row_offset,
+    threshold,
+    drop_scale,
+    D: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
     pos, bucket = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds_bits)
@@ -124,9 +174,18 @@ def dropout_args(dropout: tuple[float, int, int] | None) -> tuple:
     return (seed, row_offset, dropout_threshold(p), 1.0 / (1.0 - p)), True
 
 
-def forward(x: torch.Tensor, seq_offsets: torch.Tensor, timestamps: torch.Tensor, query_time: torch.Tensor,
-            num_contextual: int, pos_table: torch.Tensor, time_table: torch.Tensor, x_scale: float,
-            time_bucket_seconds: float, dropout: tuple[float, int, int] | None = None) -> torch.Tensor:
+def forward(
+    x: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    timestamps: torch.Tensor,
+    query_time: torch.Tensor,
+    num_contextual: int,
+    pos_table: torch.Tensor,
+    time_table: torch.Tensor,
+    x_scale: float,
+    time_bucket_seconds: float,
+    dropout: tuple[float, int, int] | None = None,
+) -> torch.Tensor:
     """x [T', D] with unit column stride; tables [rows, D] with unit column stride; ``dropout``
     (p > 0, seed, row_offset) or None."""
     n, d = x.shape
@@ -135,17 +194,48 @@ def forward(x: torch.Tensor, seq_offsets: torch.Tensor, timestamps: torch.Tensor
     drop_args, active = dropout_args(dropout)
     if n > 0:
         _position_time_fwd[(triton.cdiv(n, block_m),)](
-            x, seq_offsets, timestamps, query_time, pos_table, time_table, out, n, b, num_contextual,
-            pos_table.shape[0], time_table.shape[0], n_search, bits, x_scale,
-            x.stride(0), pos_table.stride(0), time_table.stride(0), out.stride(0), *drop_args,
-            D=d, DROPOUT=active, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+            x,
+            seq_offsets,
+            timestamps,
+            query_time,
+            pos_table,
+            time_table,
+            out,
+            n,
+            b,
+            num_contextual,
+            pos_table.shape[0],
+            time_table.shape[0],
+            n_search,
+            bits,
+            x_scale,
+            x.stride(0),
+            pos_table.stride(0),
+            time_table.stride(0),
+            out.stride(0),
+            *drop_args,
+            D=d,
+            DROPOUT=active,
+            BLOCK_M=block_m,
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
     return out
 
 
-def backward(grad: torch.Tensor, seq_offsets: torch.Tensor, timestamps: torch.Tensor, query_time: torch.Tensor,
-             num_contextual: int, num_positions: int, num_buckets: int, x_scale: float,
-             time_bucket_seconds: float, x_dtype: torch.dtype, dropout: tuple[float, int, int] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def backward(
+    grad: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    timestamps: torch.Tensor,
+    query_time: torch.Tensor,
+    num_contextual: int,
+    num_positions: int,
+    num_buckets: int,
+    x_scale: float,
+    time_bucket_seconds: float,
+    x_dtype: torch.dtype,
+    dropout: tuple[float, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx in x's dtype, dpos_table fp32, dtime_table fp32); ``dropout`` as in the forward."""
     n, d = grad.shape
     dx = torch.empty((n, d), device=grad.device, dtype=x_dtype)
@@ -155,7 +245,28 @@ def backward(grad: torch.Tensor, seq_offsets: torch.Tensor, timestamps: torch.Te
     drop_args, active = dropout_args(dropout)
     if n > 0:
         _position_time_bwd[(triton.cdiv(n, block_m),)](
-            grad, seq_offsets, timestamps, query_time, dx, dpt, dtt, n, b, num_contextual, num_positions,
-            num_buckets, n_search, bits, x_scale, grad.stride(0), dx.stride(0), *drop_args,
-            D=d, DROPOUT=active, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+            grad,
+            seq_offsets,
+            timestamps,
+            query_time,
+            dx,
+            dpt,
+            dtt,
+            n,
+            b,
+            num_contextual,
+            num_positions,
+            num_buckets,
+            n_search,
+            bits,
+            x_scale,
+            grad.stride(0),
+            dx.stride(0),
+            *drop_args,
+            D=d,
+            DROPOUT=active,
+            BLOCK_M=block_m,
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
     return dx, dpt, dtt

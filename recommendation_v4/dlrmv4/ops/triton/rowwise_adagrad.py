@@ -24,9 +24,9 @@ import triton.language as tl
 # Measured on an H200 at 730k ids of 1M rows, D = 512, a bf16 and an fp32 piece: 1.49 ms with
 # uniform ids, 1.14 ms with Zipf(1.2) ids (one row owns ~18% of them; a program per run took 24 ms
 # there). CHUNK 128-512 time the same; BLOCK_J 1 is 3% faster on uniform ids, 2% slower on skewed.
-CHUNK = 256     # most gradient rows one program sums
-BLOCK_J = 2     # gradient rows per load
-BLOCK_K = 8     # segment sums per load in _long_runs
+CHUNK = 256  # most gradient rows one program sums
+BLOCK_J = 2  # gradient rows per load
+BLOCK_K = 8  # segment sums per load in _long_runs
 NUM_WARPS = 2
 
 
@@ -54,8 +54,26 @@ def _crosses(IDS, p, row, n, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _segment_sums(IDS, ORDER, V1, V2, PART, W, M, LR, n, n1, D, stride_v1, stride_v2, stride_w, eps,
-                  CHUNK: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr):
+def _segment_sums(
+    IDS,
+    ORDER,
+    V1,
+    V2,
+    PART,
+    W,
+    M,
+    LR,
+    n,
+    n1,
+    D,
+    stride_v1,
+    stride_v2,
+    stride_w,
+    eps,
+    CHUNK: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     p = tl.program_id(0)
     row = tl.load(IDS + p)
     start = _run_start(IDS, p, row)
@@ -88,8 +106,9 @@ def _segment_sums(IDS, ORDER, V1, V2, PART, W, M, LR, n, n1, D, stride_v1, strid
 
 
 @triton.jit
-def _long_runs(IDS, PART, W, M, LR, n, D, stride_w, eps,
-               CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+def _long_runs(
+    IDS, PART, W, M, LR, n, D, stride_w, eps, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr
+):
     p = tl.program_id(0)
     row = tl.load(IDS + p)
     if (_run_start(IDS, p, row) & _crosses(IDS, p, row, n, CHUNK)) == 0:
@@ -103,17 +122,26 @@ def _long_runs(IDS, PART, W, M, LR, n, D, stride_w, eps,
         chunks = chunk + tl.arange(0, BLOCK_K)
         first_pos = chunks * CHUNK
         hit = tl.load(IDS + first_pos, mask=first_pos < n, other=-1) == row  # the run goes on into it
-        parts = tl.load(PART + (chunks * 2)[:, None].to(tl.int64) * D + cols[None, :],
-                        mask=hit[:, None] & cmask[None, :], other=0.0)
+        parts = tl.load(
+            PART + (chunks * 2)[:, None].to(tl.int64) * D + cols[None, :], mask=hit[:, None] & cmask[None, :], other=0.0
+        )
         acc += tl.sum(parts, axis=0)
         chunk += BLOCK_K
         more = tl.sum(hit.to(tl.int32), axis=0) == BLOCK_K
     _apply(W, M, LR, row, acc, cols, cmask, D, stride_w, eps)
 
 
-def rowwise_adagrad_(weight: torch.Tensor, momentum: torch.Tensor, ids: torch.Tensor, pieces: list[torch.Tensor],
-                     lr: torch.Tensor, eps: float, block_j: int = BLOCK_J, num_warps: int = NUM_WARPS,
-                     chunk: int = CHUNK) -> None:
+def rowwise_adagrad_(
+    weight: torch.Tensor,
+    momentum: torch.Tensor,
+    ids: torch.Tensor,
+    pieces: list[torch.Tensor],
+    lr: torch.Tensor,
+    eps: float,
+    block_j: int = BLOCK_J,
+    num_warps: int = NUM_WARPS,
+    chunk: int = CHUNK,
+) -> None:
     """In place; ``pieces``: one or two [n_i, D] tensors (fp32 or 16-bit, unit column stride) whose
     rows, concatenated, are the gradient rows of ``ids`` (int64 [n])."""
     sorted_ids, order = torch.sort(ids, stable=True)
@@ -121,10 +149,40 @@ def rowwise_adagrad_(weight: torch.Tensor, momentum: torch.Tensor, ids: torch.Te
     first, second = pieces[0], pieces[-1]
     block_d = triton.next_power_of_2(dim)
     part = torch.empty((triton.cdiv(n, chunk), 2, dim), dtype=torch.float32, device=weight.device)
-    _segment_sums[(n,)](sorted_ids, order, first, second, part, weight, momentum, lr, n,
-                        len(first) if len(pieces) == 2 else n, dim, first.stride(0), second.stride(0),
-                        weight.stride(0), float(eps), CHUNK=chunk, BLOCK_J=block_j, BLOCK_D=block_d,
-                        num_warps=num_warps)
+    _segment_sums[(n,)](
+        sorted_ids,
+        order,
+        first,
+        second,
+        part,
+        weight,
+        momentum,
+        lr,
+        n,
+        len(first) if len(pieces) == 2 else n,
+        dim,
+        first.stride(0),
+        second.stride(0),
+        weight.stride(0),
+        float(eps),
+        CHUNK=chunk,
+        BLOCK_J=block_j,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
     if n > chunk:
-        _long_runs[(n,)](sorted_ids, part, weight, momentum, lr, n, dim, weight.stride(0), float(eps),
-                         CHUNK=chunk, BLOCK_K=BLOCK_K, BLOCK_D=block_d, num_warps=num_warps)
+        _long_runs[(n,)](
+            sorted_ids,
+            part,
+            weight,
+            momentum,
+            lr,
+            n,
+            dim,
+            weight.stride(0),
+            float(eps),
+            CHUNK=chunk,
+            BLOCK_K=BLOCK_K,
+            BLOCK_D=block_d,
+            num_warps=num_warps,
+        )
