@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,39 @@ def make_data(root: Path) -> Path:
     raw = write_raw(root / "raw", random_events(21, num_users=40, max_events=300, span_days=9))
     preprocess(raw, root / "data" / "processed" / "synthetic-tiny", cfg.dataset, cfg.preprocess, progress=False)
     return root / "data"
+
+
+def run_with_rank_1_out_of_memory(data_path: Path, run_dir: Path, timeout_seconds: float, **extra) -> list[str]:
+    """Two ranks started like srun tasks (no launcher); rank 1 runs out of device memory at step 5
+    (tests/failure_injection). Both must exit 1 within the collective timeout (plus start-up) with one
+    error line each, naming rank 1 and the cause, and no traceback; returns the two lines, by rank."""
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(
+            launch_env(),
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            DLRMV4_TEST_OOM="1:5",
+        )
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "failure_injection"), env["PYTHONPATH"]])
+        flags = run_flags(data_path, run_dir, **{**extra, "distributed.timeout_seconds": timeout_seconds})
+        cmd = [sys.executable, "-m", "dlrmv4", "train", *flags]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    started = time.time()
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    assert time.time() - started < timeout_seconds + 120  # no hang
+    lines = []
+    for rank, (proc, (_, err)) in enumerate(zip(procs, outputs)):
+        errors = [line for line in err.splitlines() if line.startswith("[dlrmv4] error:")]
+        assert proc.returncode == 1 and len(errors) == 1, f"rank {rank}: {err[-3000:]}"
+        assert "rank 1 of 2 ran out of device memory: CUDA out of memory" in errors[0], errors[0]
+        assert "Traceback" not in err, err[-3000:]
+        lines.append(errors[0])
+    assert lines[1].startswith("[dlrmv4] error: rank 1 of 2")
+    assert lines[0].startswith("[dlrmv4] error: rank 0 of 2:") and "failed because rank 1 of 2" in lines[0], lines[0]
+    return lines

@@ -24,6 +24,7 @@ from multi_process import (
     launch_env,
     make_data,
     run_flags,
+    run_with_rank_1_out_of_memory,
     torchrun,
     train_report,
 )
@@ -211,39 +212,7 @@ def test_a_rank_out_of_memory_ends_every_rank_naming_it(data_path, tmp_path):
     """Rank 1 runs out of device memory mid-run (injected: tests/failure_injection): it exits with one
     line saying so, and rank 0, waiting in the step's collective, exits within the collective timeout
     with one line naming rank 1 and the cause (no launcher: ranks started like srun tasks)."""
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(
-            launch_env(),
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            DLRMV4_TEST_OOM="1:5",
-        )
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "failure_injection"), env["PYTHONPATH"]])
-        cmd = [
-            sys.executable,
-            "-m",
-            "dlrmv4",
-            "train",
-            *run_flags(data_path, tmp_path / "run", **{"distributed.timeout_seconds": 20.0}),
-        ]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    started = time.time()
-    outputs = [proc.communicate(timeout=300) for proc in procs]
-    assert time.time() - started < 20.0 + 120  # the timeout plus start-up: no hang
-    for rank, (proc, (_, err)) in enumerate(zip(procs, outputs)):
-        errors = [line for line in err.splitlines() if line.startswith("[dlrmv4] error:")]
-        assert proc.returncode == 1 and len(errors) == 1, f"rank {rank}: {err[-3000:]}"
-        assert "rank 1 of 2 ran out of device memory: CUDA out of memory" in errors[0], errors[0]
-        assert "Traceback" not in err, err[-3000:]
-    assert errors[0].startswith("[dlrmv4] error: rank 1 of 2")
-    first = [line for line in outputs[0][1].splitlines() if line.startswith("[dlrmv4] error:")][0]
-    assert first.startswith("[dlrmv4] error: rank 0 of 2:") and "failed because rank 1 of 2" in first, first
+    run_with_rank_1_out_of_memory(data_path, tmp_path / "run", timeout_seconds=20.0)
 
 
 def test_the_slurm_path_trains_checks_the_log_and_traces(data_path, tmp_path):
