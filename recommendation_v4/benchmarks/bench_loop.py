@@ -155,7 +155,7 @@ def _save(row: dict, device: torch.device) -> None:
         "loop_overhead",
         row,
         (
-            "Loop and loader cost: `StreamingTrainer.run` vs the bare step on the same batches already in device "
+            "Loop and loader cost: `Trainer.run` vs the bare step on the same batches already in device "
             "memory (medians of alternating repeats; overhead = bare / loop - 1). Plain-PyTorch embeddings."
         ),
         _table,
