@@ -78,7 +78,7 @@ class Checkpointer:
         # This rank's own streams and loss sum: a resume on the same world size continues them exactly.
         own = {"rng": capture_rng_state({"dropout": self.model.dropout_generator}), "window_loss": float(window_loss)}
         # The mean over ranks: a resume on another world size continues the same number.
-        mean_loss = float(self.cluster.all_reduce_(window_loss.clone())) / self.cluster.world_size
+        mean_loss = self.cluster.mean(window_loss)
         state = {
             "dense": ModelAndOptimizers(self.model, [self.optimizer]),
             "sparse": self.embeddings.checkpoint_state(),

@@ -122,6 +122,10 @@ class Cluster:
                 dist.all_reduce(tensor, op=reduce_op)
         return tensor
 
+    def mean(self, tensor: torch.Tensor) -> float:
+        """The mean of a scalar over the ranks, read on the host."""
+        return float(self.all_reduce_(tensor.clone())) / self.world_size
+
     def all_gather_rows(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` along dim 0, rank order; ``sizes[r]`` is rank r's row
         count, known on the host (so the exchange needs no device read)."""

@@ -41,12 +41,14 @@ class Evaluator:
         self.train_samples, self.holdout = train_samples, holdout
         self.schedule = EvalSchedule(train_samples, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
 
-    def window_due(self, samples: int, window: int, last_of_window: bool, before_window_close: bool) -> int | None:
-        """The window to score now (None: no eval due). Holdout evals come before a window closes,
-        next-window evals after it."""
-        if self.cfg.train.eval_mode == "holdout":
-            return self.holdout if before_window_close and self.schedule.should_eval(samples) else None
-        return window + 1 if last_of_window and not before_window_close else None
+    def holdout_due(self, samples: int) -> bool:
+        """Holdout mode: an eval of the holdout window is due after this many samples."""
+        return self.cfg.train.eval_mode == "holdout" and self.schedule.should_eval(samples)
+
+    @property
+    def after_each_window(self) -> bool:
+        """Next-window mode: window T + 1 is scored after train window T closes."""
+        return self.cfg.train.eval_mode == "next_window"
 
     def run(self, history: RunHistory, window: int, eval_window: int, run_seconds: float) -> EvalRecord:
         """Score ``eval_window`` (with the MLPerf eval events) and record it in ``history``."""

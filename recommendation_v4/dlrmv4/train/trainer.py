@@ -216,10 +216,11 @@ class Trainer:
             # are left out, so the per-window rate is the training rate.
             self.train_clock.add(time.perf_counter() - tick)
             last_of_window = i + 1 == len(plan) or plan[i + 1].window != window
-            done = self._eval_if_due(history, window, last_of_window, True, started)
+            done = self.evaluator.holdout_due(history.samples) and self._eval(history, window, self.holdout, started)
             if last_of_window:
                 self._close_window(history, window, started)
-                done = done or self._eval_if_due(history, window, last_of_window, False, started)
+                if not done and self.evaluator.after_each_window:
+                    done = self._eval(history, window, window + 1, started)
             history.status = self._status(history, done, data_left=i + 1 < len(plan))
             finished = history.status != "running"
             if finished or self.checkpointer.due(history.steps, last_of_window):
@@ -241,13 +242,8 @@ class Trainer:
         assert self.progress is not None  # run() sets it for the stream
         self.progress.update(self.cfg.loader.batch_size, self._running_loss)
 
-    def _eval_if_due(
-        self, history: RunHistory, window: int, last_of_window: bool, before_close: bool, started: float
-    ) -> bool:
-        """Run the eval due at this point, if any; True when it reached the target."""
-        eval_window = self.evaluator.window_due(history.samples, window, last_of_window, before_close)
-        if eval_window is None:
-            return False
+    def _eval(self, history: RunHistory, window: int, eval_window: int, started: float) -> bool:
+        """Score ``eval_window``; True when it reached the target."""
         self.finite.check()
         record = self.evaluator.run(history, window, eval_window, history.seconds + time.perf_counter() - started)
         self.log(
@@ -289,8 +285,7 @@ class Trainer:
         synced = time.perf_counter()
         self.finite.check()  # the one host read per window; it also waits for the window's last steps
         self.train_clock.add(time.perf_counter() - synced, steps=0)
-        mean_loss = float(self.cluster.all_reduce_(self.window_loss.clone())) / self.cluster.world_size
-        mean_loss /= self.window_steps
+        mean_loss = self.cluster.mean(self.window_loss) / self.window_steps
         rate = self.train_clock.steps * self.cfg.loader.batch_size / max(self.train_clock.seconds, 1e-9)
         history.window_losses.append((window, history.samples, mean_loss))
         history.throughput.append((history.seconds + time.perf_counter() - started, rate))
