@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from harness import (
     DATASHEET_BF16_TFLOPS,
+    SMOKE_MODEL,
     command_line,
     device_name,
     git_commit,
@@ -126,20 +127,7 @@ def reference_config(
         train=dataclasses.replace(cfg.train, warmup_steps=100, learning_rate=1e-4, chunks=chunks),
     )
     if smoke:
-        model = dataclasses.replace(
-            cfg.model,
-            embedding_dim=16,
-            d_model=16,
-            num_layers=1,
-            num_heads=1,
-            qk_dim=16,
-            v_dim=16,
-            preprocessor_hidden=16,
-            item_tower_hidden=16,
-            head_hidden=16,
-            sequence_dtype="float32",
-            num_position_buckets=256,
-        )
+        model = dataclasses.replace(cfg.model, **SMOKE_MODEL)
         cfg = dataclasses.replace(cfg, model=model, sampler=dataclasses.replace(sampler, max_seq_len=128))
     return cfg
 

@@ -62,54 +62,48 @@ def worker(args: argparse.Namespace) -> None:
     from dlrmv4.config import DistributedConfig
     from dlrmv4.model.embeddings import make_embeddings, table_specs
     from dlrmv4.train.distributed import start_cluster
-    from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS
 
     world = int(os.environ["WORLD_SIZE"])
     cluster = start_cluster(DistributedConfig(), need_group=True)  # TorchRec needs a group, even of one
     device = cluster.device
     rows_out = []
-    for qcomm in args.qcomms:
-        cfg = config(args, qcomm, world)
-        counts = YAMBDA_5B_COUNTS if not args.smoke else (1, 1, 1)
-        specs = table_specs(
-            cfg, *(max(c, getattr(cfg.embeddings, f"{n}_rows")) for c, n in zip(counts, ("item", "artist", "album")))
-        )
-        embeddings = make_embeddings(specs, cfg, device, seed=0, cluster=cluster)
-        table_rows = {s.name: s.rows for s in specs}
-        for skew in args.skews:
-            rng = np.random.default_rng([cluster.rank, int(skew * 100)])
-            max_len = cfg.sampler.max_seq_len if not args.smoke else 64
-            lengths = jagged_lengths("jagged", args.per_rank_batch, rng, max_len)
-            batches = [random_batch(cfg, lengths, table_rows, rng, skew).to(device) for _ in range(args.steps + 1)]
-            ids = batches[0].history_item_id
-            top_share = (
-                float((ids == 0).float().mean()) if skew else float(torch.bincount(ids).max().float() / len(ids))
-            )
-            served = rows_served(batches[0], specs, world)
+    (qcomm,) = args.qcomms  # main() launches the workers once per precision
+    cfg = config(args, qcomm, world)
+    specs = table_specs(cfg, 0, 0, 0)  # config() sized every table
+    embeddings = make_embeddings(specs, cfg, device, seed=0, cluster=cluster)
+    table_rows = {s.name: s.rows for s in specs}
+    for skew in args.skews:
+        rng = np.random.default_rng([cluster.rank, int(skew * 100)])
+        max_len = cfg.sampler.max_seq_len if not args.smoke else 64
+        lengths = jagged_lengths("jagged", args.per_rank_batch, rng, max_len)
+        batches = [random_batch(cfg, lengths, table_rows, rng, skew).to(device) for _ in range(args.steps + 1)]
+        ids = batches[0].history_item_id
+        top_share = float(torch.bincount(ids).max().float() / len(ids))
+        served = rows_served(batches[0], specs, world)
+        sync(device)
+        resting = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        seconds = []
+        for i, batch in enumerate(batches):
             sync(device)
-            resting = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            seconds = []
-            for i, batch in enumerate(batches):
-                sync(device)
-                cluster.barrier()
-                started = time.perf_counter()
-                out = embeddings(batch)
-                # Sums in the rows' own dtype: an fp32 copy of every output would inflate the peak.
-                loss = sum(t.sum() for t in (out.item, out.artist, out.album, out.contextual))
-                loss.backward()
-                sync(device)
-                if i:  # the first one warms up
-                    seconds.append(time.perf_counter() - started)
-                del out, loss
-            peak = (torch.cuda.max_memory_allocated(device) - resting) / 2**30 if device.type == "cuda" else None
-            gathered = cluster.gather(
-                {"rank": cluster.rank, "peak_gib": peak, "served": served, "ms": 1e3 * float(np.mean(seconds))}
-            )
-            if cluster.is_main:
-                rows_out.append({"qcomm": qcomm, "skew": skew, "top_id_share": top_share, "ranks": gathered})
-                print(json.dumps(rows_out[-1]), flush=True)
+            cluster.barrier()
+            started = time.perf_counter()
+            out = embeddings(batch)
+            # Sums in the rows' own dtype: an fp32 copy of every output would inflate the peak.
+            loss = sum(t.sum() for t in (out.item, out.artist, out.album, out.contextual))
+            loss.backward()
+            sync(device)
+            if i:  # the first one warms up
+                seconds.append(time.perf_counter() - started)
+            del out, loss
+        peak = (torch.cuda.max_memory_allocated(device) - resting) / 2**30 if device.type == "cuda" else None
+        gathered = cluster.gather(
+            {"rank": cluster.rank, "peak_gib": peak, "served": served, "ms": 1e3 * float(np.mean(seconds))}
+        )
+        if cluster.is_main:
+            rows_out.append({"qcomm": qcomm, "skew": skew, "top_id_share": top_share, "ranks": gathered})
+            print(json.dumps(rows_out[-1]), flush=True)
     if cluster.is_main:
         Path(args.worker_out).write_text(json.dumps(rows_out))
     cluster.barrier()  # no rank tears its group down while another is still in a collective

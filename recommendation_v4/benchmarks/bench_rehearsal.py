@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 from bench_end_to_end import random_batch, start_single_process_group
-from harness import command_line, device_name, git_commit, sync, write_results
+from harness import SMOKE_MODEL, command_line, device_name, git_commit, sync, write_results
 from length_mix import jagged_lengths
 
 from dlrmv4.config import BenchmarkConfig, load_config
@@ -62,21 +62,7 @@ def rank_config(plan, cfg: BenchmarkConfig, smoke: bool) -> tuple[BenchmarkConfi
     loader = dataclasses.replace(planned.loader, batch_size=SLICE)
     out = dataclasses.replace(planned, embeddings=emb, sampler=sampler, train=train, loader=loader)
     if smoke:
-        model = dataclasses.replace(
-            out.model,
-            embedding_dim=16,
-            d_model=16,
-            num_layers=1,
-            num_heads=1,
-            qk_dim=16,
-            v_dim=16,
-            preprocessor_hidden=16,
-            item_tower_hidden=16,
-            head_hidden=16,
-            sequence_dtype="float32",
-            num_position_buckets=256,
-            kernels="pytorch",
-        )
+        model = dataclasses.replace(out.model, **SMOKE_MODEL, kernels="pytorch")
         out = dataclasses.replace(
             out,
             model=model,

@@ -31,6 +31,20 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16
+# The model the --smoke modes run: the scripts' paths on any device in seconds.
+SMOKE_MODEL = {
+    "embedding_dim": 16,
+    "d_model": 16,
+    "num_layers": 1,
+    "num_heads": 1,
+    "qk_dim": 16,
+    "v_dim": 16,
+    "preprocessor_hidden": 16,
+    "item_tower_hidden": 16,
+    "head_hidden": 16,
+    "sequence_dtype": "float32",
+    "num_position_buckets": 256,
+}
 PACKAGES = ("torch", "triton", "fbgemm_gpu", "torchrec", "numpy")  # import names; python comes first
 
 
