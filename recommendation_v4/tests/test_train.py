@@ -143,6 +143,21 @@ def test_run_streams_windows_and_evaluates(data_path, tmp_path):
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5_000, plot
 
 
+def test_next_window_mode_scores_the_window_after_each_train_window(data_path, tmp_path):
+    """--eval-mode next_window: after train window T closes, window T + 1 is scored, and no holdout
+    evals happen in between."""
+    from dlrmv4.train.run import run_training
+
+    values = _overrides(data_path, tmp_path / "run")
+    values["train.eval_mode"] = "next_window"
+    cfg = load_config(None, None, {tuple(k.split(".")): v for k, v in values.items()})
+    history, _ = run_training(cfg, log=lambda m: None)
+    ends = {window: samples for window, samples, _ in history.window_losses}
+    assert history.evals and len(history.evals) == len(history.window_losses)
+    for record in history.evals:
+        assert record.eval_window == record.window + 1 and record.samples_count == ends[record.window]
+
+
 def test_max_steps_stops_the_run(data_path, tmp_path):
     values = _overrides(data_path, tmp_path / "run")
     values["train.max_steps"] = 9
