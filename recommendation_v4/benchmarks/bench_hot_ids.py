@@ -9,7 +9,10 @@ processes / N, as one of N ranks holds in the real job) and looks up ``--per-ran
 at the real length mix (``length_mix.jagged``), then backpropagates a gradient through the lookup
 (the gradient all-to-all and FBGEMM's fused row-wise Adagrad). Reported per configuration: the
 top id's share of the lookups, the rows each rank served (looked up for all ranks), each rank's
-peak above its resting memory, and the time per lookup + backward. Launched by torchrun:
+peak above its resting memory, the time per lookup + backward, and the all-to-all itself: the bytes
+each rank sends per step (ids to the rows' owners, rows back, gradients to the owners) and, on GPUs,
+the device time of its NCCL kernels per step (from the profiler). The tables' placement (HBM or host
+memory) is the memory plan's for this machine, as in a run. Launched by torchrun:
 
     python benchmarks/bench_hot_ids.py --processes 2 --real-tables-of 8            # 2 GPUs (nvidia-h200-x2)
     python benchmarks/bench_hot_ids.py --processes 2 --smoke                        # the CPU (gloo), tiny shapes
@@ -40,6 +43,7 @@ def config(args: argparse.Namespace, qcomm: str, world: int):
     from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS
 
     cfg = load_config("yambda-5b")
+    cfg = dataclasses.replace(cfg, loader=dataclasses.replace(cfg.loader, batch_size=args.per_rank_batch * world))
     rows = real_table_rows(args.real_tables_of, world, YAMBDA_5B_COUNTS if not args.smoke else (1, 1, 1))
     emb = dataclasses.replace(
         cfg.embeddings,
@@ -62,6 +66,7 @@ def worker(args: argparse.Namespace) -> None:
     from dlrmv4.config import DistributedConfig
     from dlrmv4.model.embeddings import make_embeddings, table_specs
     from dlrmv4.train.distributed import start_cluster
+    from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS, plan_for_run
 
     world = int(os.environ["WORLD_SIZE"])
     cluster = start_cluster(DistributedConfig(), need_group=True)  # TorchRec needs a group, even of one
@@ -69,6 +74,11 @@ def worker(args: argparse.Namespace) -> None:
     rows_out = []
     (qcomm,) = args.qcomms  # main() launches the workers once per precision
     cfg = config(args, qcomm, world)
+    if not args.smoke:  # which tables fit in HBM and which live in host memory, as a run would plan it
+        plan = plan_for_run(cfg, cluster, YAMBDA_5B_COUNTS)
+        if not plan.fits:
+            raise SystemExit(f"[dlrmv4] error: {plan.refusal()}")
+        cfg = plan.resolve(cfg)
     specs = table_specs(cfg, 0, 0, 0)  # config() sized every table
     embeddings = make_embeddings(specs, cfg, device, seed=0, cluster=cluster)
     table_rows = {s.name: s.rows for s in specs}
@@ -98,16 +108,70 @@ def worker(args: argparse.Namespace) -> None:
                 seconds.append(time.perf_counter() - started)
             del out, loss
         peak = (torch.cuda.max_memory_allocated(device) - resting) / 2**30 if device.type == "cuda" else None
+        nccl_ms = nccl_ms_per_step(embeddings, batches[1 : 1 + PROFILED_STEPS], device, cluster)
         gathered = cluster.gather(
-            {"rank": cluster.rank, "peak_gib": peak, "served": served, "ms": 1e3 * float(np.mean(seconds))}
+            {
+                "rank": cluster.rank,
+                "peak_gib": peak,
+                "served": served,
+                "ms": 1e3 * float(np.mean(seconds)),
+                "nccl_ms": nccl_ms,
+            }
         )
         if cluster.is_main:
+            wire = all_to_all_bytes(
+                [rank["served"] for rank in gathered], cfg.model.embedding_dim, ROW_BYTES[qcomm], world
+            )
+            for rank, sent in zip(gathered, wire):
+                rank.update(sent)
             rows_out.append({"qcomm": qcomm, "skew": skew, "top_id_share": top_share, "ranks": gathered})
             print(json.dumps(rows_out[-1]), flush=True)
     if cluster.is_main:
         Path(args.worker_out).write_text(json.dumps(rows_out))
     cluster.barrier()  # no rank tears its group down while another is still in a collective
     cluster.shutdown()
+
+
+PROFILED_STEPS = 3
+ROW_BYTES = {"fp16": 2, "bf16": 2, "none": 4}  # bytes per element of a row on the wire, by qcomm
+ID_BYTES = 8  # int64 ids in the input distribution
+
+
+def all_to_all_bytes(served: list[list[int]], dim: int, row_bytes: int, world: int) -> list[dict]:
+    """Bytes each rank sends to the other ranks in one step, from ``served[s][o]``: the lookups of
+    rank s's batch that rank o's rows answer. The ids go to the owner, the rows come back from it
+    (forward) and their gradients go to it again (backward); a rank's own rows never leave it."""
+    out = []
+    for rank in range(world):
+        asked = sum(served[rank][o] for o in range(world) if o != rank)  # rows this rank needs from others
+        answered = sum(served[s][rank] for s in range(world) if s != rank)  # rows others need from it
+        out.append(
+            {
+                "ids_bytes": asked * ID_BYTES,
+                "rows_bytes": answered * dim * row_bytes,
+                "grads_bytes": asked * dim * row_bytes,
+            }
+        )
+    return out
+
+
+def nccl_ms_per_step(embeddings, batches, device, cluster) -> float | None:
+    """Device time of the NCCL kernels (the all-to-alls, and any wait in them for the other ranks)
+    per lookup + backward, from the profiler (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    cluster.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for batch in batches:
+            out = embeddings(batch)
+            sum(t.sum() for t in (out.item, out.artist, out.album, out.contextual)).backward()
+            del out
+        sync(device)
+    micros = sum(e.device_time_total for e in prof.key_averages() if "nccl" in e.key.lower())
+    return micros / 1e3 / len(batches)
 
 
 def rows_served(batch, specs, world: int) -> list[int]:
@@ -194,19 +258,25 @@ def table(r: dict) -> str:
         f"Hot ids on {r['device']} (commit {r['commit']}): TorchRec row-wise, every rank holding 1/"
         f"{r['real_tables_of']} of Yambda-5B's tables, {r['per_rank_batch']:,} samples per rank at the real "
         "length mix; lookup + backward (gradient all-to-all, fused row-wise Adagrad). Peak: device memory "
-        "above the rank's resting memory. Rows served: the lookups a rank makes for all ranks, over the mean.",
+        "above the rank's resting memory. Rows served: the lookups a rank makes for all ranks, over the mean. "
+        "MB sent: what the rank puts on the wire per step (ids to the rows' owners, rows back to the ranks that "
+        "asked, gradients to the owners). NCCL ms: device time of the NCCL kernels per step (profiler).",
         "",
-        "| ids | all-to-all | top id's share | rank | rows served (x mean) | peak GiB | ms / lookup + backward |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| ids | all-to-all | top id's share | rank | rows served (x mean) | peak GiB | ms / lookup + backward "
+        "| MB sent per step: ids + rows + gradients | NCCL ms per step |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in r["rows"]:
         totals = np.sum([rank["served"] for rank in row["ranks"]], axis=0)
         ids = f"Zipf({row['skew']:g})" if row["skew"] else "uniform"
         for rank in row["ranks"]:
             peak = f"{rank['peak_gib']:.2f}" if rank["peak_gib"] is not None else "n/a (CPU)"
+            sent = [rank.get(k, 0) / 1e6 for k in ("ids_bytes", "rows_bytes", "grads_bytes")]
+            wire = f"{sum(sent):,.1f} ({sent[0]:,.1f} + {sent[1]:,.1f} + {sent[2]:,.1f})"
+            nccl = f"{rank['nccl_ms']:.1f}" if rank.get("nccl_ms") is not None else "n/a (CPU)"
             lines.append(
                 f"| {ids} | {row['qcomm']} | {100 * row['top_id_share']:.1f}% | {rank['rank']} | "
-                f"{totals[rank['rank']] / totals.mean():.2f} | {peak} | {rank['ms']:.1f} |"
+                f"{totals[rank['rank']] / totals.mean():.2f} | {peak} | {rank['ms']:.1f} | {wire} | {nccl} |"
             )
     lines += ["", f"Command: `{r['command']}`"]
     return "\n".join(lines)

@@ -77,6 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     from dlrmv4.data.store import open_store
     from dlrmv4.model.embeddings import store_table_counts
     from dlrmv4.train.distributed import start_cluster
+    from dlrmv4.train.memory_plan import plan_for_run
     from dlrmv4.train.run import seed_everything
     from dlrmv4.train.trainer import build_trainer
 
@@ -89,6 +90,12 @@ def worker(args: argparse.Namespace) -> None:
     )
     cluster = start_cluster(cfg.distributed)
     device = cluster.device
+    # The memory plan, as the train command makes it: chunks, recompute and (TorchRec) which tables
+    # live in host memory, for this world size on this machine.
+    plan = plan_for_run(cfg, cluster, store_table_counts(store))
+    if not plan.fits:
+        raise SystemExit(f"[dlrmv4] error: {plan.refusal()}")
+    cfg = plan.resolve(cfg)
     seed_everything(cfg.seed)
     trainer = build_trainer(cfg, store, cluster, log=lambda _: None)
     model, embeddings = trainer.model, trainer.embeddings
@@ -157,6 +164,8 @@ def worker(args: argparse.Namespace) -> None:
                     "peak_gib_rank0": peak,
                     "replicas_identical": len(set(digests)) == 1,
                     "backend": embeddings.backend,
+                    "chunks": cfg.train.chunks,
+                    "placement": cfg.embeddings.placement if embeddings.backend == "torchrec" else None,
                     "threads_per_rank": torch.get_num_threads(),
                 }
             )

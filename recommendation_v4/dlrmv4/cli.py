@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args, list_presets, to_toml
-from dlrmv4.errors import UserError
+from dlrmv4.errors import ERROR_PREFIX, UserError
 
 
 def _say(msg: str) -> None:
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         COMMANDS[args.command][0](cfg, args)
     except UserError as exc:
-        print(f"[dlrmv4] error: {exc}", file=sys.stderr)
+        print(f"{ERROR_PREFIX}{exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("[dlrmv4] interrupted", file=sys.stderr)

@@ -273,3 +273,48 @@ def test_run_and_time_launches_torchrun_with_gpus_per_node(data_path, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "nothing to prepare" in proc.stdout and "training on 2 processes" in proc.stdout
     assert "PASSED the MLPerf compliance checker" in proc.stdout and "RESULT,dlrmv4," in proc.stdout
+
+
+BLOCKED_RANK = """
+import sys, time
+from dlrmv4.config import DistributedConfig
+from dlrmv4.train.distributed import start_cluster
+cluster = start_cluster(DistributedConfig(timeout_seconds=120.0))
+cluster.barrier()
+if cluster.rank == 1:
+    cluster.post_failure_and_linger("rank 1 of 2 ran out of device memory: CUDA out of memory (posted by the test)")
+    sys.exit(1)
+watch = cluster.watch_failures()
+time.sleep(100)  # stands in for a collective blocked on the device, which no Python exception ends
+print("the watch did not end the blocked rank")
+"""
+
+
+def test_a_posted_failure_ends_a_rank_blocked_outside_python():
+    """Rank 0 is blocked where no exception can reach it (as in an NCCL collective on the device);
+    rank 1 posts its failure: rank 0's failure watch ends it within seconds, with one line naming
+    rank 1 and the cause, long before the collective timeout."""
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(
+            launch_env(),
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        cmd = [sys.executable, "-c", BLOCKED_RANK]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    started = time.time()
+    out, err = procs[0].communicate(timeout=90)
+    procs[1].wait(timeout=30)
+    assert time.time() - started < 30, "rank 0 waited for the collective timeout"
+    assert procs[0].returncode == 1 and "did not end" not in out, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("[dlrmv4] error:")]
+    assert errors == [
+        "[dlrmv4] error: rank 0 of 2: training failed because rank 1 of 2 ran out of device memory: "
+        "CUDA out of memory (posted by the test)"
+    ], err[-3000:]

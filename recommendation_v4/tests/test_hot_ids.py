@@ -51,3 +51,16 @@ def test_zipf_ids_load_the_rank_with_the_popular_rows():
     assert 12 < hot_share < 30  # the top id: about a fifth of the lookups
     assert hot_served > 1.5 and by[("Zipf(1.2)", 1)][1] < 0.5  # rank 0 owns the popular rows
     assert all(0.8 < by[("uniform", r)][1] < 1.2 for r in (0, 1))
+    # The wire: what rank 0 sends back as rows, rank 1 sends again as gradients (and the reverse), and
+    # the rank owning the popular rows sends far more rows than it asks for.
+    wire = re.findall(
+        r"^\| (uniform|Zipf\(1\.2\)) \| fp16 \|.* \| (\d) \| [^|]+\| [^|]+\| [^|]+\| [\d.,]+ "
+        r"\(([\d.,]+) \+ ([\d.,]+) \+ ([\d.,]+)\) \|",
+        proc.stdout,
+        re.M,
+    )
+    sent = {(ids, int(rank)): [float(x.replace(",", "")) for x in parts] for ids, rank, *parts in wire}
+    assert set(sent) == set(by), proc.stdout
+    for ids in ("uniform", "Zipf(1.2)"):
+        assert sent[(ids, 0)][1] == sent[(ids, 1)][2] and sent[(ids, 1)][1] == sent[(ids, 0)][2]
+    assert sent[("Zipf(1.2)", 0)][1] > 10 * sent[("Zipf(1.2)", 0)][2]

@@ -15,6 +15,8 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,12 +24,16 @@ import torch
 import torch.distributed as dist
 
 from dlrmv4.config import DistributedConfig
-from dlrmv4.errors import UserError
+from dlrmv4.errors import UserError, exit_with_error
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 FAILURE_KEY = "dlrmv4/failed_rank"  # the rendezvous store's key for a rank's own failure
+FAILURE_POLL_SECONDS = 1.0  # how often every rank looks for a failure another rank posted
+# A failed rank stays this long after posting its line: the store may live in its own process
+# (rank 0 of a launch without torchrun), and the others must read the line before it goes.
+FAILURE_LINGER_SECONDS = 3 * FAILURE_POLL_SECONDS
 
 
 class RankLostError(UserError):
@@ -149,6 +155,16 @@ class Cluster:
             except Exception:  # noqa: BLE001 - reporting must never mask the failure itself
                 pass
 
+    def post_failure_and_linger(self, line: str) -> None:
+        """``post_failure``, then wait until every rank's watch has had time to read it."""
+        if self.world_size > 1:
+            self.post_failure(line)
+            time.sleep(FAILURE_LINGER_SECONDS)
+
+    def watch_failures(self) -> "FailureWatch | None":
+        """A watch that ends this rank as soon as another rank posts its failure (None: one process)."""
+        return FailureWatch(self) if self.world_size > 1 else None
+
     def posted_failure(self) -> str | None:
         """The line a failed rank posted, if any."""
         if self.world_size == 1:
@@ -162,6 +178,37 @@ class Cluster:
     def shutdown(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+class FailureWatch:
+    """A thread that ends this rank with one line as soon as another rank posts its own failure.
+
+    The main thread cannot always do it: on GPUs it may be blocked in native code waiting for a
+    collective that the failed rank will never join, and NCCL's watchdog would end the process at the
+    collective timeout with a native stack trace instead of a line. ``stop`` (on this rank's own
+    failure, or at the end) makes sure that at most one of the two reports."""
+
+    def __init__(self, cluster: Cluster, poll_seconds: float = FAILURE_POLL_SECONDS) -> None:
+        self._cluster, self._poll_seconds = cluster, poll_seconds
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="dlrmv4-failure-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(self._poll_seconds):
+            posted = self._cluster.posted_failure()
+            if posted is None:
+                continue
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                c = self._cluster
+                exit_with_error(f"rank {c.rank} of {c.world_size}: training failed because {posted}")
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped.set()
 
 
 class _Guard:

@@ -74,20 +74,25 @@ def run_training(
     alone logs, writes the MLPerf log and the report."""
     check_sharding_options(cfg.embeddings)
     cluster = start_cluster(cfg.distributed, need_group=cfg.embeddings.embedding_backend == "torchrec")
+    watch = cluster.watch_failures()
     try:
         return _run(cfg, cluster, log if cluster.is_main else (lambda _: None), progress, restart, config_filename)
     except Exception as exc:
+        if watch is not None:
+            watch.stop()  # from here this thread reports, and only this thread
         if cluster.world_size > 1 and not isinstance(exc, RankLostError):
             # DDP's and TorchRec's own collectives fail deep in the step when a peer is gone.
             if not isinstance(exc, UserError) and is_comm_failure(exc):
                 raise lost_rank_error(cluster, "a collective of the training step", exc) from exc
-            # This rank's own failure: the others, waiting in a collective, name it when it fails.
+            # This rank's own failure: the others' watches read it and end their ranks naming it.
             line = own_failure_line(cluster, exc)
-            cluster.post_failure(line)
+            cluster.post_failure_and_linger(line)
             if isinstance(exc, torch.OutOfMemoryError):
                 raise UserError(line) from exc
         raise
     finally:
+        if watch is not None:
+            watch.stop()
         cluster.shutdown()
 
 
