@@ -35,8 +35,11 @@ def keyed_jagged_features(batch: TorchJaggedBatch, keys: list[str]):
 
     ids = feature_ids(batch)
     b, t = batch.num_samples, batch.total_tokens
-    ones = torch.ones(b, dtype=torch.int32, device=batch.history_lengths.device)
-    lengths = [batch.history_lengths.to(torch.int32) if k.startswith("history_") else ones for k in keys]
+    # int64 lengths: TorchRec's row-wise sequence all-to-all permutes the looked-up rows by lengths x
+    # embedding dim (FBGEMM's permute_2D_sparse_data), which overflows int32 past 2**31 elements: at
+    # 1,024 samples per rank and D = 512 a rank's rows hold several times that.
+    ones = torch.ones(b, dtype=torch.int64, device=batch.history_lengths.device)
+    lengths = [batch.history_lengths.to(torch.int64) if k.startswith("history_") else ones for k in keys]
     # Host-side sizes per key spare TorchRec a device-to-host sync.
     per_key = [t if k.startswith("history_") else b for k in keys]
     return KeyedJaggedTensor(keys=keys, values=torch.cat([ids[k] for k in keys]),
