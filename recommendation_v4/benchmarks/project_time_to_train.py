@@ -12,12 +12,14 @@ Measured (files in benchmarks/results/, each naming its device and commit):
 - a checkpoint's write speed: ``train_<gpu>.json`` (seconds per GiB of tables), applied to a rank's
   share of the 559 GiB of tables once per window reached (the trainer's default cadence).
 
-Modelled, not measured (no multi-GPU measurement of it yet): the embedding all-to-all. Per step
-each rank receives the rows its samples look up, 1,024 x (mean tokens x 3 item-side tables + 8
-contextual) rows of D = 512 in fp16 (the reference's qcomm), (W - 1)/W of them from other ranks,
-and sends as many gradients back. Within a node at ``--nvlink-gbs`` GB/s per GPU and direction,
-across nodes (8 GPUs each) at ``--network-gbs``; shown both not overlapped with compute (an upper
-bound) and fully overlapped (a lower bound).
+The embedding all-to-all: per step each rank receives the rows its samples look up, 1,024 x (mean
+tokens x 3 item-side tables + 8 contextual) rows of D = 512 in fp16 (the reference's qcomm),
+(W - 1)/W of them from other ranks, and sends as many gradients back. Within a node at the rate
+``hot_ids_<label>.json`` measured (``--alltoall-from``: the bytes each rank put on the wire per
+step over the device time of its NCCL kernels, uniform ids, two GPUs of one node) or at
+``--nvlink-gbs`` GB/s per GPU and direction; across nodes (8 GPUs each) at ``--network-gbs``
+(modelled: no multi-node measurement). Shown both not overlapped with compute (an upper bound)
+and fully overlapped (a lower bound).
 
     python benchmarks/project_time_to_train.py                 # H200 parts
     python benchmarks/project_time_to_train.py --gpu h100
@@ -59,7 +61,22 @@ def alltoall_seconds(world: int, per_gpu: int, mean_tokens: float, nvlink_gbs: f
     return 2 * per_direction
 
 
-def project(gpu: str, nvlink_gbs: float, network_gbs: float) -> dict:
+def measured_alltoall_gbs(hot_ids: dict) -> float:
+    """GB/s per GPU and direction that the all-to-all reached: the rows and gradients a rank sent
+    per step over its NCCL kernels' device time per step, the mean over the ranks of the uniform-id
+    rows (with Zipf ids the hot rank's share of the traffic sets the pace instead)."""
+    rates = [
+        (rank["rows_bytes"] + rank["grads_bytes"]) / (rank["nccl_ms"] / 1e3) / 1e9
+        for row in hot_ids["rows"]
+        if row["skew"] == 0
+        for rank in row["ranks"]
+    ]
+    if not rates:
+        raise SystemExit("the hot-ids results hold no uniform-id row with NCCL times")
+    return sum(rates) / len(rates)
+
+
+def project(gpu: str, nvlink_gbs: float, network_gbs: float, alltoall_source: str | None = None) -> dict:
     rehearsal, train, stu = load(f"rehearsal_{gpu}"), load(f"train_{gpu}"), load("stu")
     steps = SAMPLES_TO_TARGET / GLOBAL_BATCH
     schedule = EvalSchedule(REFERENCE_TRAIN_SAMPLES, GLOBAL_BATCH, EVAL_EVERY)
@@ -106,6 +123,7 @@ def project(gpu: str, nvlink_gbs: float, network_gbs: float) -> dict:
         "checkpoint_gib_per_s": gib_per_s,
         "windows": windows,
         "nvlink_gbs": nvlink_gbs,
+        "alltoall_source": alltoall_source,
         "network_gbs": network_gbs,
         "mean_tokens": mean_tokens,
         "rows": rows,
@@ -118,8 +136,9 @@ def table(p: dict) -> str:
         f"Projected time to AUC 0.75 ({SAMPLES_TO_TARGET / 1e6:.1f} M samples at GBS {GLOBAL_BATCH:,}: "
         f"{p['steps']:,.0f} steps, {p['evals']} evals of {REFERENCE_EVAL_SAMPLES:,} samples, "
         f"{p['windows']:.1f} windows) on {p['gpu']} GPUs, from the parts measured at commits "
-        f"{', '.join(f'{k} {v}' for k, v in p['commits'].items())}; all-to-all modelled at "
-        f"{p['nvlink_gbs']:g} GB/s per GPU and direction in a node, {p['network_gbs']:g} GB/s across nodes "
+        f"{', '.join(f'{k} {v}' for k, v in p['commits'].items())}; all-to-all at "
+        f"{p['nvlink_gbs']:,.0f} GB/s per GPU and direction in a node ({intra_node_source(p)}), "
+        f"{p['network_gbs']:g} GB/s across nodes (modelled) "
         f"(fp16 rows, mean {p['mean_tokens']:,.0f} tokens). Reference: {p['reference_minutes'] // 60} h "
         f"{p['reference_minutes'] % 60} min on 8 MI350X.",
         "",
@@ -139,14 +158,24 @@ def table(p: dict) -> str:
     return "\n".join(lines)
 
 
+def intra_node_source(p: dict) -> str:
+    source = p.get("alltoall_source")
+    return f"measured: {source}" if source else "modelled"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", default="h200", choices=("h200", "h100"), help="whose rehearsal to use")
     parser.add_argument(
+        "--alltoall-from",
+        default="hot_ids_h100x2",
+        help="the hot-ids results whose measured all-to-all rate to use within a node ('' to use --nvlink-gbs)",
+    )
+    parser.add_argument(
         "--nvlink-gbs",
         type=float,
         default=350.0,
-        help="all-to-all GB/s per GPU and direction within a node (NVLink 4: 450 peak)",
+        help="all-to-all GB/s per GPU and direction within a node when --alltoall-from is '' (NVLink 4: 450 peak)",
     )
     parser.add_argument(
         "--network-gbs",
@@ -155,7 +184,12 @@ def main() -> None:
         help="GB/s per GPU and direction across nodes (400 Gb/s NDR: 50 peak)",
     )
     args = parser.parse_args()
-    p = project(args.gpu, args.nvlink_gbs, args.network_gbs)
+    nvlink_gbs, source = args.nvlink_gbs, None
+    if args.alltoall_from:
+        hot_ids = load(args.alltoall_from)
+        nvlink_gbs = measured_alltoall_gbs(hot_ids)
+        source = f"{args.alltoall_from}, {hot_ids['device']}, commit {hot_ids['commit']}"
+    p = project(args.gpu, nvlink_gbs, args.network_gbs, source)
     p["command"] = command_line()
     text = table(p)
     print(text)
