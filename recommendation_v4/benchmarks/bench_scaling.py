@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import statistics
@@ -79,6 +80,7 @@ def worker(args: argparse.Namespace) -> None:
     from dlrmv4.model.embeddings import store_table_counts
     from dlrmv4.train.distributed import start_cluster
     from dlrmv4.train.memory_plan import plan_for_run
+    from dlrmv4.train.prefetch import with_next
     from dlrmv4.train.run import seed_everything
     from dlrmv4.train.trainer import build_trainer
 
@@ -114,27 +116,32 @@ def worker(args: argparse.Namespace) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    def paired(batches):  # with the sparse-dist pipeline each step starts the next batch's ids
+        return with_next(batches) if trainer.step.pipelined else ((batch, None) for batch in batches)
+
+    pairs = paired(batch.to(device, non_blocking=True) for batch in stream)
     tokens = 0
     started = 0.0
     for i in range(warmup + steps):
-        batch = next(stream)
+        batch, upcoming = next(pairs)
         if i == warmup:
             sync()
             cluster.barrier()
             started = time.perf_counter()
         if i >= warmup:
             tokens += batch.total_tokens
-        trainer.step(batch.to(device, non_blocking=True), i, plan[i].window)
+        trainer.step(batch, i, plan[i].window, upcoming)
     sync()
     cluster.barrier()
     seconds = time.perf_counter() - started
-    # The bare step: the next batches already in device memory (no loader, no host-to-device copy).
-    bare_batches = [next(stream).to(device) for _ in range(min(steps, len(plan) - warmup - steps))]
+    # The bare step: the next batches already in device memory (no loader, no host-to-device copy);
+    # the first is the one whose ids the last timed step sent ahead.
+    bare_batches = [batch for batch, _ in itertools.islice(pairs, min(steps, len(plan) - warmup - steps))]
     sync()
     cluster.barrier()
     bare_started = time.perf_counter()
-    for j, batch in enumerate(bare_batches):
-        trainer.step(batch, warmup + steps + j, plan[warmup + steps + j].window)
+    for j, (batch, upcoming) in enumerate(paired(bare_batches)):
+        trainer.step(batch, warmup + steps + j, plan[warmup + steps + j].window, upcoming)
     sync()
     cluster.barrier()
     bare_seconds = time.perf_counter() - bare_started
@@ -268,6 +275,7 @@ def main() -> None:
         "real_tables_of": args.real_tables_of,
         "qcomm": cfg.embeddings.qcomm,
         "rank_slicing": cfg.loader.rank_slicing,
+        "sparse_pipeline": cfg.train.sparse_pipeline,
         "results": results,
     }
     print(_table([row]))
@@ -291,6 +299,8 @@ def _table(rows: list[dict]) -> str:
     for row in rows:
         tables = f"1/{row['real_tables_of']} of Yambda-5B per rank" if row.get("real_tables_of") else "config's"
         setup = f"{tables}, {row.get('qcomm', 'none')}, {row.get('rank_slicing', 'contiguous')}"
+        if row["results"][0]["backend"] == "torchrec" and "sparse_pipeline" in row:
+            setup += ", pipelined ids" if row["sparse_pipeline"] else ", ids not pipelined"
         for r in row["results"]:
             lines.append(
                 f"| {row['label']} | {row['device']} | {row['scaling']} | {row['d_model']} x "

@@ -237,6 +237,11 @@ class TrainConfig:
         min=0,
         max=65_536,
     )
+    sparse_pipeline: bool = _field(
+        True,
+        "TorchRec tables: start the next batch's id distribution (TorchRec's input all-to-alls) while "
+        "this step computes (the same numbers; false: each step distributes its own ids first)",
+    )
     max_steps: int = _field(
         0, "stop after this many optimizer steps (0: run to the target or the end of the data)", min=0
     )

@@ -318,3 +318,67 @@ def test_a_posted_failure_ends_a_rank_blocked_outside_python():
         "[dlrmv4] error: rank 0 of 2: training failed because rank 1 of 2 ran out of device memory: "
         "CUDA out of memory (posted by the test)"
     ], err[-3000:]
+
+
+# The sparse-dist pipeline (train.sparse_pipeline): batch i+1's ids travel while step i computes.
+ROW_WISE = {"embeddings.embedding_backend": "torchrec", "embeddings.sharding_types": "*=row_wise"}
+
+
+def mlperf_events(run_dir: Path) -> list[dict]:
+    """The run's MLPerf log events without their clock times."""
+    events = []
+    for line in (run_dir / "mlperf_log.txt").read_text().splitlines():
+        event = json.loads(line.split(":::MLLOG ", 1)[1])
+        event.pop("time_ms")
+        events.append(event)
+    return events
+
+
+@pytest.mark.parametrize("nproc, chunks", [(1, 1), (2, 3)])
+def test_the_sparse_pipeline_changes_no_number(data_path, tmp_path, nproc, chunks):
+    """Pipelined and unpipelined runs on the same batches: the same window losses, AUCs, final
+    tables and dense weights (the parameter digest), bit for bit, and the same MLPerf events."""
+    runs = {}
+    for on in (True, False):
+        extra = {"train.max_steps": STEPS, "train.chunks": chunks, "train.sparse_pipeline": on, **ROW_WISE}
+        runs[on] = train_report(nproc, data_path, tmp_path / str(on), **extra)
+    on, off = runs[True], runs[False]
+    # Every step's lookup but the first took ids sent ahead by the step before it.
+    assert (on["lookups_distributed_ahead"], off["lookups_distributed_ahead"]) == (STEPS - 1, 0)
+    assert on["history"]["window_losses"] == off["history"]["window_losses"]
+    assert [e["auc"] for e in on["history"]["evals"]] == [e["auc"] for e in off["history"]["evals"]]
+    assert on["parameters_sha256"] == off["parameters_sha256"] is not None
+    assert mlperf_events(tmp_path / "True") == mlperf_events(tmp_path / "False")
+
+
+def test_a_pipelined_run_killed_mid_run_resumes_bit_exactly(data_path, tmp_path):
+    """Both ranks SIGKILLed right after the first checkpoint, with the next batch's ids on their way:
+    the resumed run neither loses that batch nor trains it twice, and ends where the uninterrupted
+    run ends, bit for bit."""
+    extra = {"train.max_steps": STEPS, "train.chunks": 2, **ROW_WISE}
+    whole = train_report(2, data_path, tmp_path / "whole", **extra)
+    run_dir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "dlrmv4"]
+    launcher = subprocess.Popen(
+        [*cmd, "train", *run_flags(data_path, run_dir, **extra)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=launch_env(),
+    )
+    deadline = time.time() + 300
+    pids = _rank_pids(launcher.pid, 2, deadline)
+    _wait_for(run_dir / "checkpoints" / "step-00000010", deadline)
+    for pid in pids.values():
+        os.kill(pid, signal.SIGKILL)
+    launcher.kill()
+    launcher.wait()
+    assert not (run_dir / "report.json").exists(), "the run ended before the kill"
+    proc = torchrun(2, run_flags(data_path, run_dir, **extra))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    step = int(re.search(r"resumed from step-\d+: step (\d+)", proc.stdout).group(1))
+    assert 10 <= step < STEPS
+    resumed = json.loads((run_dir / "report.json").read_text())
+    assert resumed["lookups_distributed_ahead"] == STEPS - step - 1  # the resumed process's own lookups
+    assert resumed["history"]["window_losses"] == whole["history"]["window_losses"]
+    assert [e["auc"] for e in resumed["history"]["evals"]] == [e["auc"] for e in whole["history"]["evals"]]
+    assert resumed["parameters_sha256"] == whole["parameters_sha256"] is not None

@@ -344,3 +344,26 @@ def test_plain_sequence_rows_in_the_sequence_dtype():
     bf16.sparse_step()
     assert_tables_close(tables(fp32), tables(bf16), rtol=0, atol=0)
     assert not torch.equal(tables(bf16)["item"]["weight"], tables(build("plain"))["item"]["weight"])
+
+
+@needs_torchrec
+def test_ids_distributed_ahead_give_the_same_lookup_and_update():
+    """The sparse-dist pipeline: batch 2's ids start their distribution before batch 1 is looked up
+    and trained; a lookup of another batch in between (an eval's) leaves them waiting; batch 2's
+    lookup then takes them. Rows, gradients' updates and tables equal the unpipelined module's."""
+    ahead, plain_order = build("torchrec"), build("torchrec")
+    batches = [batch(seed) for seed in (11, 12, 13)]
+    ahead.distribute_ids(batches[1])
+    for module in (ahead, plain_order):
+        loss_of(module(batches[0])).backward()
+    ahead.settle_ids()
+    with torch.no_grad():
+        other = [module(batches[2]) for module in (ahead, plain_order)]  # not the batch on its way
+    assert ahead._distributed is not None and ahead._distributed.batch is batches[1]
+    got, want = ahead(batches[1]), plain_order(batches[1])
+    assert ahead._distributed is None  # taken by its own lookup
+    for a, b in zip(got.tensors() + other[0].tensors(), want.tensors() + other[1].tensors()):
+        assert torch.equal(a, b)
+    for module, emb in ((ahead, got), (plain_order, want)):
+        loss_of(emb).backward()
+    assert_tables_close(tables(ahead), tables(plain_order), rtol=0, atol=0)

@@ -21,6 +21,7 @@ from dlrmv4.data.loader import (
     share_size,
 )
 from dlrmv4.data.sampler import build_batch, history_lengths
+from dlrmv4.data.sparse_features import SPARSE_KEYS
 from dlrmv4.data.store import open_store
 
 BATCH = 7
@@ -200,11 +201,15 @@ def test_packed_batch_moves_as_one_buffer(store):
     host = build_batch(store, np.asarray(store.window_anchors(0))[:BATCH], config().sampler)
     tb = host.to_torch()
     packed = tb._packed()
-    assert packed is not None and packed.numel() == sum(-(-getattr(host, n).nbytes // 8) * 8 for n in BATCH_DTYPES)
+    # Every field 8-byte aligned, and the KeyedJaggedTensor's lengths (one per sample and feature).
+    lengths_bytes = len(SPARSE_KEYS) * host.num_samples * 8
+    expected = sum(-(-getattr(host, n).nbytes // 8) * 8 for n in BATCH_DTYPES) + lengths_bytes
+    assert packed is not None and packed.numel() == expected
     moved = tb._on(packed.clone())  # what pin_memory() and to(device) do with their one copy
     for name in BATCH_DTYPES:
         got = getattr(moved, name)
         assert got.dtype == getattr(tb, name).dtype and np.array_equal(got.numpy(), getattr(host, name)), name
+    assert moved.id_lengths is not None and moved.id_lengths.untyped_storage().data_ptr() == moved._packed().data_ptr()
     assert moved.history_item_id.untyped_storage().data_ptr() != tb.history_item_id.untyped_storage().data_ptr()
     # A batch whose fields do not share one buffer moves field by field.
     loose = dataclasses.replace(tb, label=tb.label.clone())

@@ -5,6 +5,12 @@ in time order. ``JaggedBatch`` holds numpy arrays on the host; ``TorchJaggedBatc
 twin (same fields) and also carries the host-side sizes (plain ints and a host copy of the history
 lengths), so the training step never has to read them back from the device, even to cut the batch
 into chunks of samples (``samples``).
+
+``to_torch`` (in the loader's worker) packs every field into one buffer, and lays the id fields out
+in it as the sparse lookup's KeyedJaggedTensor holds them: one int64 region in ``ID_FIELDS`` order,
+``contextual_ids`` column by column, with the KeyedJaggedTensor's lengths beside it
+(``id_lengths``). Pinning and the copy to the device move that buffer as one, and the lookup wraps
+the region as the KeyedJaggedTensor's values as it is (``sparse_features.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ TORCH_DTYPES: dict[str, torch.dtype] = {name: torch.from_numpy(np.empty(0, dtype
 PER_SAMPLE = ("history_lengths", "candidate_item_id", "candidate_artist_id", "candidate_album_id",
               "candidate_timestamp", "query_time", "label", "anchor_index")
 PER_TOKEN = ("history_item_id", "history_artist_id", "history_album_id", "history_action", "history_timestamp")
+# The id fields in the sparse lookup's feature order (sparse_features.SPARSE_KEYS): history and
+# candidate per shared table, then the contextual columns.
+ID_FIELDS = ("history_item_id", "candidate_item_id", "history_artist_id", "candidate_artist_id",
+             "history_album_id", "candidate_album_id", "contextual_ids")
 
 
 # eq=False: arrays have no single truth value, so a generated __eq__ would only raise.
@@ -92,21 +102,36 @@ class JaggedBatch:
     def to_torch(self, device: torch.device | str | None = None, pin_memory: bool = False) -> TorchJaggedBatch:
         """Torch twin whose tensors are views of one packed host buffer (8-byte aligned fields), so a
         worker hands a batch over in one shared-memory segment and pinning or a device copy is one
-        transfer; optionally pinned, then copied to ``device`` without blocking."""
-        arrays = {name: np.ascontiguousarray(getattr(self, name)) for name in BATCH_DTYPES}
+        transfer; optionally pinned, then copied to ``device`` without blocking. The id fields are
+        views of one region in the lookup's layout (module docstring)."""
+        b = self.num_samples
+        ids = [np.ascontiguousarray(getattr(self, name)).reshape(-1) for name in ID_FIELDS[:-1]]
+        ids.append(np.ascontiguousarray(self.contextual_ids.T).reshape(-1))  # column by column
+        ones = np.ones(b, dtype=np.int64)
+        lengths = self.history_lengths.astype(np.int64)
+        regions = {"ids": np.concatenate(ids).astype(np.int64, copy=False),
+                   "id_lengths": np.concatenate([lengths, ones] * 3 + [ones] * NUM_CONTEXTUAL)}
+        regions |= {name: np.ascontiguousarray(getattr(self, name)) for name in BATCH_DTYPES if name not in ID_FIELDS}
         offsets, total = {}, 0
-        for name, arr in arrays.items():
+        for name, arr in regions.items():
             offsets[name] = total
             total += -(-arr.nbytes // 8) * 8
         packed = np.empty(total, dtype=np.uint8)
-        for name, arr in arrays.items():
+        for name, arr in regions.items():
             packed[offsets[name]:offsets[name] + arr.nbytes] = arr.reshape(-1).view(np.uint8)
         buffer = torch.from_numpy(packed)
-        tensors = {name: buffer[offsets[name]:offsets[name] + arr.nbytes].view(TORCH_DTYPES[name]).view(arr.shape)
-                   for name, arr in arrays.items()}
-        out = TorchJaggedBatch(**tensors, num_samples=self.num_samples,
+        views = {name: buffer[offsets[name]:offsets[name] + arr.nbytes].view(torch.from_numpy(arr[:0]).dtype)
+                 .view(arr.shape) for name, arr in regions.items()}
+        tensors = {name: views[name] for name in BATCH_DTYPES if name not in ID_FIELDS}
+        start = 0
+        for name, arr in zip(ID_FIELDS[:-1], ids):
+            tensors[name] = views["ids"][start:start + len(arr)]
+            start += len(arr)
+        tensors["contextual_ids"] = views["ids"][start:].view(NUM_CONTEXTUAL, b).t()
+        out = TorchJaggedBatch(**tensors, num_samples=b,
                                max_history_length=self.max_history_length, total_tokens=self.total_tokens,
-                               host_history_lengths=arrays["history_lengths"].copy())
+                               host_history_lengths=regions["history_lengths"].copy(),
+                               id_lengths=views["id_lengths"])
         if pin_memory:
             out = out.pin_memory()
         return out.to(device) if device is not None else out
@@ -134,6 +159,9 @@ class TorchJaggedBatch:
     max_history_length: int
     total_tokens: int
     host_history_lengths: np.ndarray  # [B] int32, on the host
+    # The lookup's KeyedJaggedTensor lengths ([features x B] int64), where the id fields lie in one
+    # region in the lookup's layout (``to_torch``); None for a batch cut from another (``samples``).
+    id_lengths: torch.Tensor | None = None
 
     def history_row(self, sample: int) -> int:
         """Index of sample ``sample``'s first history row (``sample == num_samples``: the total)."""
@@ -152,12 +180,15 @@ class TorchJaggedBatch:
         return TorchJaggedBatch(**fields, num_samples=stop - start, max_history_length=int(lengths.max()),
                                 total_tokens=h1 - h0, host_history_lengths=lengths)
 
+    def _tensor_fields(self) -> tuple[str, ...]:
+        return tuple(BATCH_DTYPES) + (("id_lengths",) if self.id_lengths is not None else ())
+
     def _map(self, fn) -> TorchJaggedBatch:
-        return dataclasses.replace(self, **{name: fn(getattr(self, name)) for name in BATCH_DTYPES})
+        return dataclasses.replace(self, **{name: fn(getattr(self, name)) for name in self._tensor_fields()})
 
     def _packed(self) -> torch.Tensor | None:
         """The one uint8 buffer every field views (as ``to_torch`` builds it), else None."""
-        storages = {getattr(self, name).untyped_storage().data_ptr() for name in BATCH_DTYPES}
+        storages = {getattr(self, name).untyped_storage().data_ptr() for name in self._tensor_fields()}
         if len(storages) != 1:
             return None
         storage = self.history_lengths.untyped_storage()
@@ -179,7 +210,7 @@ class TorchJaggedBatch:
     def device_buffers(self) -> list[torch.Tensor]:
         """The tensors that own the batch's memory: the packed buffer, or every field."""
         packed = self._packed()
-        return [packed] if packed is not None else [getattr(self, name) for name in BATCH_DTYPES]
+        return [packed] if packed is not None else [getattr(self, name) for name in self._tensor_fields()]
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> TorchJaggedBatch:
         """One host-to-device copy when packed (non-blocking from pinned memory)."""

@@ -3,22 +3,29 @@
 ``history_<name>_id`` (one id per history token, jagged by the batch's history lengths) and
 ``candidate_<name>_id`` (one per sample) for each id the history and the candidate share, and one
 feature per contextual column (one id per sample, ``hashing.CONTEXTUAL_FEATURES`` order).
-``keyed_jagged_features`` lays them out as TorchRec's KeyedJaggedTensor.
+``sparse_features`` gives them as TorchRec's KeyedJaggedTensor, in ``SPARSE_KEYS`` order: for a
+batch the loader's worker packed (``TorchJaggedBatch.id_lengths`` set) its values and lengths are
+the batch's own memory, already on the device; otherwise they are gathered.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dlrmv4.data.batch import TorchJaggedBatch
+from dlrmv4.data.batch import ID_FIELDS, TorchJaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 
 # Ids that both the history and the candidate carry (each indexes one table for both).
 SHARED_IDS = ("item", "artist", "album")
+# The lookup's features, in the order of its tables (history then candidate for a shared one).
+SPARSE_KEYS = tuple(f"{side}_{name}_id" for name in SHARED_IDS for side in ("history", "candidate")) + tuple(
+    CONTEXTUAL_FEATURES
+)
+assert SPARSE_KEYS[: len(ID_FIELDS) - 1] == ID_FIELDS[:-1]  # the batch packs its ids in this order
 
 
 def feature_ids(batch: TorchJaggedBatch) -> dict[str, torch.Tensor]:
-    """Every id feature of a batch: history/candidate per shared id, one column per contextual feature."""
+    """Every id feature of a batch, in ``SPARSE_KEYS`` order."""
     ids = {}
     for name in SHARED_IDS:
         ids[f"history_{name}_id"] = getattr(batch, f"history_{name}_id")
@@ -28,19 +35,48 @@ def feature_ids(batch: TorchJaggedBatch) -> dict[str, torch.Tensor]:
     return ids
 
 
-def keyed_jagged_features(batch: TorchJaggedBatch, keys: list[str]):
-    """The features ``keys`` of a batch as one KeyedJaggedTensor, in that order: a history feature
-    has the history lengths, every other one id per sample."""
+def sparse_features(batch: TorchJaggedBatch):
+    """Every id feature as one KeyedJaggedTensor in ``SPARSE_KEYS`` order: a history feature has the
+    history lengths, every other one id per sample. Host-side sizes per key spare TorchRec a
+    device-to-host sync."""
     from torchrec import KeyedJaggedTensor
 
-    ids = feature_ids(batch)
     b, t = batch.num_samples, batch.total_tokens
-    # int64 lengths: TorchRec's row-wise sequence all-to-all permutes the looked-up rows by lengths x
-    # embedding dim (FBGEMM's permute_2D_sparse_data), which overflows int32 past 2**31 elements: at
-    # 1,024 samples per rank and D = 512 a rank's rows hold several times that.
-    ones = torch.ones(b, dtype=torch.int64, device=batch.history_lengths.device)
-    lengths = [batch.history_lengths.to(torch.int64) if k.startswith("history_") else ones for k in keys]
-    # Host-side sizes per key spare TorchRec a device-to-host sync.
-    per_key = [t if k.startswith("history_") else b for k in keys]
-    return KeyedJaggedTensor(keys=keys, values=torch.cat([ids[k] for k in keys]),
-                             lengths=torch.cat(lengths), stride=b, length_per_key=per_key)
+    per_key = [t if k.startswith("history_") else b for k in SPARSE_KEYS]
+    packed = packed_ids(batch)
+    if packed is not None and batch.id_lengths is not None:
+        values, lengths = packed, batch.id_lengths
+    else:
+        ids = feature_ids(batch)
+        values = torch.cat([ids[k] for k in SPARSE_KEYS])
+        # int64 lengths: TorchRec's row-wise sequence all-to-all permutes the looked-up rows by
+        # lengths x embedding dim (FBGEMM's permute_2D_sparse_data), which overflows int32 past 2**31
+        # elements: at 1,024 samples per rank and D = 512 a rank's rows hold several times that.
+        ones = torch.ones(b, dtype=torch.int64, device=batch.history_lengths.device)
+        history = batch.history_lengths.to(torch.int64)
+        lengths = torch.cat([history if k.startswith("history_") else ones for k in SPARSE_KEYS])
+    return KeyedJaggedTensor(keys=list(SPARSE_KEYS), values=values, lengths=lengths, stride=b, length_per_key=per_key)
+
+
+def packed_ids(batch: TorchJaggedBatch) -> torch.Tensor | None:
+    """The one int64 region that holds every id of ``batch`` in ``SPARSE_KEYS`` order (as
+    ``JaggedBatch.to_torch`` lays it out), or None where the id fields are not laid out so (a batch
+    cut by ``samples``, or one whose fields were replaced)."""
+    first = batch.history_item_id
+    if first.dtype != torch.int64 or not first.is_contiguous():
+        return None
+    b, expected = batch.num_samples, first.data_ptr()
+    for name in ID_FIELDS[:-1]:
+        t = getattr(batch, name)
+        if t.dtype != torch.int64 or t.data_ptr() != expected or not t.is_contiguous() or t.dim() != 1:
+            return None
+        expected += t.numel() * 8
+    ctx = batch.contextual_ids
+    if ctx.data_ptr() != expected or ctx.dtype != torch.int64 or ctx.stride() != (1, b) or b == 0:
+        return None
+    if ctx.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+        return None
+    total = (expected - first.data_ptr()) // 8 + ctx.numel()
+    return torch.empty(0, dtype=torch.int64, device=first.device).set_(
+        first.untyped_storage(), first.storage_offset(), (total,)
+    )

@@ -47,3 +47,14 @@ class DevicePrefetcher:
             copied = torch.cuda.Event()
             copied.record(self.stream)
         return on_device, copied
+
+
+def with_next(items: Iterable[TorchJaggedBatch]) -> Iterator[tuple[TorchJaggedBatch, TorchJaggedBatch | None]]:
+    """Each item with the one after it (None for the last): a step starts the next batch's id
+    distribution while it computes (``train.sparse_pipeline``)."""
+    stream = iter(items)
+    current = next(stream, None)
+    while current is not None:
+        upcoming = next(stream, None)
+        yield current, upcoming
+        current = upcoming

@@ -30,6 +30,7 @@ RESUMABLE_FIELDS = frozenset(
         "embeddings.placement",
         "embeddings.hbm_cap_gib",
         "train.chunks",
+        "train.sparse_pipeline",
         "train.max_steps",
         "train.run_dir",
         "train.checkpoint_every_steps",

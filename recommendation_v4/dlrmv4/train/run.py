@@ -168,6 +168,7 @@ def _run(
             "sharding_plan": plan_rows(embeddings.plan) if embeddings.backend == "torchrec" else None,
             "memory_plan": plan.describe(),
             "chunks": cfg.train.chunks,
+            "lookups_distributed_ahead": embeddings.lookups_distributed_ahead,
             "recompute": cfg.model.recompute,
             "parameters_sha256": digest,
             "mlperf_log": str(runlog.path),

@@ -40,7 +40,7 @@ from dlrmv4.train.distributed import Cluster
 from dlrmv4.train.evaluator import Evaluator
 from dlrmv4.train.history import RunHistory, TrainClock
 from dlrmv4.train.optim import FiniteMonitor, TrainingDivergedError
-from dlrmv4.train.prefetch import DevicePrefetcher
+from dlrmv4.train.prefetch import DevicePrefetcher, with_next
 from dlrmv4.train.progress import TrainProgress
 from dlrmv4.train.rng import rank_seed
 from dlrmv4.train.step import TrainStep
@@ -209,9 +209,11 @@ class Trainer:
         plan = loader.dataset.plan
         started = tick = time.perf_counter()
         self.model.train()
-        for i, batch in enumerate(DevicePrefetcher(loader, self.device), start=history.steps):
+        batches = DevicePrefetcher(loader, self.device)
+        pairs = with_next(batches) if self.step.pipelined else ((batch, None) for batch in batches)
+        for i, (batch, upcoming) in enumerate(pairs, start=history.steps):
             window = plan[i].window
-            self._train_step(history, batch, window)
+            self._train_step(history, batch, window, upcoming)
             # Train time of this window: waiting for the batch plus the step; evals and checkpoints
             # are left out, so the per-window rate is the training rate.
             self.train_clock.add(time.perf_counter() - tick)
@@ -232,9 +234,9 @@ class Trainer:
                 break
             tick = time.perf_counter()
 
-    def _train_step(self, history: RunHistory, batch, window: int) -> None:
+    def _train_step(self, history: RunHistory, batch, window: int, upcoming=None) -> None:
         self.profiler.before_step(history.steps)
-        self.window_loss += self.step(batch, history.steps, window)
+        self.window_loss += self.step(batch, history.steps, window, upcoming)
         self._trace_written(self.profiler.after_step(history.steps))
         self.window_steps += 1
         history.steps += 1

@@ -124,6 +124,7 @@ class SparseEmbeddings(nn.Module, abc.ABC):
         self.dim = dim
         self.eps = eps
         self.lr = lr
+        self.lookups_distributed_ahead = 0  # lookups whose ids ``distribute_ids`` had sent ahead
 
     def check_ids(self, batch: TorchJaggedBatch) -> None:
         """Raise ValueError naming the feature when an id is outside its table (syncs: debug only)."""
@@ -140,6 +141,15 @@ class SparseEmbeddings(nn.Module, abc.ABC):
     @abc.abstractmethod
     def forward(self, batch: TorchJaggedBatch) -> SequenceEmbeddings:
         """One lookup of every id feature; history and candidate share the item/artist/album tables."""
+
+    def distribute_ids(self, batch: TorchJaggedBatch) -> None:
+        """Start sending ``batch``'s ids to the ranks that hold their rows, for a ``forward`` of that
+        batch later (the sparse-dist pipeline: the next batch's ids travel while this step computes).
+        Nothing to send ahead here: the plain backend's tables are whole on every rank."""
+
+    def settle_ids(self) -> None:
+        """Take the distribution ``distribute_ids`` started past the point where the host waits for
+        the device (the exchange of the ids' counts), so the ids themselves travel before the lookup."""
 
     @abc.abstractmethod
     def sparse_step(self) -> None:

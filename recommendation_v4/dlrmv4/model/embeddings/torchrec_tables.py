@@ -1,9 +1,18 @@
 """The TorchRec/FBGEMM backend: the tables in an EmbeddingCollection wrapped by
 DistributedModelParallel, sharded over the ranks by TorchRec's planner (``sharding.py``), with
-FBGEMM's row-wise Adagrad fused into the backward."""
+FBGEMM's row-wise Adagrad fused into the backward.
+
+A lookup is TorchRec's three stages: the input distribution (the ids to the ranks that hold their
+rows: an all-to-all of the counts, which the host waits for, then one of the ids), the lookup
+itself, and the output distribution (the rows back). ``distribute_ids`` runs the first stage of
+the next batch while the current step computes, as TorchRec's ``TrainPipelineSparseDist`` does;
+``forward`` of that batch then starts at the lookup. The first stage reads no table, so the
+numbers are those of the unpipelined lookup.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,7 +20,7 @@ import torch.distributed as dist
 
 from dlrmv4.config import EmbeddingConfig
 from dlrmv4.data.batch import TorchJaggedBatch
-from dlrmv4.data.sparse_features import keyed_jagged_features
+from dlrmv4.data.sparse_features import SPARSE_KEYS, sparse_features
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings import torchrec_permute
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
@@ -25,6 +34,21 @@ from dlrmv4.model.embeddings.tables import (
     table_features,
 )
 from dlrmv4.train.distributed import Cluster
+
+
+@dataclass
+class _DistributedIds:
+    """A batch's ids on their way to the ranks that hold their rows (TorchRec's input distribution)."""
+
+    batch: TorchJaggedBatch
+    context: Any  # the sharded module's context for this lookup
+    awaitable: Any  # the counts' all-to-all, then (settled) the ids' all-to-all
+    settled: bool = False
+
+    def settle(self) -> None:
+        if not self.settled:
+            self.awaitable = self.awaitable.wait()  # the host waits for the counts, sends the ids
+            self.settled = True
 
 
 class TorchRecEmbeddings(SparseEmbeddings):
@@ -89,7 +113,9 @@ class TorchRecEmbeddings(SparseEmbeddings):
         collection = EmbeddingCollection(tables=tables, device=torch.device("meta"))
         self.plan = plan_sharding(collection, [sharder], cfg, cluster.world_size, cluster.local_world_size, device)
         self.dmp = DistributedModelParallel(collection, device=device, sharders=[sharder], plan=self.plan)
-        self.keys = [f for s in specs for f in table_features(s.name)]
+        if [f for s in specs for f in table_features(s.name)] != list(SPARSE_KEYS):
+            raise ValueError("the tables' features are not the batch's SPARSE_KEYS")
+        self._distributed: _DistributedIds | None = None
         with torch.no_grad():
             for i, s in enumerate(specs):
                 for shard in self._weight(s.name).local_shards():
@@ -105,9 +131,32 @@ class TorchRecEmbeddings(SparseEmbeddings):
         state = self.dmp.fused_optimizer.state_dict()["state"].get(f"embeddings.{name}.weight")
         return None if state is None else state[f"{name}.momentum1"]
 
+    def _sharded(self):
+        """The sharded EmbeddingCollection inside DistributedModelParallel (its lookup's stages)."""
+        from torchrec.distributed.model_parallel import get_unwrapped_module
+
+        return get_unwrapped_module(self.dmp)
+
+    def distribute_ids(self, batch: TorchJaggedBatch) -> None:
+        sharded = self._sharded()
+        context = sharded.create_context()
+        self._distributed = _DistributedIds(batch, context, sharded.input_dist(context, sparse_features(batch)))
+
+    def settle_ids(self) -> None:
+        if self._distributed is not None:
+            self._distributed.settle()
+
     def forward(self, batch: TorchJaggedBatch) -> SequenceEmbeddings:
-        kjt = keyed_jagged_features(batch, self.keys)
-        out = {k: jt.values().to(self.sequence_dtype) for k, jt in self.dmp(kjt).items()}
+        distributed, self._distributed = self._distributed, None
+        if distributed is not None and distributed.batch is batch:  # its ids are on their way
+            distributed.settle()
+            self.lookups_distributed_ahead += 1
+            sharded = self._sharded()
+            looked_up = sharded.compute_and_output_dist(distributed.context, distributed.awaitable.wait()).wait()
+        else:  # another batch (an eval's) leaves the one on its way for its own step
+            self._distributed = distributed
+            looked_up = self.dmp(sparse_features(batch)).wait()
+        out = {k: jt.values().to(self.sequence_dtype) for k, jt in looked_up.items()}
         return assemble_embeddings(
             {s.name: torch.cat([out[f] for f in table_features(s.name)]) for s in self.specs},
             [out[f"candidate_{name}_id"] for name in SHARED_TABLES],
