@@ -78,5 +78,5 @@ def packed_ids(batch: TorchJaggedBatch) -> torch.Tensor | None:
         return None
     total = (expected - first.data_ptr()) // 8 + ctx.numel()
     return torch.empty(0, dtype=torch.int64, device=first.device).set_(
-        first.untyped_storage(), first.storage_offset(), (total,)
+        first.untyped_storage(), first.storage_offset(), (total,), (1,)
     )

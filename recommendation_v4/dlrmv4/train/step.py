@@ -55,9 +55,9 @@ class TrainStep:
     ) -> torch.Tensor:
         self.schedule.apply(step, self.optimizer, self.embeddings.set_learning_rate)
         emb = self.embeddings(batch)
-        pipelined = self.pipelined and upcoming is not None
-        if pipelined:
-            self.embeddings.distribute_ids(upcoming)
+        ahead = upcoming if self.pipelined else None
+        if ahead is not None:
+            self.embeddings.distribute_ids(ahead)
         context = self.model.slice_context(batch)
         self.optimizer.zero_grad(set_to_none=True)
         bounds = chunk_bounds(batch.num_samples, self.chunks)
@@ -80,7 +80,7 @@ class TrainStep:
                 del leaves, part
             chunked.backward()
             loss = torch.stack(parts).sum()
-        if pipelined:
+        if ahead is not None:
             self.embeddings.settle_ids()
         clip_dense_gradients(self.dense_params, self.cfg.grad_clip_norm)
         self.optimizer.step()
