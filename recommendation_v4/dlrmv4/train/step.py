@@ -53,11 +53,14 @@ class TrainStep:
     def __call__(
         self, batch: TorchJaggedBatch, step: int, window: int, upcoming: TorchJaggedBatch | None = None
     ) -> torch.Tensor:
+        ahead = upcoming if self.pipelined else None
+        # On a GPU: the point of the stream from which ``upcoming`` is on the device (the prefetcher
+        # made the stream wait for its copy before handing it over), before this step's work.
+        ready = _event_now() if ahead is not None and ahead.history_lengths.is_cuda else None
         self.schedule.apply(step, self.optimizer, self.embeddings.set_learning_rate)
         emb = self.embeddings(batch)
-        ahead = upcoming if self.pipelined else None
         if ahead is not None:
-            self.embeddings.distribute_ids(ahead)
+            self.embeddings.distribute_ids(ahead, ready)
         context = self.model.slice_context(batch)
         self.optimizer.zero_grad(set_to_none=True)
         bounds = chunk_bounds(batch.num_samples, self.chunks)
@@ -87,3 +90,9 @@ class TrainStep:
         self.embeddings.sparse_step()
         self.finite.update(loss, step, window)
         return loss
+
+
+def _event_now() -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record()
+    return event

@@ -142,10 +142,12 @@ class SparseEmbeddings(nn.Module, abc.ABC):
     def forward(self, batch: TorchJaggedBatch) -> SequenceEmbeddings:
         """One lookup of every id feature; history and candidate share the item/artist/album tables."""
 
-    def distribute_ids(self, batch: TorchJaggedBatch) -> None:
+    def distribute_ids(self, batch: TorchJaggedBatch, after: torch.cuda.Event | None = None) -> None:
         """Start sending ``batch``'s ids to the ranks that hold their rows, for a ``forward`` of that
         batch later (the sparse-dist pipeline: the next batch's ids travel while this step computes).
-        Nothing to send ahead here: the plain backend's tables are whole on every rank."""
+        On a GPU, ``after`` marks the point of the current stream from which the batch is on the
+        device (None: the current stream as it is now). Nothing to send ahead here: the plain
+        backend's tables are whole on every rank."""
 
     def settle_ids(self) -> None:
         """Take the distribution ``distribute_ids`` started past the point where the host waits for

@@ -12,6 +12,7 @@ numbers are those of the unpipelined lookup.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,17 +39,35 @@ from dlrmv4.train.distributed import Cluster
 
 @dataclass
 class _DistributedIds:
-    """A batch's ids on their way to the ranks that hold their rows (TorchRec's input distribution)."""
+    """A batch's ids on their way to the ranks that hold their rows (TorchRec's input distribution),
+    on the side stream ``stream`` on a GPU (None on the CPU)."""
 
     batch: TorchJaggedBatch
     context: Any  # the sharded module's context for this lookup
     awaitable: Any  # the counts' all-to-all, then (settled) the ids' all-to-all
+    stream: torch.cuda.Stream | None
     settled: bool = False
+
+    def on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def settle(self) -> None:
         if not self.settled:
-            self.awaitable = self.awaitable.wait()  # the host waits for the counts, sends the ids
+            with self.on_stream():
+                self.awaitable = self.awaitable.wait()  # the host waits for the counts, sends the ids
             self.settled = True
+
+    def take(self):
+        """The distributed ids, ready for the lookup on the current stream."""
+        self.settle()
+        with self.on_stream():
+            ids = self.awaitable.wait()
+        if self.stream is not None:  # made on the side stream, used on this one (TorchRec's own rule)
+            current = torch.cuda.current_stream(self.stream.device)
+            current.wait_stream(self.stream)
+            ids.record_stream(current)
+            self.context.record_stream(current)
+        return ids
 
 
 class TorchRecEmbeddings(SparseEmbeddings):
@@ -116,6 +135,9 @@ class TorchRecEmbeddings(SparseEmbeddings):
         if [f for s in specs for f in table_features(s.name)] != list(SPARSE_KEYS):
             raise ValueError("the tables' features are not the batch's SPARSE_KEYS")
         self._distributed: _DistributedIds | None = None
+        # The ids' distribution runs on a stream of its own, as in TorchRec's pipeline: the host's
+        # waits in it then wait for that stream's few kernels, not for the step's compute.
+        self._dist_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         with torch.no_grad():
             for i, s in enumerate(specs):
                 for shard in self._weight(s.name).local_shards():
@@ -137,10 +159,20 @@ class TorchRecEmbeddings(SparseEmbeddings):
 
         return get_unwrapped_module(self.dmp)
 
-    def distribute_ids(self, batch: TorchJaggedBatch) -> None:
+    def distribute_ids(self, batch: TorchJaggedBatch, after: torch.cuda.Event | None = None) -> None:
         sharded = self._sharded()
-        context = sharded.create_context()
-        self._distributed = _DistributedIds(batch, context, sharded.input_dist(context, sparse_features(batch)))
+        stream = self._dist_stream
+        if stream is not None:  # the batch is on the device once the current stream reaches ``after``
+            if after is not None:
+                stream.wait_event(after)
+            else:
+                stream.wait_stream(torch.cuda.current_stream())
+            for tensor in batch.device_buffers():
+                tensor.record_stream(stream)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            context = sharded.create_context()
+            awaitable = sharded.input_dist(context, sparse_features(batch))
+        self._distributed = _DistributedIds(batch, context, awaitable, stream)
 
     def settle_ids(self) -> None:
         if self._distributed is not None:
@@ -149,10 +181,9 @@ class TorchRecEmbeddings(SparseEmbeddings):
     def forward(self, batch: TorchJaggedBatch) -> SequenceEmbeddings:
         distributed, self._distributed = self._distributed, None
         if distributed is not None and distributed.batch is batch:  # its ids are on their way
-            distributed.settle()
+            ids = distributed.take()
             self.lookups_distributed_ahead += 1
-            sharded = self._sharded()
-            looked_up = sharded.compute_and_output_dist(distributed.context, distributed.awaitable.wait()).wait()
+            looked_up = self._sharded().compute_and_output_dist(distributed.context, ids).wait()
         else:  # another batch (an eval's) leaves the one on its way for its own step
             self._distributed = distributed
             looked_up = self.dmp(sparse_features(batch)).wait()
