@@ -43,7 +43,9 @@ POOL = 4  # distinct batches kept on the device, used in turn
 WARM_STEPS = 4
 
 
-def rank_config(plan, cfg: BenchmarkConfig, smoke: bool) -> tuple[BenchmarkConfig, dict[str, int]]:
+def rank_config(
+    plan, cfg: BenchmarkConfig, smoke: bool, sparse_pipeline: bool = True
+) -> tuple[BenchmarkConfig, dict[str, int]]:
     """The config of one process holding rank 0's share of every table, as the 8-rank plan lays it."""
     planned = plan.resolve(cfg)
     rows = {s.name: math.ceil(s.rows / PLAN_WORLD) for s in table_specs(cfg, *YAMBDA_5B_COUNTS)}
@@ -58,7 +60,7 @@ def rank_config(plan, cfg: BenchmarkConfig, smoke: bool) -> tuple[BenchmarkConfi
         sharding_types="*=row_wise",
     )
     sampler = dataclasses.replace(planned.sampler, **{f"{name}_rows": rows[name] for name in CONTEXTUAL_FEATURES})
-    train = dataclasses.replace(planned.train, learning_rate=1e-4, warmup_steps=100)
+    train = dataclasses.replace(planned.train, learning_rate=1e-4, warmup_steps=100, sparse_pipeline=sparse_pipeline)
     loader = dataclasses.replace(planned.loader, batch_size=SLICE)
     out = dataclasses.replace(planned, embeddings=emb, sampler=sampler, train=train, loader=loader)
     if smoke:
@@ -76,8 +78,8 @@ def timed(step: TrainStep, batches, steps: int, first: int, device: torch.device
     """Seconds for ``steps`` steps over ``batches`` in turn (after the warm-up)."""
     sync(device)
     started = time.perf_counter()
-    for i in range(steps):
-        step(batches[i % len(batches)], first + i, 0)
+    for i in range(steps):  # with the sparse-dist pipeline, each step sends the next batch's ids
+        step(batches[i % len(batches)], first + i, 0, batches[(i + 1) % len(batches)] if i + 1 < steps else None)
     sync(device)
     return time.perf_counter() - started
 
@@ -100,6 +102,13 @@ def main() -> None:
         default=2048.0,
         help="host RAM of one 8-GPU node, for the plan's host-memory tables",
     )
+    parser.add_argument(
+        "--sparse-pipeline",
+        default="true",
+        choices=("true", "false"),
+        help="the next batch's ids distributed while a step computes (train.sparse_pipeline)",
+    )
+    parser.add_argument("--label", default="", help="suffix of the results file name")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU; nothing saved")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -120,7 +129,7 @@ def main() -> None:
     print(plan.describe(), flush=True)
     if not plan.fits:
         sys.exit(f"[dlrmv4] error: {plan.refusal()}")
-    rcfg, rows = rank_config(plan, cfg, args.smoke)
+    rcfg, rows = rank_config(plan, cfg, args.smoke, args.sparse_pipeline == "true")
     start_single_process_group(device)
     torch.manual_seed(0)
     model = DlrmHSTU(rcfg.model, seed=0).to(device)
@@ -185,6 +194,7 @@ def main() -> None:
         "table_gib": sum(rows.values()) * rcfg.model.embedding_dim * 4 / 2**30,
         "init_s": init_s,
         "id_skew": args.id_skew,
+        "sparse_pipeline": rcfg.train.sparse_pipeline,
         "steps": args.steps,
         "rehearsal": rehearsal,
         "baseline": baseline,
@@ -195,7 +205,7 @@ def main() -> None:
     print(table)
     if not args.smoke:
         tag = "h200" if "H200" in name else "h100" if "H100" in name else "gpu"
-        write_results(f"rehearsal_{tag}", result, table, device=device)
+        write_results(f"rehearsal_{tag}" + (f"_{args.label}" if args.label else ""), result, table, device=device)
 
 
 def _table(result: dict) -> str:
@@ -206,7 +216,9 @@ def _table(result: dict) -> str:
         f"One rank of Yambda-5B at GBS 8,192 on 8 GPUs, rehearsed on one {result['device']} (commit "
         f"{result['commit']}): rank 0's share of the row-wise plan, {result['table_gib']:.1f} GiB of fp32 tables "
         f"(placement: {result['placement'] or 'all in HBM'}), 1,024 samples per step, jagged length mix (mean "
-        f"{r['mean_tokens']:,.0f} tokens), Zipf({result['id_skew']:g}) ids, {result['steps']} timed steps.",
+        f"{r['mean_tokens']:,.0f} tokens), Zipf({result['id_skew']:g}) ids, {result['steps']} timed steps"
+        + (", the next batch's ids distributed during each step" if result.get("sparse_pipeline") else "")
+        + ".",
         "",
         "| device | chunks | recompute | peak GiB | resting GiB | samples/s | ms/step | fastest single chunk | ratio |",
         "|---|---:|---|---:|---:|---:|---:|---|---:|",

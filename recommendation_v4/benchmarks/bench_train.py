@@ -86,6 +86,8 @@ def overrides(args: argparse.Namespace) -> list[str]:
         args.last_layer,
         "--seed",
         "1",
+        "--sparse-pipeline",
+        args.sparse_pipeline,
     ]
     for name in CONTEXTUAL_FEATURES:
         if name != "uid":
@@ -233,8 +235,8 @@ def bare_step(args: argparse.Namespace, device: torch.device) -> dict:
         step(batches[i], i, 0)
     sync(device)
     started = time.perf_counter()
-    for i in range(WARM_STEPS, len(batches)):
-        step(batches[i], i, 0)
+    for i in range(WARM_STEPS, len(batches)):  # with the pipeline, each step sends the next batch's ids
+        step(batches[i], i, 0, batches[i + 1] if i + 1 < len(batches) else None)
     sync(device)
     seconds = time.perf_counter() - started
     step.finite.check()
@@ -271,6 +273,12 @@ def main() -> None:
     parser.add_argument("--last-layer", default="candidates", choices=("candidates", "all"))
     parser.add_argument("--table-rows", type=int, default=1_000_000, help="rows of each contextual table")
     parser.add_argument("--bare-steps", type=int, default=30)
+    parser.add_argument(
+        "--sparse-pipeline",
+        default="true",
+        choices=("true", "false"),
+        help="TorchRec: the next batch's ids distributed while a step computes (train.sparse_pipeline)",
+    )
     parser.add_argument(
         "--warmup-samples",
         type=int,

@@ -367,3 +367,26 @@ def test_ids_distributed_ahead_give_the_same_lookup_and_update():
     for module, emb in ((ahead, got), (plain_order, want)):
         loss_of(emb).backward()
     assert_tables_close(tables(ahead), tables(plain_order), rtol=0, atol=0)
+
+
+@needs_torchrec
+def test_distributed_model_parallel_wraps_the_whole_model():
+    """TorchRec backend: one DistributedModelParallel holds the sharded tables and the dense model
+    (data parallel through it: the model itself on one rank); the dense parameters stay out of the
+    tables' module, whose parameters belong to the sparse optimizer."""
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+    from torchrec.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
+
+    from dlrmv4.model.hstu import DlrmHSTU
+
+    cfg = config("torchrec")
+    model = DlrmHSTU(cfg.model, seed=0)
+    module = make_embeddings(table_specs(cfg, 0, 0, 0), cfg, "cpu", 7, dense=model)
+    assert isinstance(module.dmp, DistributedModelParallel)
+    wrapped = get_unwrapped_module(module.dmp)
+    assert isinstance(wrapped.tables, ShardedEmbeddingCollection) and wrapped.dense is model
+    assert module.dense_parallel is model  # one rank: nothing to average
+    assert module.tables is wrapped.tables
+    dense_ids = {id(p) for p in model.parameters()}
+    table_ids = {id(p) for p in module.parameters()}
+    assert table_ids and not dense_ids & table_ids

@@ -60,7 +60,7 @@ def build_model_and_tables(
     model_seed = rank_seed(cfg.seed, cluster.rank) if seed is None else seed
     model = DlrmHSTU(cfg.model, seed=model_seed).to(cluster.device)
     embeddings = make_embeddings(
-        table_specs(cfg, *table_counts), cfg, cluster.device, cfg.seed if seed is None else seed, cluster
+        table_specs(cfg, *table_counts), cfg, cluster.device, cfg.seed if seed is None else seed, cluster, dense=model
     )
     return model, embeddings
 
@@ -117,12 +117,17 @@ class Trainer:
         self.train_samples, self.eval_samples = sample_counts(store)
         self.runlog = runlog if runlog is not None else RunLog(Path(cfg.train.run_dir) / RUN_LOG_FILE)
         self.finite = FiniteMonitor(self.device, None if world == 1 else lambda t: cluster.all_reduce_(t, "min"))
+        # Data parallel: as DistributedModelParallel wrapped it (TorchRec), or here (the plain backend).
         # Buffers are not synchronised: every rank builds the same ones. Inputs are already on the device.
-        train_model = (
-            model
-            if world == 1
-            else DistributedDataParallel(model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
-        )
+        train_model = embeddings.dense_parallel
+        if train_model is None:
+            train_model = (
+                model
+                if world == 1
+                else DistributedDataParallel(
+                    model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True
+                )
+            )
         self.step = TrainStep(model, embeddings, cfg.train, self.finite, train_model)
         self.evaluator = Evaluator(
             cfg, store, model, embeddings, self.step.chunks, cluster, self.runlog, self.train_samples, self.holdout

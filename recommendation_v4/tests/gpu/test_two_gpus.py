@@ -1,7 +1,7 @@
 """Two GPUs of one machine (NCCL, TorchRec row-wise tables, bf16 sequences): the 2-GPU run follows
 the 1-GPU run on the same global batches, a checkpoint moves between 1 and 2 GPUs, and a GPU that
-cannot allocate ends both ranks with one line naming it. The gloo twins of these tests are in
-tests/test_distributed.py."""
+cannot allocate ends both ranks with one line naming it, and the sparse-dist pipeline follows the
+unpipelined run. The gloo twins of these tests are in tests/test_distributed.py."""
 
 from __future__ import annotations
 
@@ -76,3 +76,17 @@ def test_a_gpu_that_cannot_allocate_ends_both_ranks(data_path, tmp_path):
     exits within the collective timeout with one line naming rank 1 and the cause."""
     lines = run_with_rank_1_out_of_memory(data_path, tmp_path / "run", timeout_seconds=20.0, **GPU)
     assert not any("injected" in line for line in lines)  # the allocator's own error, not the CPU stand-in
+
+
+def test_the_sparse_pipeline_on_two_gpus(data_path, tmp_path):
+    """The next batch's ids travel (on their own stream) while each step computes: the trajectory is
+    the unpipelined one within bf16 tolerance (kernels on two GPUs are not bit-reproducible run to
+    run), and every lookup but the first took ids sent ahead."""
+    runs = {
+        on: train_report(
+            2, data_path, tmp_path / str(on), **{"train.max_steps": STEPS, **GPU, "train.sparse_pipeline": on}
+        )
+        for on in (True, False)
+    }
+    assert (runs[True]["lookups_distributed_ahead"], runs[False]["lookups_distributed_ahead"]) == (STEPS - 1, 0)
+    assert_same_trajectory(runs[True], runs[False], loss_rtol=BF16_LOSS_RTOL, auc_atol=BF16_AUC_ATOL)

@@ -53,8 +53,15 @@ def resolve_backend(cfg: BenchmarkConfig, device: torch.device) -> str:
 
 
 def make_embeddings(
-    specs: list[TableSpec], cfg: BenchmarkConfig, device: torch.device | str, seed: int, cluster: Cluster | None = None
+    specs: list[TableSpec],
+    cfg: BenchmarkConfig,
+    device: torch.device | str,
+    seed: int,
+    cluster: Cluster | None = None,
+    dense: torch.nn.Module | None = None,
 ) -> SparseEmbeddings:
+    """The tables on the configured backend. With TorchRec, ``dense`` (the dense model) goes under the
+    same DistributedModelParallel, which makes it data parallel (``dense_parallel``)."""
     # Imported here: the model (hstu.py) imports this package for SequenceEmbeddings.
     from dlrmv4.model.hstu import DTYPES
 
@@ -71,7 +78,7 @@ def make_embeddings(
         cluster,
     )
     if resolve_backend(cfg, device) == "torchrec":
-        return TorchRecEmbeddings(*args, cfg.embeddings, sequence_dtype=DTYPES[cfg.model.sequence_dtype])
+        return TorchRecEmbeddings(*args, cfg.embeddings, sequence_dtype=DTYPES[cfg.model.sequence_dtype], dense=dense)
     if cfg.embeddings.sharding_types or cfg.embeddings.placement or cfg.embeddings.qcomm != "none":
         raise UserError(
             "embeddings.sharding_types, placement and qcomm are TorchRec settings: the plain backend "

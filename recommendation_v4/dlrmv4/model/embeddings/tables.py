@@ -142,6 +142,12 @@ class SparseEmbeddings(nn.Module, abc.ABC):
     def forward(self, batch: TorchJaggedBatch) -> SequenceEmbeddings:
         """One lookup of every id feature; history and candidate share the item/artist/album tables."""
 
+    @property
+    def dense_parallel(self) -> nn.Module | None:
+        """The dense model as this backend made it data parallel; None: the backend does not own it
+        (the plain backend: the trainer wraps it in DistributedDataParallel itself)."""
+        return None
+
     def distribute_ids(self, batch: TorchJaggedBatch, after: torch.cuda.Event | None = None) -> None:
         """Start sending ``batch``'s ids to the ranks that hold their rows, for a ``forward`` of that
         batch later (the sparse-dist pipeline: the next batch's ids travel while this step computes).

@@ -1,6 +1,9 @@
-"""The TorchRec/FBGEMM backend: the tables in an EmbeddingCollection wrapped by
-DistributedModelParallel, sharded over the ranks by TorchRec's planner (``sharding.py``), with
-FBGEMM's row-wise Adagrad fused into the backward.
+"""The TorchRec/FBGEMM backend: the tables in an EmbeddingCollection, sharded over the ranks by
+TorchRec's planner (``sharding.py``), with FBGEMM's row-wise Adagrad fused into the backward.
+DistributedModelParallel wraps the whole model: the EmbeddingCollection beside the dense model
+(``ShardedModel``), which it makes data parallel (``DenseDataParallel``: DistributedDataParallel
+around the dense model alone, so the chunked step can run it chunk by chunk and reduce its
+gradients once).
 
 A lookup is TorchRec's three stages: the input distribution (the ids to the ranks that hold their
 rows: an all-to-all of the counts, which the host waits for, then one of the ids), the lookup
@@ -18,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from dlrmv4.config import EmbeddingConfig
 from dlrmv4.data.batch import TorchJaggedBatch
@@ -70,6 +75,33 @@ class _DistributedIds:
         return ids
 
 
+class ShardedModel(nn.Module):
+    """What DistributedModelParallel wraps: the tables (sharded by it) and the dense model (made data
+    parallel by it; None where only the tables are wanted, as in the lookup benchmarks)."""
+
+    def __init__(self, tables: nn.Module, dense: nn.Module | None) -> None:
+        super().__init__()
+        self.tables = tables
+        self.dense = dense
+
+
+def _dense_data_parallel():
+    from torchrec.distributed.model_parallel import DataParallelWrapper, get_unwrapped_module
+
+    class DenseDataParallel(DataParallelWrapper):
+        """DistributedDataParallel around the dense model alone, on several ranks (buffers are not
+        synchronised: every rank builds the same ones; inputs are already on the device)."""
+
+        def wrap(self, dmp, env, device) -> None:
+            model = get_unwrapped_module(dmp)
+            if env.world_size > 1 and model.dense is not None:
+                model.dense = DistributedDataParallel(
+                    model.dense, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True
+                )
+
+    return DenseDataParallel()
+
+
 class TorchRecEmbeddings(SparseEmbeddings):
     """An EmbeddingCollection in DistributedModelParallel, sharded by TorchRec's planner (row-, column-
     or table-wise); FBGEMM's row-wise Adagrad fused in the backward. Rows come out in the sequence
@@ -80,6 +112,7 @@ class TorchRecEmbeddings(SparseEmbeddings):
     device (``uvm_host_mapped``), never as CUDA managed memory."""
 
     backend = "torchrec"
+    dmp: Any  # DistributedModelParallel over the tables and the dense model, kept out of this module's tree
 
     def __init__(
         self,
@@ -93,6 +126,7 @@ class TorchRecEmbeddings(SparseEmbeddings):
         cluster: Cluster,
         cfg: EmbeddingConfig,
         sequence_dtype: torch.dtype = torch.float32,
+        dense: nn.Module | None = None,
     ) -> None:
         super().__init__(specs, dim, lr, eps, cluster)
         from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
@@ -129,9 +163,15 @@ class TorchRecEmbeddings(SparseEmbeddings):
             qcomm_codecs_registry=qcomm_registry(cfg),
         )
         # Built on "meta": DMP allocates only this rank's shards.
-        collection = EmbeddingCollection(tables=tables, device=torch.device("meta"))
-        self.plan = plan_sharding(collection, [sharder], cfg, cluster.world_size, cluster.local_world_size, device)
-        self.dmp = DistributedModelParallel(collection, device=device, sharders=[sharder], plan=self.plan)
+        model = ShardedModel(EmbeddingCollection(tables=tables, device=torch.device("meta")), dense)
+        self.plan = plan_sharding(model, [sharder], cfg, cluster.world_size, cluster.local_world_size, device)
+        dmp = DistributedModelParallel(
+            model, device=device, sharders=[sharder], plan=self.plan, data_parallel_wrapper=_dense_data_parallel()
+        )
+        # The DMP is kept out of this module's tree (the dense model's parameters are the dense
+        # optimizer's); the sharded tables are this module's one submodule.
+        self.__dict__["dmp"] = dmp
+        self.tables = self._model().tables
         if [f for s in specs for f in table_features(s.name)] != list(SPARSE_KEYS):
             raise ValueError("the tables' features are not the batch's SPARSE_KEYS")
         self._distributed: _DistributedIds | None = None
@@ -145,19 +185,27 @@ class TorchRecEmbeddings(SparseEmbeddings):
                     rows = init_rows(i, s.rows, r0, r0 + nr, dim, std, seed, shard.tensor.device)
                     shard.tensor.copy_(rows[:, c0 : c0 + nc])
 
-    def _weight(self, name: str):
-        return self.dmp.state_dict()[f"embeddings.{name}.weight"]
+    @property
+    def dense_parallel(self) -> nn.Module | None:
+        """The dense model as DistributedModelParallel made it data parallel (itself on one rank)."""
+        return self._model().dense
 
-    def _momentum(self, name: str):
-        """The table's Adagrad state, or None on a rank that holds none of it (table-wise plans)."""
-        state = self.dmp.fused_optimizer.state_dict()["state"].get(f"embeddings.{name}.weight")
-        return None if state is None else state[f"{name}.momentum1"]
-
-    def _sharded(self):
-        """The sharded EmbeddingCollection inside DistributedModelParallel (its lookup's stages)."""
+    def _model(self) -> ShardedModel:
         from torchrec.distributed.model_parallel import get_unwrapped_module
 
         return get_unwrapped_module(self.dmp)
+
+    def _sharded(self):
+        """The sharded EmbeddingCollection (its lookup's stages, its tables and fused optimizer)."""
+        return self.tables
+
+    def _weight(self, name: str):
+        return self._sharded().state_dict()[f"embeddings.{name}.weight"]
+
+    def _momentum(self, name: str):
+        """The table's Adagrad state, or None on a rank that holds none of it (table-wise plans)."""
+        state = self._sharded().fused_optimizer.state_dict()["state"].get(f"embeddings.{name}.weight")
+        return None if state is None else state[f"{name}.momentum1"]
 
     def distribute_ids(self, batch: TorchJaggedBatch, after: torch.cuda.Event | None = None) -> None:
         sharded = self._sharded()
@@ -186,7 +234,7 @@ class TorchRecEmbeddings(SparseEmbeddings):
             looked_up = self._sharded().compute_and_output_dist(distributed.context, ids).wait()
         else:  # another batch (an eval's) leaves the one on its way for its own step
             self._distributed = distributed
-            looked_up = self.dmp(sparse_features(batch)).wait()
+            looked_up = self._sharded()(sparse_features(batch)).wait()
         out = {k: jt.values().to(self.sequence_dtype) for k, jt in looked_up.items()}
         return assemble_embeddings(
             {s.name: torch.cat([out[f] for f in table_features(s.name)]) for s in self.specs},
