@@ -76,7 +76,6 @@ def worker(args: argparse.Namespace) -> None:
     from dlrmv4.data.loader import make_window_loader
     from dlrmv4.data.paths import store_dir
     from dlrmv4.data.store import open_store
-    from dlrmv4.data.windows import split_windows
     from dlrmv4.model.embeddings import store_table_counts
     from dlrmv4.train.distributed import start_cluster
     from dlrmv4.train.memory_plan import plan_for_run
@@ -100,13 +99,18 @@ def worker(args: argparse.Namespace) -> None:
         raise SystemExit(f"[dlrmv4] error: {plan.refusal()}")
     cfg = plan.resolve(cfg)
     seed_everything(cfg.seed)
-    # The loader's workers fork before the tables exist: forking a process that holds host-memory
-    # (pinned) tables copies them into every worker.
-    windows, _ = split_windows(store)
-    loader = make_window_loader(store, windows, cfg, drop_last=True, rank=cluster.rank, world_size=world)
-    stream = iter(loader)
     trainer = build_trainer(cfg, store, cluster, log=lambda _: None)
     model, embeddings = trainer.model, trainer.embeddings
+    loader = make_window_loader(
+        store,
+        trainer.windows,
+        cfg,
+        drop_last=True,
+        rank=cluster.rank,
+        world_size=world,
+        worker_start=trainer.worker_start,
+    )
+    stream = iter(loader)
     plan = loader.dataset.plan
     warmup, steps = args.warmup_samples // gbs, args.samples // gbs
     if len(plan) < warmup + 2 * steps or steps < 1:

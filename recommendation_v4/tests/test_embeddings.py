@@ -390,3 +390,16 @@ def test_distributed_model_parallel_wraps_the_whole_model():
     dense_ids = {id(p) for p in model.parameters()}
     table_ids = {id(p) for p in module.parameters()}
     assert table_ids and not dense_ids & table_ids
+
+
+@needs_torchrec
+def test_tables_in_host_memory_are_reported_from_the_plan():
+    """The trainer starts loader workers from a fork server where this rank holds tables in pinned
+    host memory (TorchRec's uvm kernels): read from the sharding plan."""
+    module = build("torchrec")
+    assert not module.holds_pinned_host_memory  # the CPU plan: every table "fused"
+    plan = copy.deepcopy(module.plan)
+    sharding = next(iter(plan.plan.values()))
+    sharding["user_artist"] = dataclasses.replace(sharding["user_artist"], compute_kernel="fused_uvm")
+    module.plan = plan
+    assert module.holds_pinned_host_memory

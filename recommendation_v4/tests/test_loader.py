@@ -224,3 +224,14 @@ def test_device_prefetcher_passes_batches_through_on_the_cpu():
     host = [random_batch([3, 1, 4], seed=i) for i in range(3)]
     out = list(DevicePrefetcher(host, torch.device("cpu")))
     assert len(out) == 3 and all(torch.equal(a.history_item_id, b.history_item_id) for a, b in zip(host, out))
+
+
+def test_workers_started_by_a_fork_server_give_the_same_batches(store):
+    """A rank whose tables live in pinned host memory starts its loader workers from a fork server
+    (a forked worker would copy every pinned page): the dataset pickles into them and yields the
+    same batches, in the same order."""
+    windows = list(range(store.num_windows))
+    forked = make_window_loader(store, windows, config(workers=2))
+    served = make_window_loader(store, windows, config(workers=2), worker_start="forkserver")
+    assert served.multiprocessing_context.get_start_method() == "forkserver"
+    assert anchors_of(served) == anchors_of(forked)

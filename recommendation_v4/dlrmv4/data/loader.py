@@ -164,9 +164,13 @@ class WindowDataset(IterableDataset):
 
 
 def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfig, start_batch: int = 0,
-                       drop_last: bool = False, rank: int = 0, world_size: int = 1) -> DataLoader:
+                       drop_last: bool = False, rank: int = 0, world_size: int = 1,
+                       worker_start: str | None = None) -> DataLoader:
     """A DataLoader over ``windows`` (in the given order) that starts at batch ``start_batch`` (resume)
-    and yields rank ``rank``'s slice of every batch."""
+    and yields rank ``rank``'s slice of every batch. ``worker_start``: how its worker processes start
+    (a multiprocessing start method; None: the platform's, fork on Linux). A process holding pinned
+    host memory passes "forkserver": Linux copies pinned pages into a forked child at once, so forked
+    workers of a rank with tables in host memory would each copy them."""
     dataset = WindowDataset(store, windows, cfg.sampler, batch_size=cfg.loader.batch_size,
                             shuffle=cfg.loader.shuffle_within_window, seed=cfg.seed, drop_last=drop_last,
                             start_batch=start_batch, rank=rank, world_size=world_size,
@@ -176,4 +180,5 @@ def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfi
     # global torch RNG (dropout draws from it, and a resumed run must see the same stream).
     return DataLoader(dataset, batch_size=None, num_workers=workers, generator=torch.Generator().manual_seed(cfg.seed),
                       prefetch_factor=cfg.loader.prefetch_batches if workers else None,
-                      pin_memory=torch.cuda.is_available())
+                      pin_memory=torch.cuda.is_available(),
+                      multiprocessing_context=worker_start if workers else None)

@@ -35,10 +35,12 @@ class Evaluator:
         runlog: RunLog,
         train_samples: int,
         holdout: int,
+        worker_start: str | None = None,
     ) -> None:
         self.cfg, self.store, self.model, self.embeddings = cfg, store, model, embeddings
         self.chunks, self.cluster, self.runlog = chunks, cluster, runlog
         self.train_samples, self.holdout = train_samples, holdout
+        self.worker_start = worker_start  # how the eval loader's workers start (make_window_loader)
         self.schedule = EvalSchedule(train_samples, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
 
     def holdout_due(self, samples: int) -> bool:
@@ -74,7 +76,9 @@ class Evaluator:
         self.model.eval()
         acc = AucAccumulator(self.cluster.device)
         rank, world = self.cluster.rank, self.cluster.world_size
-        loader = make_window_loader(self.store, [window], self.cfg, rank=rank, world_size=world)
+        loader = make_window_loader(
+            self.store, [window], self.cfg, rank=rank, world_size=world, worker_start=self.worker_start
+        )
         assert isinstance(loader.dataset, WindowDataset)
         plan = loader.dataset.plan
         slicing = self.cfg.loader.rank_slicing

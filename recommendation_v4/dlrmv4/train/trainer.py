@@ -129,8 +129,19 @@ class Trainer:
                 )
             )
         self.step = TrainStep(model, embeddings, cfg.train, self.finite, train_model)
+        # Loader workers forked from a rank with tables in pinned host memory would copy them all.
+        self.worker_start = "forkserver" if embeddings.holds_pinned_host_memory else None
         self.evaluator = Evaluator(
-            cfg, store, model, embeddings, self.step.chunks, cluster, self.runlog, self.train_samples, self.holdout
+            cfg,
+            store,
+            model,
+            embeddings,
+            self.step.chunks,
+            cluster,
+            self.runlog,
+            self.train_samples,
+            self.holdout,
+            self.worker_start,
         )
         self.checkpointer = Checkpointer(cfg, cluster, model, self.step.optimizer, embeddings, self.log)
         self.profiler = StepProfiler(
@@ -162,6 +173,7 @@ class Trainer:
             drop_last=True,
             rank=self.cluster.rank,
             world_size=self.cluster.world_size,
+            worker_start=self.worker_start,
         )
         assert isinstance(loader.dataset, WindowDataset)
         self.progress = TrainProgress(

@@ -143,6 +143,11 @@ class SparseEmbeddings(nn.Module, abc.ABC):
         """One lookup of every id feature; history and candidate share the item/artist/album tables."""
 
     @property
+    def holds_pinned_host_memory(self) -> bool:
+        """Whether tables of this rank live in pinned host memory (TorchRec's uvm placements)."""
+        return False
+
+    @property
     def dense_parallel(self) -> nn.Module | None:
         """The dense model as this backend made it data parallel; None: the backend does not own it
         (the plain backend: the trainer wraps it in DistributedDataParallel itself)."""

@@ -30,7 +30,7 @@ from dlrmv4.data.sparse_features import SPARSE_KEYS, sparse_features
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings import torchrec_permute
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
-from dlrmv4.model.embeddings.sharding import plan_sharding, qcomm_registry
+from dlrmv4.model.embeddings.sharding import PLACEMENTS, plan_rows, plan_sharding, qcomm_registry
 from dlrmv4.model.embeddings.tables import (
     SHARED_TABLES,
     SparseEmbeddings,
@@ -184,6 +184,13 @@ class TorchRecEmbeddings(SparseEmbeddings):
                     (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
                     rows = init_rows(i, s.rows, r0, r0 + nr, dim, std, seed, shard.tensor.device)
                     shard.tensor.copy_(rows[:, c0 : c0 + nc])
+
+    @property
+    def holds_pinned_host_memory(self) -> bool:
+        return any(
+            row["compute_kernel"] != PLACEMENTS["hbm"] and self.cluster.rank in (row["ranks"] or [self.cluster.rank])
+            for row in plan_rows(self.plan)
+        )
 
     @property
     def dense_parallel(self) -> nn.Module | None:
