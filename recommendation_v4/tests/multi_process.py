@@ -132,6 +132,20 @@ def make_data(root: Path) -> Path:
     return root / "data"
 
 
+def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    """The environment of rank ``rank`` of ``world`` started like an srun task (no launcher)."""
+    return dict(
+        launch_env(),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **extra,
+    )
+
+
 def run_with_rank_1_out_of_memory(data_path: Path, run_dir: Path, timeout_seconds: float, **extra) -> list[str]:
     """Two ranks started like srun tasks (no launcher); rank 1 runs out of device memory at step 5
     (tests/failure_injection). Both must exit 1 within the collective timeout (plus start-up) with one
@@ -139,16 +153,7 @@ def run_with_rank_1_out_of_memory(data_path: Path, run_dir: Path, timeout_second
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(
-            launch_env(),
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            DLRMV4_TEST_OOM="1:5",
-        )
+        env = rank_env(rank, 2, port, DLRMV4_TEST_OOM="1:5")
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "failure_injection"), env["PYTHONPATH"]])
         flags = run_flags(data_path, run_dir, **{**extra, "distributed.timeout_seconds": timeout_seconds})
         cmd = [sys.executable, "-m", "dlrmv4", "train", *flags]

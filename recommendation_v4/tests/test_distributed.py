@@ -23,6 +23,7 @@ from multi_process import (
     free_port,
     launch_env,
     make_data,
+    rank_env,
     run_flags,
     run_with_rank_1_out_of_memory,
     torchrun,
@@ -297,17 +298,12 @@ def test_a_posted_failure_ends_a_rank_blocked_outside_python():
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(
-            launch_env(),
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
         cmd = [sys.executable, "-c", BLOCKED_RANK]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=rank_env(rank, 2, port)
+            )
+        )
     started = time.time()
     out, err = procs[0].communicate(timeout=90)
     procs[1].wait(timeout=30)
