@@ -144,11 +144,19 @@ class ModelConfig:
     item_tower_hidden: int = _field(512, "hidden width of the item tower", min=1)
     head_hidden: int = _field(512, "hidden width of the logit MLP", min=1)
     num_position_buckets: int = _field(8_192, "rows of the position table", min=16)
-    num_time_buckets: int = _field(2_048, "rows of the time-gap table", min=2)
+    num_time_buckets: int = _field(
+        2_048, "largest time-gap bucket: the time table has this many rows plus one (the reference's)", min=2
+    )
     time_bucket_seconds: float = _field(60.0, "time gap unit: bucket = int(sqrt(gap / unit))", min=1e-3)
     input_dropout: float = _field(0.2, "dropout after the position/time encoding", min=0.0, max=0.99)
     linear_dropout: float = _field(0.1, "dropout on each STU layer's [u, attn, u*LN(attn)]", min=0.0, max=0.99)
     layer_norm_eps: float = _field(1e-6, "epsilon of the STU layer norms", min=0.0, max=1.0)
+    mlp_layer_norm_eps: float = _field(
+        1e-5,
+        "epsilon of the other layer norms: the input towers, the item tower, the head and the postprocessor",
+        min=0.0,
+        max=1.0,
+    )
     loss_scale: float = _field(0.2, "multiplier of the mean BCE loss", min=0.0)
     kernels: str = _field(
         "auto",
@@ -187,7 +195,6 @@ class EmbeddingConfig:
     item_rows: int = _field(0, "rows of the item table (0: the store's item count)", min=0)
     artist_rows: int = _field(0, "rows of the artist table (0: from the store)", min=0)
     album_rows: int = _field(0, "rows of the album table (0: from the store)", min=0)
-    embedding_init_std: float = _field(0.01, "std of the normal init of every table row", min=0.0)
     sharding_types: str = _field(
         "",
         "TorchRec sharding type per table, 'table=type,...' ('*' for every table; "
@@ -204,8 +211,10 @@ class EmbeddingConfig:
         0.0, "device memory per rank the TorchRec planner may fill with tables (GiB; 0: the device's own size)", min=0.0
     )
     qcomm: str = _field(
-        "none",
-        "TorchRec quantized embedding all-to-all: forward and backward in fp16 or bf16",
+        "fp16",
+        "precision of the embedding all-to-all, rows forward and gradients backward: fp16 (the "
+        "reference's, no loss scale), bf16 or none (the rows' own); the plain backend rounds its rows "
+        "and gradients the same way",
         choices=("none", "fp16", "bf16"),
     )
 

@@ -32,12 +32,19 @@ def one_step(backend: str, chunks: int, batch, cluster: Cluster, out: Path) -> N
     embeddings = make_embeddings(table_specs(cfg, 0, 0, 0), cfg, "cpu", seed=3, cluster=cluster)
     ddp = DistributedDataParallel(model, device_ids=None, broadcast_buffers=False, gradient_as_bucket_view=True)
     step = TrainStep(model, embeddings, cfg.train, FiniteMonitor("cpu"), ddp)
+    start = embeddings.state_for_checkpoint()  # a collective: every rank calls it
     loss = step(batch, 0, 0)
     dist.all_reduce(loss)
-    tables = embeddings.state_for_checkpoint()  # a collective: every rank calls it
+    tables = embeddings.state_for_checkpoint()
     if cluster.is_main:
         torch.save(
-            {"loss": loss, "dense": model.state_dict(), "grads": dense_grads(model), "tables": tables["tables"]},
+            {
+                "loss": loss,
+                "dense": model.state_dict(),
+                "grads": dense_grads(model),
+                "start": start["tables"],
+                "tables": tables["tables"],
+            },
             out / f"chunks{chunks}.pt",
         )
 

@@ -47,6 +47,7 @@ CANDIDATE_LAST_LAYER = {**DROPOUT, "last_layer": "candidates"}
 LR = 0.01
 GRAD_RTOL = 1e-5  # of the gradient tensor's largest element: fp32 sums over the slice in another order
 STEP_ATOL = 1e-3 * LR  # a thousandth of one Adam step
+ADAM_STEEP = 1e3 * 1e-8  # gradients below a thousand Adam epsilons: the step is steep in g there
 
 
 def assert_dense_close(run: dict, reference: dict, label: str) -> None:
@@ -60,9 +61,12 @@ def assert_dense_close(run: dict, reference: dict, label: str) -> None:
             msg=lambda m, n=name: f"{label}, gradient of {n}: {m}",
         )
     for name, value in reference["dense"].items():
-        torch.testing.assert_close(
-            run["dense"][name], value, rtol=0, atol=STEP_ATOL, msg=lambda m, n=name: f"{label}, {n}: {m}"
-        )
+        # Where a gradient is within a few hundred Adam epsilons of 0, Adam's step g / (|g| + eps)
+        # turns its fp32 rounding (checked above) into a much larger change of the step: there the
+        # weights must agree within one step; elsewhere within a thousandth of one.
+        steep = reference["grads"][name].abs() < ADAM_STEEP
+        loose = torch.where(steep, torch.full_like(value, LR), torch.full_like(value, STEP_ATOL))
+        assert ((run["dense"][name] - value).abs() <= loose).all(), f"{label}, {name}: weights differ"
 
 
 def assert_tables_equal(run: dict, reference: dict, label: str) -> None:
@@ -72,9 +76,10 @@ def assert_tables_equal(run: dict, reference: dict, label: str) -> None:
 
 
 def config(backend: str, chunks: int, model: dict = DROPOUT):
-    return small_table_config(
-        "synthetic-tiny", backend, ROWS, model=model, train={"chunks": chunks, "learning_rate": LR, "warmup_steps": 0}
-    )
+    # No rounding on the all-to-all (on two ranks): chunking is compared at fp32 precision, where
+    # the fp16 wire would turn an fp32 rounding of a gradient into an fp16 one.
+    train = {"chunks": chunks, "learning_rate": LR, "warmup_steps": 0}
+    return small_table_config("synthetic-tiny", backend, ROWS, model=model, train=train, qcomm="none")
 
 
 pytestmark = pytest.mark.usefixtures("gloo_world_of_one")
@@ -199,7 +204,9 @@ def test_chunked_eval_logits_equal_the_whole_slice():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_chunked_step_on_two_ranks(backend, tmp_path):
     """Two gloo ranks with DDP and each rank's half of the global batch: 1, 2 and 3 chunks give the
-    same tables (bit-equal) and dense weights (fp32 rounding) after a step."""
+    same tables and dense weights after a step, to fp32 rounding (slices of 12 samples in chunks of
+    6 and 4: the CPU BLAS may round a row differently with the GEMM's row count, which a row's
+    gradient then carries into the tables)."""
     worker = Path(__file__).parent / "chunk_worker.py"
     paths = [Path(__file__).parents[1], Path(__file__).parent, Path(__file__).parents[1] / "benchmarks"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -219,7 +226,7 @@ def test_chunked_step_on_two_ranks(backend, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     runs = {k: torch.load(tmp_path / f"chunks{k}.pt") for k in (1, 2, 3)}
     for k in (2, 3):
-        assert_tables_equal(runs[k], runs[1], f"two ranks, {k} chunks")
+        assert_tables_close(runs[k], runs[1], runs[1]["start"], f"two ranks, {k} chunks")
         assert_dense_close(runs[k], runs[1], f"two ranks, {k} chunks")
         torch.testing.assert_close(runs[k]["loss"], runs[1]["loss"], rtol=1e-6, atol=0)
     assert json.loads((tmp_path / "world.json").read_text()) == {"world_size": 2}

@@ -43,7 +43,6 @@ def config(backend: str, lr: float = LR, sequence_dtype: str = "float32") -> Ben
         item_rows=ROWS["item"],
         artist_rows=ROWS["artist"],
         album_rows=ROWS["album"],
-        embedding_init_std=0.1,
     )
     return dataclasses.replace(
         cfg,
@@ -136,11 +135,10 @@ def test_table_specs_from_store_and_config():
 
 
 def test_init_rows_do_not_depend_on_slicing():
-    full = init_rows(2, 70_000, 0, 70_000, 2, 0.1, 5, torch.device("cpu"))
-    part = init_rows(2, 70_000, 65_000, 66_000, 2, 0.1, 5, torch.device("cpu"))
+    full = init_rows(2, 70_000, 0, 70_000, 2, 5, torch.device("cpu"))
+    part = init_rows(2, 70_000, 65_000, 66_000, 2, 5, torch.device("cpu"))
     assert torch.equal(full[65_000:66_000], part)
-    assert not torch.equal(full, init_rows(2, 70_000, 0, 70_000, 2, 0.1, 6, torch.device("cpu")))
-    assert abs(float(full.std()) - 0.1) < 0.005
+    assert not torch.equal(full, init_rows(2, 70_000, 0, 70_000, 2, 6, torch.device("cpu")))
 
 
 @needs_torchrec
@@ -243,7 +241,8 @@ def test_checkpoint_round_trip_and_resume(source, target):
     for field in dataclasses.fields(lookup):
         assert torch.equal(getattr(lookup, field.name), getattr(after_load, field.name)), field.name
     train(resumed, [33, 34])
-    assert_tables_close(tables(resumed), tables(reference), rtol=0 if source == target else 1e-6)
+    # Across backends a row's duplicate gradients add up in another order: a few fp32 ulps.
+    assert_tables_close(tables(resumed), tables(reference), rtol=0 if source == target else 1e-6, atol=1e-8)
     assert_tables_close(saved["tables"], snapshot, rtol=0)  # a copy, not a view of live tables
 
 
@@ -289,7 +288,7 @@ def test_plain_backend_accumulates_several_backwards_into_one_step():
     loss_of(twice(b)).backward()
     loss_of(twice(b)).backward()
     twice.sparse_step()
-    assert_tables_close(tables(once), tables(twice))
+    assert_tables_close(tables(once), tables(twice), atol=1e-8)  # 2g against g + g: a few fp32 ulps
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -96,9 +96,9 @@ def test_timestamps_follow_the_concat_layout(c, gen):
     hist = torch.randint(0, 10**9, (int(offsets[-1]),), generator=gen)
     query = torch.randint(10**9, 2 * 10**9, (5,), generator=gen)
     out = concat_sequence_timestamps(hist, offsets, query, c)
-    expect = torch.cat(
-        [torch.cat([query[b].repeat(c), hist[offsets[b] : offsets[b + 1]], query[b : b + 1]]) for b in range(5)]
-    )
+    # Contextual rows carry 0 (the reference's: their time bucket is sqrt(query time / unit)).
+    zeros = torch.zeros(c, dtype=torch.int64)
+    expect = torch.cat([torch.cat([zeros, hist[offsets[b] : offsets[b + 1]], query[b : b + 1]]) for b in range(5)])
     assert out.dtype == torch.int64 and torch.equal(out, expect)
 
 

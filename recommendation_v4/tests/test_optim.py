@@ -36,13 +36,29 @@ def test_adam_hyperparameters_come_from_the_config():
     assert not group["fused"]  # CPU parameters: no fused kernel requested
 
 
+def test_adam_state_starts_with_one_step_on_zero_gradients():
+    """The reference's optimizer wrapper (TorchRec's init_state) makes Adam's state with a step on
+    zero gradients: the step count is 1, the moments 0, and no parameter moves."""
+    params = _params(2, shapes=((4, 3), (5,)))
+    before = [(p.detach().clone(), p.grad.clone()) for p in params]
+    opt = make_dense_optimizer(params, TrainConfig(learning_rate=1e-2))
+    for p, (value, grad) in zip(params, before):
+        state = opt.state[p]
+        assert float(state["step"]) == 1.0
+        assert torch.equal(state["exp_avg"], torch.zeros_like(p)) and torch.equal(
+            state["exp_avg_sq"], torch.zeros_like(p)
+        )
+        assert torch.equal(p.detach(), value) and torch.equal(p.grad, grad)  # the caller's gradient is back
+
+
 def test_adam_step_matches_a_hand_written_update():
+    """The first real update is Adam's step 2: bias corrections 1 - beta^2."""
     cfg = TrainConfig(learning_rate=1e-2)
     (p,) = _params(1, shapes=((4, 3),))
     start, grad = p.detach().clone(), p.grad.clone()
     make_dense_optimizer([p], cfg).step()
-    m = (1 - cfg.adam_beta1) * grad / (1 - cfg.adam_beta1)
-    v = (1 - cfg.adam_beta2) * grad**2 / (1 - cfg.adam_beta2)
+    m = (1 - cfg.adam_beta1) * grad / (1 - cfg.adam_beta1**2)
+    v = (1 - cfg.adam_beta2) * grad**2 / (1 - cfg.adam_beta2**2)
     torch.testing.assert_close(p.detach(), start - cfg.learning_rate * m / (v.sqrt() + cfg.adam_eps))
 
 

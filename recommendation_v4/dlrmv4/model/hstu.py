@@ -1,8 +1,8 @@
 """DlrmHSTU: the whole model of SPEC §5, from a batch's embeddings to logits and the loss.
 
-Mixed precision: the preprocessor and the STU stack run under autocast in
-``ModelConfig.sequence_dtype`` (bf16 by default); the postprocessor, item tower, head and loss run
-in fp32 outside it.
+Mixed precision: the preprocessor, the STU stack and the postprocessor's Linear run under autocast
+in ``ModelConfig.sequence_dtype`` (bf16 by default); the postprocessor's layer norm, the item tower,
+the head and the loss run in fp32 outside it.
 
 A training step may run the model over its slice of the global batch in several chunks of
 consecutive samples (``train/step.py``). What a chunk must share with the whole slice travels in a
@@ -58,7 +58,7 @@ class DlrmHSTU(nn.Module):
         self.cfg = cfg
         self.preprocessor = Preprocessor(cfg, num_contextual)
         self.stu = STUStack(cfg)
-        self.postprocessor = Postprocessor(cfg)
+        self.postprocessor = Postprocessor(cfg, DTYPES[cfg.sequence_dtype])
         self.item_tower = ItemTower(cfg)
         self.head = LogitHead(cfg)
         self.dropout_generator = torch.Generator().manual_seed(seed)
@@ -110,7 +110,8 @@ class DlrmHSTU(nn.Module):
                 f"SliceContext.max_seq_len {context.max_seq_len} is shorter than this batch's longest "
                 f"sequence {batch.max_history_length + self.num_contextual + 1}"
             )
-        user = self.postprocessor(self.user_representation(batch, emb, context), batch.candidate_timestamp)
+        # The reference's postprocessor reads the candidate row's sequence timestamp: the query time.
+        user = self.postprocessor(self.user_representation(batch, emb, context), batch.query_time)
         item = self.item_tower(emb.candidate.float())
         logits = self.head(user * item).squeeze(-1)
         # The sum over this batch / the slice's size: the chunks' losses add up to the slice's mean.

@@ -9,9 +9,14 @@ from torch import nn
 from dlrmv4.ops.layer_norm import layer_norm, swish_layer_norm
 
 
-def init_linear(linear: nn.Linear) -> nn.Linear:
-    """Xavier-uniform weights and zero biases everywhere (the reference's STU init, used model-wide)."""
-    nn.init.xavier_uniform_(linear.weight)
+def init_linear(linear: nn.Linear, normal: bool = False) -> nn.Linear:
+    """Xavier weights (uniform; ``normal``: the normal draw of the same variance) and zero biases.
+    The reference draws its MLPs' weights Xavier-uniform and then re-draws every Linear of its
+    sequence model outside the STU layers (the preprocessor's and the postprocessor's) Xavier-normal."""
+    if normal:
+        nn.init.xavier_normal_(linear.weight)
+    else:
+        nn.init.xavier_uniform_(linear.weight)
     if linear.bias is not None:
         nn.init.zeros_(linear.bias)
     return linear
@@ -43,11 +48,11 @@ class Tower(nn.Sequential):
     (``addmm``), so the concatenation (a full copy of the token rows) is never built.
     """
 
-    def __init__(self, in_dim: int, hidden: int, out_dim: int, eps: float, kernels: str) -> None:
+    def __init__(self, in_dim: int, hidden: int, out_dim: int, eps: float, kernels: str, normal: bool = False) -> None:
         super().__init__(
-            init_linear(nn.Linear(in_dim, hidden)),
+            init_linear(nn.Linear(in_dim, hidden), normal),
             SwishLayerNorm(hidden, eps, kernels),
-            init_linear(nn.Linear(hidden, out_dim)),
+            init_linear(nn.Linear(hidden, out_dim), normal),
             LayerNorm(out_dim, eps, kernels),
         )
 

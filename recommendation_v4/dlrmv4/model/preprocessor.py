@@ -10,7 +10,7 @@ from torch import nn
 
 from dlrmv4.config import ModelConfig
 from dlrmv4.model.embeddings import SequenceEmbeddings
-from dlrmv4.model.layers import Tower, init_linear
+from dlrmv4.model.layers import Tower
 from dlrmv4.ops.jagged import concat_sequence_timestamps, concat_sequences
 from dlrmv4.ops.position import position_time_encode
 
@@ -22,18 +22,27 @@ class Preprocessor(nn.Module):
 
     def __init__(self, cfg: ModelConfig, num_contextual: int) -> None:
         super().__init__()
-        e, h, d, eps, k = cfg.embedding_dim, cfg.preprocessor_hidden, cfg.d_model, cfg.layer_norm_eps, cfg.kernels
+        e, h, d, eps, k = cfg.embedding_dim, cfg.preprocessor_hidden, cfg.d_model, cfg.mlp_layer_norm_eps, cfg.kernels
         self.cfg = cfg
         self.num_contextual = num_contextual
-        self.content = Tower(e, h, d, eps, k)
-        self.extra_ids = Tower(2 * e, h, d, eps, k)
-        self.action = Tower(len(ACTION_BITS) * cfg.action_dim, h, d, eps, k)
+        # The reference re-draws these towers' Linears Xavier-normal (its transducer's init).
+        self.content = Tower(e, h, d, eps, k, normal=True)
+        self.extra_ids = Tower(2 * e, h, d, eps, k, normal=True)
+        self.action = Tower(len(ACTION_BITS) * cfg.action_dim, h, d, eps, k, normal=True)
         self.action_vectors = nn.Parameter(torch.randn(len(ACTION_BITS), cfg.action_dim) * 0.1)
         # The candidate's label bits are never an input: it gets one learned "target action" instead.
         self.target_action = nn.Parameter(torch.randn(len(ACTION_BITS) * cfg.action_dim) * 0.1)
-        self.contextual = nn.ModuleList(init_linear(nn.Linear(e, d)) for _ in range(num_contextual))
-        self.position_table = nn.Parameter(torch.randn(cfg.num_position_buckets, d) / math.sqrt(d))
-        self.time_table = nn.Parameter(torch.randn(cfg.num_time_buckets, d) / math.sqrt(d))
+        # One projection per contextual feature: N(0, 2 / (E + D)) weights, zero biases (the reference's).
+        projections = [nn.Linear(e, d) for _ in range(num_contextual)]
+        for proj in projections:
+            nn.init.normal_(proj.weight, 0.0, math.sqrt(2.0 / (e + d)))
+            nn.init.zeros_(proj.bias)
+        self.contextual = nn.ModuleList(projections)
+        # uniform(+-sqrt(1 / buckets)), as the reference's; the time table has a row for every
+        # bucket 0 .. num_time_buckets (its bound uses num_time_buckets, as the reference's does).
+        p, t = cfg.num_position_buckets, cfg.num_time_buckets
+        self.position_table = nn.Parameter(torch.empty(p, d).uniform_(-math.sqrt(1.0 / p), math.sqrt(1.0 / p)))
+        self.time_table = nn.Parameter(torch.empty(t + 1, d).uniform_(-math.sqrt(1.0 / t), math.sqrt(1.0 / t)))
         self.register_buffer("bits", torch.tensor(ACTION_BITS), persistent=False)
 
     def _action_features(self, action: torch.Tensor) -> torch.Tensor:

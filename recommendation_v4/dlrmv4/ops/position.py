@@ -4,8 +4,9 @@ Dropout_p(x·x_scale + P[pos] + T[bucket]).
 Per sequence of length n = C + L + 1 ([C contextual, L history, 1 candidate]) and token p:
 pos = p for contextual tokens, C for the candidate, C + (n − 1 − p) for history tokens (counting
 backwards from the end of the history), clamped to the table; bucket = clamp(int(sqrt(max(
-query_time − t, 1e-6) / time_bucket_seconds)), 0, rows − 1). Tables are fp32 (their gradients
-too); the output is in x's dtype.
+query_time − t, 1e-6) / time_bucket_seconds)), 0, rows − 1), in fp32 as the reference model
+computes it (the contextual tokens' t is 0: their bucket is sqrt(query_time / unit)). Tables are
+fp32 (their gradients too); the output is in x's dtype.
 
 Dropout (when ``training`` and p > 0) is a pure function of (seed, row_offset + local row, column),
 the same in the Triton kernel and the reference (layout: triton/position.py; torch's copy of

@@ -110,14 +110,14 @@ class Checkpointer:
             restore_rng_state(own["rng"], {"dropout": self.model.dropout_generator})
             window_loss = own["window_loss"]
         else:
-            # Other ranks, other streams: re-derive them from (seed, step, rank). The data stream and
-            # every table and weight continue exactly; only dropout masks differ from an unbroken run.
-            reseed = resume_seed(self.cfg.seed, position.step, self.cluster.rank)
-            torch.manual_seed(reseed)
-            self.model.dropout_generator.manual_seed(reseed)
+            # Every rank draws the same dropout stream (the reference's), so rank 0's continues on any
+            # world size exactly; the other streams are re-derived from (seed, step). The data stream
+            # and every table and weight continue exactly.
+            self.model.dropout_generator.set_state(state["rank_states"][0]["rng"]["extra"]["dropout"])
+            torch.manual_seed(resume_seed(self.cfg.seed, position.step))
             self.log(
                 f"checkpoint written by {saved_world} process(es), resuming on {self.cluster.world_size}: "
-                "random streams re-derived from the seed and the step"
+                "the dropout stream continues, the other random streams are re-derived from the seed and the step"
             )
             window_loss = mean_loss
         self.log(f"resumed from {Path(path).name}: step {position.step}, {position.samples_seen:,} samples")

@@ -345,9 +345,9 @@ def make_memory_plan(
             "multiple of the world size"
         )
     emb = cfg.embeddings
-    if backend == "plain" and (emb.sharding_types or emb.placement or emb.qcomm != "none"):
+    if backend == "plain" and (emb.sharding_types or emb.placement):
         raise UserError(
-            "embeddings.sharding_types, placement and qcomm are TorchRec settings: the plain backend "
+            "embeddings.sharding_types and placement are TorchRec settings: the plain backend "
             "keeps a replica of every table on each rank"
         )
     target = Target(

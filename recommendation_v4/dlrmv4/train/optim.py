@@ -28,16 +28,17 @@ class TrainingDivergedError(UserError):
 
 
 def make_dense_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Adam:
-    """Adam over the dense parameters with the closed-division hyperparameters from ``cfg``.
+    """Adam over the dense parameters with the closed-division hyperparameters from ``cfg``, its state
+    made by one step on zero gradients as the reference's is (the step count starts at 1).
 
-    The fused kernel is used where every parameter lives on a CUDA/ROCm device (one launch for
-    all parameters); elsewhere torch picks its own ``foreach`` default.
+        The fused kernel is used where every parameter lives on a CUDA/ROCm device (one launch for
+        all parameters); elsewhere torch picks its own ``foreach`` default.
     """
     params = list(params)
     if not params:
         raise ValueError("make_dense_optimizer got no parameters")
     on_gpu = all(p.device.type == "cuda" and p.is_floating_point() for p in params)
-    return torch.optim.Adam(
+    optimizer = torch.optim.Adam(
         params,
         lr=cfg.learning_rate,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -45,6 +46,16 @@ def make_dense_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig)
         weight_decay=cfg.weight_decay,
         fused=True if on_gpu else None,
     )
+    # The reference's optimizer wrapper (TorchRec's KeyedOptimizer.init_state) creates Adam's state
+    # with one step on zero gradients: nothing moves, and the first real update is step 2 of Adam's
+    # bias correction.
+    gradients = [p.grad for p in params]  # the caller's, if any, come back afterwards
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p, grad in zip(params, gradients):
+        p.grad = grad
+    return optimizer
 
 
 class WarmupSchedule:

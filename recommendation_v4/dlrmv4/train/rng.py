@@ -54,13 +54,6 @@ def restore_rng_state(state: dict[str, Any], extra_generators: dict[str, torch.G
         gen.set_state(state["extra"][name])
 
 
-def rank_seed(seed: int, rank: int) -> int:
-    """The seed of rank ``rank``'s own random streams (dropout); rank 0 keeps the run's seed."""
-    if rank == 0:
-        return seed
-    return int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0] >> 1)
-
-
-def resume_seed(seed: int, step: int, rank: int) -> int:
-    """A rank's stream seed after a resume on another world size: derived from (seed, step, rank)."""
-    return rank_seed(int(np.random.SeedSequence([seed, step]).generate_state(1)[0]), rank)
+def resume_seed(seed: int, step: int) -> int:
+    """The global torch stream's seed after a resume on another world size: derived from (seed, step)."""
+    return int(np.random.SeedSequence([seed, step]).generate_state(1, np.uint64)[0] >> 1)

@@ -42,7 +42,6 @@ from dlrmv4.train.history import RunHistory, TrainClock
 from dlrmv4.train.optim import FiniteMonitor, TrainingDivergedError
 from dlrmv4.train.prefetch import DevicePrefetcher, with_next
 from dlrmv4.train.progress import TrainProgress
-from dlrmv4.train.rng import rank_seed
 from dlrmv4.train.step import TrainStep
 from dlrmv4.train.trace import StepProfiler, parse_step_windows
 
@@ -54,10 +53,11 @@ def build_model_and_tables(
 ) -> tuple[DlrmHSTU, SparseEmbeddings]:
     """The dense model on the cluster's device and the sparse tables (their rows for
     ``table_counts``' item/artist/album sizes where the config sets none). From the run's seed
-    (the model rank-seeded), or, given ``seed``, both from it after seeding torch with it."""
+    (the same dropout stream on every rank), or, given ``seed``, both from it after seeding torch with it."""
     if seed is not None:
         torch.manual_seed(seed)
-    model_seed = rank_seed(cfg.seed, cluster.rank) if seed is None else seed
+    # The dropout stream is the same on every rank, as the reference's (its DECORRELATE_DROPOUT=0).
+    model_seed = cfg.seed if seed is None else seed
     model = DlrmHSTU(cfg.model, seed=model_seed).to(cluster.device)
     embeddings = make_embeddings(
         table_specs(cfg, *table_counts), cfg, cluster.device, cfg.seed if seed is None else seed, cluster, dense=model

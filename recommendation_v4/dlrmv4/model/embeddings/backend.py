@@ -11,6 +11,7 @@ from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings.plain import PlainEmbeddings
 from dlrmv4.model.embeddings.tables import SparseEmbeddings, TableSpec
 from dlrmv4.model.embeddings.torchrec_tables import TorchRecEmbeddings
+from dlrmv4.model.embeddings.wire import WIRE_DTYPES
 from dlrmv4.train.distributed import Cluster
 
 
@@ -72,16 +73,20 @@ def make_embeddings(
         cfg.model.embedding_dim,
         cfg.train.learning_rate,
         cfg.train.adagrad_eps,
-        cfg.embeddings.embedding_init_std,
         seed,
         device,
         cluster,
     )
     if resolve_backend(cfg, device) == "torchrec":
         return TorchRecEmbeddings(*args, cfg.embeddings, sequence_dtype=DTYPES[cfg.model.sequence_dtype], dense=dense)
-    if cfg.embeddings.sharding_types or cfg.embeddings.placement or cfg.embeddings.qcomm != "none":
+    if cfg.embeddings.sharding_types or cfg.embeddings.placement:
         raise UserError(
-            "embeddings.sharding_types, placement and qcomm are TorchRec settings: the plain backend "
+            "embeddings.sharding_types and placement are TorchRec settings: the plain backend "
             "keeps a replica of every table on each rank"
         )
-    return PlainEmbeddings(*args, kernels=cfg.model.kernels, sequence_dtype=DTYPES[cfg.model.sequence_dtype])
+    return PlainEmbeddings(
+        *args,
+        kernels=cfg.model.kernels,
+        sequence_dtype=DTYPES[cfg.model.sequence_dtype],
+        wire_dtype=WIRE_DTYPES[cfg.embeddings.qcomm],
+    )

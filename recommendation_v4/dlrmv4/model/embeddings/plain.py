@@ -2,7 +2,8 @@
 
 The backward leaves each lookup's gradient rows pending and ``sparse_step`` applies row-wise
 Adagrad from them in place (``sparse_optimizer.py``), after exchanging them between ranks
-(``exchange.py``).
+(``exchange.py``). The rows and their gradients are rounded through the embedding all-to-all's
+precision where TorchRec's would cross it (``wire.py``), so both backends take the same step.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dlrmv4.model.embeddings.exchange import exchange_gradients
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
 from dlrmv4.model.embeddings.sparse_optimizer import rowwise_adagrad_step_
 from dlrmv4.model.embeddings.tables import SparseEmbeddings, TableSpec, assemble_embeddings, init_rows, table_features
+from dlrmv4.model.embeddings.wire import through_wire
 from dlrmv4.train.distributed import Cluster
 
 
@@ -29,18 +31,19 @@ class _TableLookup(torch.autograd.Function):
     does, without copying the rows into a sparse tensor)."""
 
     @staticmethod
-    def forward(ctx, weight, sequence_ids, candidate_ids, dtype, pending):
+    def forward(ctx, weight, sequence_ids, candidate_ids, dtype, pending, wire_dtype):
         ctx.save_for_backward(sequence_ids, candidate_ids)
-        ctx.pending = pending
-        return F.embedding(sequence_ids, weight).to(dtype), F.embedding(candidate_ids, weight)
+        ctx.pending, ctx.wire_dtype = pending, wire_dtype
+        rows = through_wire(F.embedding(sequence_ids, weight), wire_dtype)
+        return rows.to(dtype), through_wire(F.embedding(candidate_ids, weight), wire_dtype)
 
     @staticmethod
     def backward(ctx, sequence_grad, candidate_grad):
         sequence_ids, candidate_ids = ctx.saved_tensors
-        ctx.pending.append((sequence_ids, sequence_grad))
+        ctx.pending.append((sequence_ids, through_wire(sequence_grad.float(), ctx.wire_dtype)))
         if candidate_ids.numel():
-            ctx.pending.append((candidate_ids, candidate_grad))
-        return None, None, None, None, None
+            ctx.pending.append((candidate_ids, through_wire(candidate_grad, ctx.wire_dtype)))
+        return None, None, None, None, None, None
 
 
 class PlainEmbeddings(SparseEmbeddings):
@@ -57,19 +60,22 @@ class PlainEmbeddings(SparseEmbeddings):
         dim: int,
         lr: float,
         eps: float,
-        std: float,
         seed: int,
         device: torch.device,
         cluster: Cluster,
         kernels: str = "auto",
         sequence_dtype: torch.dtype = torch.float32,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(specs, dim, lr, eps, cluster)
         self.kernels = kernels  # the update's implementation (ops/rowwise_adagrad.py)
         # The sequence rows come in the sequence model's dtype: its first layers would cast them anyway.
         self.sequence_dtype = sequence_dtype
+        # The all-to-all's precision where TorchRec's would have one: on one rank it sends nothing
+        # (TorchRec skips the all-to-all and its codecs there, and so does the reference).
+        self.wire_dtype = wire_dtype if cluster.world_size > 1 else None
         self.weights = nn.ParameterDict(
-            {s.name: nn.Parameter(init_rows(i, s.rows, 0, s.rows, dim, std, seed, device)) for i, s in enumerate(specs)}
+            {s.name: nn.Parameter(init_rows(i, s.rows, 0, s.rows, dim, seed, device)) for i, s in enumerate(specs)}
         )
         for s in specs:
             self.register_buffer(f"momentum_{s.name}", torch.zeros(s.rows, dtype=torch.float32, device=device))
@@ -90,6 +96,7 @@ class PlainEmbeddings(SparseEmbeddings):
                 features[1] if len(features) > 1 else no_ids,
                 self.sequence_dtype,
                 self.pending[spec.name],
+                self.wire_dtype,
             )
             sequence[spec.name] = rows
             if len(features) > 1:

@@ -24,6 +24,7 @@ import torch
 from dlrmv4.config import EmbeddingConfig
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings.tables import TABLE_NAMES, table_features
+from dlrmv4.model.embeddings.wire import cast_then_clamp
 
 # data_parallel is not offered: TorchRec 1.8's dense (data-parallel) lookup for sequence tables
 # (EmbeddingCollection) returns pooled rows; the plain backend is the data-parallel path.
@@ -295,36 +296,43 @@ def describe_plan(plan) -> str:
     return "\n".join(lines)
 
 
-def cast_then_clamp(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor`` in ``dtype`` with out-of-range values at the type's largest finite value: the same
-    numbers as FBGEMM's clamp-then-cast, whose clamp makes a full copy in the input's (fp32) dtype
-    first. Cast first and clamp the small copy in place: the encoder's only temporary is the half
-    precision result (a hot rank's all-to-all input can be most of its free memory)."""
-    finfo = torch.finfo(dtype)
-    if tensor.dtype == dtype:  # already in range or inf; never clamp the caller's tensor in place
-        return torch.clamp(tensor, finfo.min, finfo.max)
-    return tensor.to(dtype).clamp_(finfo.min, finfo.max)
-
-
 def _cast_then_clamp_codec_class():
     from fbgemm_gpu.quantize_comm import QuantizedCommCodec
     from fbgemm_gpu.split_embedding_configs import SparseType
 
     class CastThenClampCodec(QuantizedCommCodec):
-        """FBGEMM's fp16/bf16 all-to-all codec with a low-memory encoder (``cast_then_clamp``)."""
+        """FBGEMM's fp16/bf16 all-to-all codec with a low-memory encoder (``cast_then_clamp``) and a
+        decoder that returns the rows' own dtype (``rows_dtype``: the lookup's output dtype)."""
+
+        def __init__(self, comm_precision, is_fwd: bool, rows_dtype: torch.dtype) -> None:
+            super().__init__(comm_precision, is_fwd=is_fwd)
+            self.rows_dtype = rows_dtype
+
+        def _ours(self) -> bool:
+            return self._comm_precision in (SparseType.FP16, SparseType.BF16) and self._loss_scale is None
 
         def encode(self, input_tensor: torch.Tensor, ctx=None) -> torch.Tensor:
-            if self._comm_precision not in (SparseType.FP16, SparseType.BF16) or self._loss_scale is not None:
+            if not self._ours():
                 return super().encode(input_tensor, ctx)
             return cast_then_clamp(input_tensor, self._comm_precision.as_dtype())
+
+        def decode(self, input_tensor: torch.Tensor, ctx=None) -> torch.Tensor:
+            # FBGEMM decodes to fp32. Where the lookup returns bf16 rows (GPUs), the fp32 copy would
+            # double the received rows and the backward's permuted gradients, and the autograd
+            # engine casts the gradient to bf16 before the lookup's backward anyway: decoding
+            # straight to the rows' dtype gives the same numbers.
+            if not self._ours():
+                return super().decode(input_tensor, ctx)
+            return input_tensor.to(self.rows_dtype)
 
     return CastThenClampCodec
 
 
-def qcomm_registry(cfg: EmbeddingConfig):
-    """Codecs for quantized all-to-all (None: fp32): TorchRec's registry for the precision, each of
-    its codecs swapped for the same one with the low-memory encoder. The precision is kept on gloo
-    too (TorchRec's registry would turn bf16 into fp16 for a CPU device; gloo moves bf16 fine)."""
+def qcomm_registry(cfg: EmbeddingConfig, rows_dtype: torch.dtype = torch.float32):
+    """Codecs for the quantized all-to-all (None: the rows' own dtype): TorchRec's registry for the
+    precision, each of its codecs swapped for ours (the low-memory encoder; decoding to
+    ``rows_dtype``, the lookup's output dtype). The precision is kept on gloo too (TorchRec's
+    registry would turn bf16 into fp16 for a CPU device; gloo moves bf16 fine)."""
     if cfg.qcomm == "none":
         return None
     from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
@@ -335,5 +343,5 @@ def qcomm_registry(cfg: EmbeddingConfig):
     for codecs in registry.values():
         for direction in ("forward", "backward"):
             stock = getattr(codecs, direction)
-            setattr(codecs, direction, codec_class(stock._comm_precision, is_fwd=stock._is_fwd))
+            setattr(codecs, direction, codec_class(stock._comm_precision, stock._is_fwd, rows_dtype))
     return registry

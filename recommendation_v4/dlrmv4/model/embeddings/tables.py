@@ -12,6 +12,7 @@ Ids are not range-checked in the hot path (that would need a device-to-host sync
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,25 +69,32 @@ def table_specs(cfg: BenchmarkConfig, num_items: int, num_artists: int, num_albu
     return specs
 
 
+def init_bound(table_rows: int) -> float:
+    """The half-width of a table's uniform init: sqrt(1 / rows), the reference's (TorchRec's default
+    for an EmbeddingConfig, which FBGEMM draws its rows from; docs/model.md names the source)."""
+    return math.sqrt(1.0 / table_rows)
+
+
 def init_rows(
     table_index: int,
     table_rows: int,
     row_begin: int,
     row_end: int,
     dim: int,
-    std: float,
     seed: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """Rows [row_begin, row_end) of a table's N(0, std) init, the same whatever the slicing (drawn on
-    ``device``: CPU and CUDA generators give different numbers for one seed)."""
+    """Rows [row_begin, row_end) of a table's uniform(-b, b) init, b = ``init_bound(table_rows)``, the
+    same whatever the slicing (drawn on ``device``: CPU and CUDA generators give different numbers
+    for one seed)."""
+    bound = init_bound(table_rows)
     out = torch.empty(row_end - row_begin, dim, dtype=torch.float32, device=device)
     for chunk in range(row_begin // INIT_CHUNK_ROWS, -(-row_end // INIT_CHUNK_ROWS)):
         c0, c1 = chunk * INIT_CHUNK_ROWS, min((chunk + 1) * INIT_CHUNK_ROWS, table_rows)
         chunk_seed = int(np.random.SeedSequence([seed, table_index, chunk]).generate_state(1, np.uint64)[0] >> 1)
         gen = torch.Generator(device=device).manual_seed(chunk_seed)
-        # Always the whole chunk: a prefix of normal_(n) is not normal_(k), so shards must agree.
-        values = torch.empty(c1 - c0, dim, dtype=torch.float32, device=device).normal_(0.0, std, generator=gen)
+        # Always the whole chunk: every shard draws the same numbers for the rows it holds.
+        values = torch.empty(c1 - c0, dim, dtype=torch.float32, device=device).uniform_(-bound, bound, generator=gen)
         lo, hi = max(c0, row_begin), min(c1, row_end)
         out[lo - row_begin : hi - row_begin] = values[lo - c0 : hi - c0]
     return out

@@ -120,7 +120,6 @@ class TorchRecEmbeddings(SparseEmbeddings):
         dim: int,
         lr: float,
         eps: float,
-        std: float,
         seed: int,
         device: torch.device,
         cluster: Cluster,
@@ -160,7 +159,7 @@ class TorchRecEmbeddings(SparseEmbeddings):
                 "output_dtype": output[output_dtype],
                 "uvm_host_mapped": True,
             },
-            qcomm_codecs_registry=qcomm_registry(cfg),
+            qcomm_codecs_registry=qcomm_registry(cfg, output_dtype),
         )
         # Built on "meta": DMP allocates only this rank's shards.
         model = ShardedModel(EmbeddingCollection(tables=tables, device=torch.device("meta")), dense)
@@ -182,7 +181,7 @@ class TorchRecEmbeddings(SparseEmbeddings):
             for i, s in enumerate(specs):
                 for shard in self._weight(s.name).local_shards():
                     (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                    rows = init_rows(i, s.rows, r0, r0 + nr, dim, std, seed, shard.tensor.device)
+                    rows = init_rows(i, s.rows, r0, r0 + nr, dim, seed, shard.tensor.device)
                     shard.tensor.copy_(rows[:, c0 : c0 + nc])
 
     @property
@@ -242,7 +241,12 @@ class TorchRecEmbeddings(SparseEmbeddings):
         else:  # another batch (an eval's) leaves the one on its way for its own step
             self._distributed = distributed
             looked_up = self._sharded()(sparse_features(batch)).wait()
-        out = {k: jt.values().to(self.sequence_dtype) for k, jt in looked_up.items()}
+        # The sequence rows in the sequence model's dtype; the candidate's rows as they came (fp32 on
+        # the CPU, where the wire's rounding is all they carry) for the fp32 item tower.
+        out = {
+            k: jt.values() if k.startswith("candidate_") else jt.values().to(self.sequence_dtype)
+            for k, jt in looked_up.items()
+        }
         return assemble_embeddings(
             {s.name: torch.cat([out[f] for f in table_features(s.name)]) for s in self.specs},
             [out[f"candidate_{name}_id"] for name in SHARED_TABLES],

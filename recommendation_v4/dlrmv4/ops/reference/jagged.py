@@ -52,11 +52,13 @@ def take_last(values: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor:
 def concat_sequence_timestamps(
     history_timestamp: torch.Tensor, history_offsets: torch.Tensor, query_time: torch.Tensor, num_contextual: int
 ) -> torch.Tensor:
-    """Timestamps laid out like ``concat_sequences``; contextual and candidate rows carry query_time."""
+    """Timestamps laid out like ``concat_sequences``: the candidate row carries query_time, the
+    contextual rows 0, as the reference's (so their time bucket is sqrt(query_time / unit), a coarse
+    absolute date, and their time-table rows learn)."""
     c = num_contextual
     src = torch.cat(
         [
-            query_time.to(history_timestamp.dtype).repeat_interleave(c),
+            torch.zeros(query_time.numel() * c, dtype=history_timestamp.dtype, device=history_timestamp.device),
             history_timestamp,
             query_time.to(history_timestamp.dtype),
         ]

@@ -33,9 +33,15 @@ def positions_and_buckets(
     n = seq_offsets[seq + 1] - seq_offsets[seq]
     # History counts backwards from its end: the newest history token gets C+1, the candidate C.
     pos = torch.where(p < c, p, c + n - 1 - p).clamp(0, num_positions - 1)
-    # float64 keeps the bucket exact for any int64 time difference below 2**53.
-    dt = (query_time[seq] - timestamps).to(torch.float64).clamp_min(1e-6) / time_bucket_seconds
-    bucket = dt.sqrt().clamp_max(num_buckets - 1).to(torch.int64)
+    # The reference model's arithmetic: the int64 gap in fp32, at least 1e-6, divided by the unit
+    # in fp32, its square root, truncated, at most the last row. Division and square root are the
+    # IEEE fp32 ones (the Triton kernel's div_rn and sqrt_rn): done in fp64 and rounded to fp32,
+    # which is exact for these two operations (torch's fp32 division by a scalar multiplies by its
+    # reciprocal, which can move a bucket edge).
+    gap = (query_time[seq] - timestamps).to(torch.float32).clamp_min(1e-6)
+    unit = float(torch.tensor(time_bucket_seconds, dtype=torch.float32))
+    ratio = (gap.to(torch.float64) / unit).to(torch.float32)
+    bucket = ratio.to(torch.float64).sqrt().to(torch.float32).to(torch.int64).clamp(0, num_buckets - 1)
     return pos, bucket
 
 

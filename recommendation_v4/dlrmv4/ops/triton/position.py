@@ -1,8 +1,9 @@
 """Triton position/time encoding: out = Dropout(x·scale + P[pos] + T[bucket]), one row block per program.
 
 Each row finds its sequence by a branch-free binary search over seq_offsets (log2 B steps over
-a tiny array in L1), so no per-token index tensors are built. Time buckets are computed in
-float64, as in the reference, so both give the same bucket for any time difference. The
+a tiny array in L1), so no per-token index tensors are built. Time buckets are computed as the
+reference model's are, in fp32 (the int64 gap converted, divided and square-rooted with correct
+rounding: ``div_rn``, ``sqrt_rn``), so the kernel and reference/position.py agree exactly. The
 backward adds the gradient into the two fp32 tables with atomics (a position row is shared by
 at most B tokens; a time bucket by many, hence the per-block pre-sum there).
 
@@ -16,8 +17,6 @@ gradient. ``reference/position.py`` draws the same mask in torch.
 
 from __future__ import annotations
 
-import struct
-
 import torch
 import triton
 import triton.language as tl
@@ -27,7 +26,7 @@ from dlrmv4.ops.triton.output_block import split16
 
 
 @triton.jit
-def _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds_bits):
+def _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds):
     """(position row, time-bucket row) of each token, int64."""
     lo = tl.zeros_like(rows)
     hi = lo + (B - 1)
@@ -43,11 +42,10 @@ def _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds
     p = rows - start
     # Contextual slot i -> i; history counts backwards from its end (newest C+1); candidate -> C.
     pos = tl.minimum(tl.where(p < C, p, C + n - 1 - p), P - 1)
-    dt = (tl.load(QT + lo) - tl.load(TS + rows, mask=rmask, other=0)).to(tl.float64)
-    # The bucket width comes in as float64 bits: a Python float argument would be rounded to fp32.
-    seconds = bucket_seconds_bits.to(tl.float64, bitcast=True)
-    bucket = tl.minimum(tl.sqrt(tl.maximum(dt, 1e-6) / seconds), NT - 1).to(tl.int64)
-    return pos.to(tl.int64), bucket
+    gap = (tl.load(QT + lo) - tl.load(TS + rows, mask=rmask, other=0)).to(tl.float32)
+    # A float argument arrives in fp32 (rounded to nearest on the host, as torch rounds it).
+    bucket = tl.sqrt_rn(tl.div_rn(tl.maximum(gap, 1e-6), bucket_seconds)).to(tl.int64)
+    return pos.to(tl.int64), tl.minimum(tl.maximum(bucket, 0), NT - 1)
 
 
 @triton.jit
@@ -77,7 +75,7 @@ def _position_time_fwd(
     P,
     NT,
     n_search,
-    bucket_seconds_bits,
+    bucket_seconds,
     x_scale,
     s_x,
     s_pt,
@@ -94,7 +92,7 @@ def _position_time_fwd(
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
-    pos, bucket = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds_bits)
+    pos, bucket = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds)
     r64 = rows.to(tl.int64)[:, None]
     for d0 in range(0, D, BLOCK_D):
         cols = (d0 + tl.arange(0, BLOCK_D))[None, :]
@@ -123,7 +121,7 @@ def _position_time_bwd(
     P,
     NT,
     n_search,
-    bucket_seconds_bits,
+    bucket_seconds,
     x_scale,
     s_g,
     s_dx,
@@ -138,7 +136,7 @@ def _position_time_bwd(
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < N
-    pos, bucket = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds_bits)
+    pos, bucket = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds)
     r64 = rows.to(tl.int64)[:, None]
     # Timestamps are sorted within a sequence, so neighbouring tokens often share a time bucket:
     # such a block adds its row sum with one atomic per column instead of one per row.
@@ -160,9 +158,8 @@ def _position_time_bwd(
 
 def _common(seq_offsets: torch.Tensor, d: int, time_bucket_seconds: float) -> tuple:
     b = seq_offsets.numel() - 1
-    bits = struct.unpack("<q", struct.pack("<d", float(time_bucket_seconds)))[0]
     block_d = min(triton.next_power_of_2(max(d, 16)), 1024)  # a multiple of 8: whole Philox groups
-    return b, (b - 1).bit_length(), bits, max(1, 4096 // block_d), block_d
+    return b, (b - 1).bit_length(), float(time_bucket_seconds), max(1, 4096 // block_d), block_d
 
 
 def dropout_args(dropout: tuple[float, int, int] | None) -> tuple:
