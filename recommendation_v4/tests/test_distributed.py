@@ -53,8 +53,10 @@ def one_process(data_path, tmp_path_factory):
         ("torchrec", "*=row_wise", "none", "strided"),
         ("torchrec", "*=table_wise", "none", "strided"),
         ("torchrec", "*=row_wise", "bf16", "strided"),
+        ("torchrec", "*=row_wise", "fp16", "strided"),
         ("torchrec", "*=row_wise", "none", "balanced"),
         ("plain", "", "none", "strided"),
+        ("plain", "", "fp16", "strided"),
     ],
 )
 def test_two_processes_follow_the_one_process_trajectory(
@@ -83,7 +85,7 @@ def test_two_processes_follow_the_one_process_trajectory(
     assert len(report["history"]["evals"]) >= 2 and len(report["history"]["window_losses"]) >= 2
     if qcomm == "none":
         assert_same_trajectory(report, one_process)
-    else:  # bf16 all-to-all: close to the fp32 trajectory, and visibly not it
+    else:  # a half-precision all-to-all: close to the fp32 trajectory, and visibly not it
         assert_same_trajectory(report, one_process, loss_rtol=QCOMM_LOSS_RTOL)
         got = [loss for *_, loss in report["history"]["window_losses"]]
         assert got != [loss for *_, loss in one_process["history"]["window_losses"]]

@@ -40,9 +40,17 @@ class _TableLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, sequence_grad, candidate_grad):
         sequence_ids, candidate_ids = ctx.saved_tensors
-        ctx.pending.append((sequence_ids, through_wire(sequence_grad.float(), ctx.wire_dtype)))
-        if candidate_ids.numel():
-            ctx.pending.append((candidate_ids, through_wire(candidate_grad, ctx.wire_dtype)))
+        b = candidate_ids.numel()
+        if not b:
+            ctx.pending.append((sequence_ids, through_wire(sequence_grad.float(), ctx.wire_dtype)))
+            return None, None, None, None, None, None
+        # The sequence rows end with the candidates' rows. TorchRec looks a candidate up once and
+        # feeds both uses from it, so its gradient crosses the wire as one sum: round it so here too.
+        t = sequence_ids.numel() - b
+        history = through_wire(sequence_grad[:t].float(), ctx.wire_dtype)
+        candidate = through_wire(sequence_grad[t:].float() + candidate_grad, ctx.wire_dtype)
+        ctx.pending.append((sequence_ids[:t], history))
+        ctx.pending.append((candidate_ids, candidate))
         return None, None, None, None, None, None
 
 

@@ -241,14 +241,14 @@ class TorchRecEmbeddings(SparseEmbeddings):
         else:  # another batch (an eval's) leaves the one on its way for its own step
             self._distributed = distributed
             looked_up = self._sharded()(sparse_features(batch)).wait()
-        # The sequence rows in the sequence model's dtype; the candidate's rows as they came (fp32 on
-        # the CPU, where the wire's rounding is all they carry) for the fp32 item tower.
-        out = {
-            k: jt.values() if k.startswith("candidate_") else jt.values().to(self.sequence_dtype)
-            for k, jt in looked_up.items()
-        }
+        # The sequence rows in the sequence model's dtype; the candidate's rows also as they came (fp32
+        # on the CPU, where the wire's rounding is all they carry) for the fp32 item tower.
+        out = {k: jt.values() for k, jt in looked_up.items()}
         return assemble_embeddings(
-            {s.name: torch.cat([out[f] for f in table_features(s.name)]) for s in self.specs},
+            {
+                s.name: torch.cat([out[f].to(self.sequence_dtype) for f in table_features(s.name)])
+                for s in self.specs
+            },
             [out[f"candidate_{name}_id"] for name in SHARED_TABLES],
         )
 
