@@ -245,10 +245,7 @@ class TorchRecEmbeddings(SparseEmbeddings):
         # on the CPU, where the wire's rounding is all they carry) for the fp32 item tower.
         out = {k: jt.values() for k, jt in looked_up.items()}
         return assemble_embeddings(
-            {
-                s.name: torch.cat([out[f].to(self.sequence_dtype) for f in table_features(s.name)])
-                for s in self.specs
-            },
+            {s.name: torch.cat([out[f].to(self.sequence_dtype) for f in table_features(s.name)]) for s in self.specs},
             [out[f"candidate_{name}_id"] for name in SHARED_TABLES],
         )
 
