@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from harness import RESULTS, command_line, device_name, git_commit, sync, write_results
 
+from dlrmv4.train.distributed import exit_process
+
 
 def config(args: argparse.Namespace, qcomm: str, world: int):
     """The reference model's tables at this rank's real share, TorchRec row-wise, the given all-to-all."""
@@ -203,7 +205,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker_out:
         worker(args)
-        return
+        exit_process(0)  # a rank of several: no interpreter teardown (see exit_process)
     if args.smoke:
         args.real_tables_of, args.per_rank_batch = max(args.real_tables_of, 100_000), min(args.per_rank_batch, 32)
     rows = []

@@ -33,6 +33,7 @@ import torch
 from harness import cpu_model, device_name, save_labelled_row
 
 from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args
+from dlrmv4.train.distributed import exit_process
 
 
 def _replace(cfg: BenchmarkConfig, overrides: dict) -> BenchmarkConfig:
@@ -233,7 +234,7 @@ def main() -> None:
     args, _ = parser.parse_known_args()
     if args.worker_out:
         worker(args)
-        return
+        exit_process(0)  # a rank of several: no interpreter teardown (see exit_process)
     config_from_args(args)  # a bad flag fails here, once
     passthrough = [a for a in sys.argv[1:]]
     results = []

@@ -13,8 +13,10 @@ others fail with ``RankLostError`` instead of waiting forever.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -253,6 +255,19 @@ def own_failure_line(cluster: Cluster, exc: BaseException) -> str:
     if isinstance(exc, UserError):
         return first
     return f"rank {cluster.rank} of {cluster.world_size} failed: {type(exc).__name__}: {first}"
+
+
+def exit_process(code: int) -> None:
+    """End the process with ``code``; one of several processes leaves without the interpreter's
+    teardown, in which torch's autograd and gloo threads can hang or abort the process after the
+    run has ended (pytorch/pytorch#190489; seen here about once in ten two-process runs). What the
+    process wrote must be closed by now."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def launched_world() -> tuple[int, int, int, int] | None:
