@@ -28,7 +28,8 @@ def time_features(timestamp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     features = []
     for seconds, period in TIME_PERIODS:
         # Tensors, not Python numbers: a GPU divides by a host scalar as a multiply by its reciprocal.
-        unit, n = (torch.tensor(float(v), device=t.device) for v in (seconds, period))
+        # Filled on the device (torch.tensor would copy from the host and wait for it).
+        unit, n = (torch.full((), float(v), device=t.device) for v in (seconds, period))
         angle = torch.remainder(torch.div(t, unit, rounding_mode="floor"), n) / n * two * almost_pi
         features += [torch.cos(angle), torch.sin(angle)]
     return torch.stack(features, -1).to(dtype)
