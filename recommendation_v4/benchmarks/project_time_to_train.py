@@ -21,6 +21,13 @@ step over the device time of its NCCL kernels, uniform ids, two GPUs of one node
 (modelled: no multi-node measurement). Shown both not overlapped with compute (an upper bound)
 and fully overlapped (a lower bound).
 
+The exchange's work around the wire: TorchRec's sequence all-to-all also permutes and casts every
+row and gradient a rank serves and receives, on the same GPU as the step, where nothing hides it.
+``--exchange-from`` names a weak-scaling row of ``scaling.json`` at the real per-rank shape (1 vs 2
+GPUs of one node): the two-rank bare step's extra time per step, less its modelled NCCL time, per
+sample of the rank's batch, is counted for each GPU's batch in both totals.
+
+
     python benchmarks/project_time_to_train.py                 # H200 parts
     python benchmarks/project_time_to_train.py --gpu h100
 """
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 from harness import RESULTS, command_line, write_results
 
@@ -76,7 +84,36 @@ def measured_alltoall_gbs(hot_ids: dict) -> float:
     return sum(rates) / len(rates)
 
 
-def project(gpu: str, nvlink_gbs: float, network_gbs: float, alltoall_source: str | None = None) -> dict:
+def exchange_work_per_sample(scaling: dict, label: str, nvlink_gbs: float, network_gbs: float) -> float:
+    """Seconds per sample of a rank's batch that the two-rank step spends beyond the one-rank step
+    and its modelled NCCL time: the medians over the row's repeats of the bare step (no loader)."""
+    rows = [row for row in scaling["rows"] if row["label"] == label]
+    if len(rows) != 1 or rows[0]["scaling"] != "weak":
+        raise SystemExit(f"scaling.json holds no single weak-scaling row labelled {label!r}")
+    results = rows[0]["results"]
+
+    def step_seconds(world: int) -> tuple[float, dict]:
+        runs = [r for r in results if r["world_size"] == world]
+        if not runs:
+            raise SystemExit(f"the scaling row {label!r} has no run on {world} process(es)")
+        rate = statistics.median(r["bare_samples_per_s"] for r in runs)
+        return runs[0]["global_batch"] / rate, runs[0]
+
+    one, _ = step_seconds(1)
+    two, run = step_seconds(2)
+    per_rank = run["per_rank_batch"]
+    nccl = alltoall_seconds(2, per_rank, run["mean_history_tokens"], nvlink_gbs, network_gbs)
+    return max(0.0, two - one - nccl) / per_rank
+
+
+def project(
+    gpu: str,
+    nvlink_gbs: float,
+    network_gbs: float,
+    alltoall_source: str | None = None,
+    exchange_s_per_sample: float = 0.0,
+    exchange_source: str | None = None,
+) -> dict:
     rehearsal, train, stu = load(f"rehearsal_{gpu}"), load(f"train_{gpu}"), load("stu")
     steps = SAMPLES_TO_TARGET / GLOBAL_BATCH
     schedule = EvalSchedule(REFERENCE_TRAIN_SAMPLES, GLOBAL_BATCH, EVAL_EVERY)
@@ -94,11 +131,12 @@ def project(gpu: str, nvlink_gbs: float, network_gbs: float, alltoall_source: st
         )
         train_s = steps * per_gpu / rate
         comm_s = steps * alltoall_seconds(world, per_gpu, mean_tokens, nvlink_gbs, network_gbs)
+        exchange_s = steps * per_gpu * exchange_s_per_sample
         eval_s = evals * REFERENCE_EVAL_SAMPLES / (world * train["eval_samples_per_s"])
         setup_s = stu["cold_start_s"]
         checkpoint_s = windows * (TABLE_GIB / world) / gib_per_s
-        upper = train_s + comm_s + eval_s + setup_s
-        lower = train_s + eval_s + setup_s
+        upper = train_s + exchange_s + comm_s + eval_s + setup_s
+        lower = train_s + exchange_s + eval_s + setup_s
         rows.append(
             {
                 "gpus": world,
@@ -106,6 +144,7 @@ def project(gpu: str, nvlink_gbs: float, network_gbs: float, alltoall_source: st
                 "per_gpu_samples_per_s": rate,
                 "train_min": train_s / 60,
                 "alltoall_min": comm_s / 60,
+                "exchange_work_min": exchange_s / 60,
                 "eval_min": eval_s / 60,
                 "setup_min": setup_s / 60,
                 "checkpoint_min": checkpoint_s / 60,
@@ -124,6 +163,8 @@ def project(gpu: str, nvlink_gbs: float, network_gbs: float, alltoall_source: st
         "windows": windows,
         "nvlink_gbs": nvlink_gbs,
         "alltoall_source": alltoall_source,
+        "exchange_ms_per_1024_samples": exchange_s_per_sample * 1_024 * 1e3,
+        "exchange_source": exchange_source,
         "network_gbs": network_gbs,
         "mean_tokens": mean_tokens,
         "rows": rows,
@@ -139,18 +180,18 @@ def table(p: dict) -> str:
         f"{', '.join(f'{k} {v}' for k, v in p['commits'].items())}; all-to-all at "
         f"{p['nvlink_gbs']:,.0f} GB/s per GPU and direction in a node ({intra_node_source(p)}), "
         f"{p['network_gbs']:g} GB/s across nodes (modelled) "
-        f"(fp16 rows, mean {p['mean_tokens']:,.0f} tokens). Reference: {p['reference_minutes'] // 60} h "
-        f"{p['reference_minutes'] % 60} min on 8 MI350X.",
+        f"(fp16 rows, mean {p['mean_tokens']:,.0f} tokens); {exchange_source(p)}. "
+        f"Reference: {p['reference_minutes'] // 60} h {p['reference_minutes'] % 60} min on 8 MI350X.",
         "",
-        "| GPUs | per GPU batch | per GPU samples/s | train min | all-to-all min | eval min | set-up min | "
-        "total min, all-to-all overlapped | not overlapped | + a checkpoint per window | vs reference "
-        "(not overlapped) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| GPUs | per GPU batch | per GPU samples/s | train min | exchange work min | all-to-all min | eval min | "
+        "set-up min | total min, all-to-all overlapped | not overlapped | + a checkpoint per window | "
+        "vs reference (not overlapped) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in p["rows"]:
         lines.append(
             f"| {r['gpus']} | {r['per_gpu_batch']:,} | {r['per_gpu_samples_per_s']:,.0f} | "
-            f"{r['train_min']:.1f} | {r['alltoall_min']:.1f} | {r['eval_min']:.1f} | {r['setup_min']:.1f} | "
+            f"{r['train_min']:.1f} | {r['exchange_work_min']:.1f} | {r['alltoall_min']:.1f} | {r['eval_min']:.1f} | {r['setup_min']:.1f} | "
             f"{r['total_min_overlapped']:.1f} | {r['total_min_not_overlapped']:.1f} | "
             f"{r['total_min_with_checkpoints']:.1f} | "
             f"{p['reference_minutes'] / r['total_min_not_overlapped']:.2f}x |"
@@ -163,6 +204,16 @@ def intra_node_source(p: dict) -> str:
     return f"measured: {source}" if source else "modelled"
 
 
+def exchange_source(p: dict) -> str:
+    source = p.get("exchange_source")
+    if not source:
+        return "the exchange's permutes and casts not counted"
+    return (
+        f"the exchange's permutes and casts at {p['exchange_ms_per_1024_samples']:.0f} ms per 1,024 samples "
+        f"of a GPU's batch (measured: {source})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", default="h200", choices=("h200", "h100"), help="whose rehearsal to use")
@@ -170,6 +221,12 @@ def main() -> None:
         "--alltoall-from",
         default="hot_ids_h100x2",
         help="the hot-ids results whose measured all-to-all rate to use within a node ('' to use --nvlink-gbs)",
+    )
+    parser.add_argument(
+        "--exchange-from",
+        default="h100x2-torchrec-real-tables",
+        help="the weak-scaling row of scaling.json whose two-rank step measures the exchange's work "
+        "beyond NCCL ('' to leave it out)",
     )
     parser.add_argument(
         "--nvlink-gbs",
@@ -189,7 +246,13 @@ def main() -> None:
         hot_ids = load(args.alltoall_from)
         nvlink_gbs = measured_alltoall_gbs(hot_ids)
         source = f"{args.alltoall_from}, {hot_ids['device']}, commit {hot_ids['commit']}"
-    p = project(args.gpu, nvlink_gbs, args.network_gbs, source)
+    exchange, exchange_from = 0.0, None
+    if args.exchange_from:
+        scaling = load("scaling")
+        exchange = exchange_work_per_sample(scaling, args.exchange_from, nvlink_gbs, args.network_gbs)
+        row = next(row for row in scaling["rows"] if row["label"] == args.exchange_from)
+        exchange_from = f"scaling {args.exchange_from}, {row['device']}, commit {row['commit']}"
+    p = project(args.gpu, nvlink_gbs, args.network_gbs, source, exchange, exchange_from)
     p["command"] = command_line()
     text = table(p)
     print(text)

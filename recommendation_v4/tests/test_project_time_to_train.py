@@ -1,0 +1,68 @@
+"""The time-to-train projection's measured parts: the all-to-all rate from the hot-ids results and
+the exchange's work beyond NCCL from a weak-scaling row (benchmarks/project_time_to_train.py)."""
+
+from __future__ import annotations
+
+import project_time_to_train as projection
+import pytest
+
+NVLINK_GBS, NETWORK_GBS = 300.0, 45.0
+
+
+def scaling_row(label: str, one_rate: float, two_rate: float, scaling: str = "weak") -> dict:
+    def run(world: int, rate: float, repeat: int) -> dict:
+        return {
+            "world_size": world,
+            "global_batch": 1_024 * world,
+            "per_rank_batch": 1_024,
+            "bare_samples_per_s": rate,
+            "mean_history_tokens": 2_800.0,
+            "repeat": repeat,
+        }
+
+    # Three repeats each; the middle one is the median, the outliers must not count.
+    results = [run(1, one_rate * f, i) for i, f in enumerate((0.5, 1.0, 1.2))]
+    results += [run(2, two_rate * f, i) for i, f in enumerate((1.3, 1.0, 0.4))]
+    return {"label": label, "scaling": scaling, "results": results}
+
+
+def test_the_exchange_work_is_the_two_rank_steps_extra_time_less_its_nccl_time():
+    scaling = {"rows": [scaling_row("other", 10.0, 10.0), scaling_row("gpus", 2_000.0, 2_800.0)]}
+    per_sample = projection.exchange_work_per_sample(scaling, "gpus", NVLINK_GBS, NETWORK_GBS)
+    one_step, two_step = 1_024 / 2_000.0, 2_048 / 2_800.0
+    nccl = projection.alltoall_seconds(2, 1_024, 2_800.0, NVLINK_GBS, NETWORK_GBS)
+    assert 0 < nccl < two_step - one_step
+    assert per_sample * 1_024 == pytest.approx(two_step - one_step - nccl)
+
+
+def test_a_two_rank_step_faster_than_its_nccl_time_counts_no_work():
+    scaling = {"rows": [scaling_row("gpus", 2_000.0, 4_000.0)]}
+    assert projection.exchange_work_per_sample(scaling, "gpus", NVLINK_GBS, NETWORK_GBS) == 0.0
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([], "no single weak-scaling row labelled 'gpus'"),
+        ([scaling_row("gpus", 1.0, 1.0, scaling="strong")], "no single weak-scaling row"),
+        ([{"label": "gpus", "scaling": "weak", "results": scaling_row("x", 1.0, 1.0)["results"][:3]}], "no run on 2"),
+    ],
+)
+def test_a_missing_measurement_is_one_clear_error(rows, message):
+    with pytest.raises(SystemExit, match=message):
+        projection.exchange_work_per_sample({"rows": rows}, "gpus", NVLINK_GBS, NETWORK_GBS)
+
+
+def test_the_committed_results_project_with_the_exchange_counted():
+    """The script's defaults read the committed results: the exchange's work is in both totals."""
+    nvlink = projection.measured_alltoall_gbs(projection.load("hot_ids_h100x2"))
+    scaling = projection.load("scaling")
+    per_sample = projection.exchange_work_per_sample(scaling, "h100x2-torchrec-real-tables", nvlink, NETWORK_GBS)
+    with_work = projection.project("h200", nvlink, NETWORK_GBS, "hot ids", per_sample, "scaling")
+    without = projection.project("h200", nvlink, NETWORK_GBS, "hot ids")
+    for a, b in zip(with_work["rows"], without["rows"]):
+        assert a["exchange_work_min"] > 0 and b["exchange_work_min"] == 0
+        for total in ("total_min_overlapped", "total_min_not_overlapped"):
+            assert a[total] == pytest.approx(b[total] + a["exchange_work_min"])
+    assert "permutes and casts at" in projection.table(with_work)
+    assert "not counted" in projection.table(without)
