@@ -110,6 +110,7 @@ def worker(args: argparse.Namespace) -> None:
         rank=cluster.rank,
         world_size=world,
         worker_start=trainer.worker_start,
+        dedup_ids=trainer.dedup_ids,
     )
     stream = iter(loader)
     plan = loader.dataset.plan

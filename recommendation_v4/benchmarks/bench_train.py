@@ -88,6 +88,8 @@ def overrides(args: argparse.Namespace) -> list[str]:
         "1",
         "--sparse-pipeline",
         args.sparse_pipeline,
+        "--dedup-ids",
+        args.dedup_ids,
     ]
     for name in CONTEXTUAL_FEATURES:
         if name != "uid":
@@ -219,6 +221,7 @@ def bare_step(args: argparse.Namespace, device: torch.device) -> dict:
         windows,
         dataclasses.replace(cfg, loader=dataclasses.replace(cfg.loader, num_workers=min(cfg.loader.num_workers, 4))),
         drop_last=True,
+        dedup_ids=cfg.embeddings.dedup_ids,
     )
     batches = []
     for batch in loader:
@@ -278,6 +281,12 @@ def main() -> None:
         default="true",
         choices=("true", "false"),
         help="TorchRec: the next batch's ids distributed while a step computes (train.sparse_pipeline)",
+    )
+    parser.add_argument(
+        "--dedup-ids",
+        default="false",
+        choices=("true", "false"),
+        help="TorchRec: each distinct history id of a rank's batch looked up once (embeddings.dedup_ids)",
     )
     parser.add_argument(
         "--warmup-samples",

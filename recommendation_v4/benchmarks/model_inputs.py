@@ -11,7 +11,7 @@ from dlrmv4.data.hashing import NUM_CONTEXTUAL
 from dlrmv4.model.embeddings import SequenceEmbeddings
 
 
-def random_batch(lengths, seed: int) -> TorchJaggedBatch:
+def random_batch(lengths, seed: int, dedup_ids: bool = False) -> TorchJaggedBatch:
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths, np.int32)
     b, t = len(lengths), int(lengths.sum())
@@ -41,7 +41,7 @@ def random_batch(lengths, seed: int) -> TorchJaggedBatch:
         anchor_index=np.arange(b, dtype=np.int64),
     )
     batch.validate()
-    return batch.to_torch()
+    return batch.to_torch(dedup_ids=dedup_ids)
 
 
 def random_embeddings(batch: TorchJaggedBatch, dim: int, seed: int, dtype=torch.float32) -> SequenceEmbeddings:

@@ -217,6 +217,12 @@ class EmbeddingConfig:
         "and gradients the same way",
         choices=("none", "fp16", "bf16"),
     )
+    dedup_ids: bool = _field(
+        False,
+        "TorchRec: each rank looks up, and the all-to-all carries, each distinct history id of its "
+        "batch once (the loader finds them); the same rows forward, and a row's token gradients are "
+        "summed before the all-to-all instead of after it",
+    )
 
 
 @dataclass(frozen=True)

@@ -129,3 +129,28 @@ def test_sampler_benchmark_writes_stamped_results(tmp_path):
     md = (tmp_path / "sampler.md").read_text()
     assert md.startswith(f"# Sampler throughput (`{command}`)")
     assert "| config | history | tokens/sample |" in md and "commit feed123" in md.splitlines()[-1]
+
+
+def test_dedup_ids_benchmark_counts_the_distinct_ids(tmp_path):
+    """bench_dedup_ids.py on a small store: rank 0's distinct history ids are a share of its tokens,
+    fewer than all of them (the store's users repeat items), and the table says so per feature."""
+    from multi_process import make_data
+
+    data = make_data(tmp_path / "store")
+    env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent), DLRMV4_COMMIT="feed123")
+    args = ["--preset", "synthetic-tiny", "--data-path", str(data), "--global-batch", "16", "--worlds", "1", "2"]
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_dedup_ids.py"), *args, "--batches", "3", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "dedup_ids.json").read_text())
+    assert [(r["world"], r["samples_per_rank"]) for r in data["rows"]] == [(1, 16), (2, 8)]
+    for row in data["rows"]:
+        assert all(0 < share < 1 for share in row["distinct_share"].values()), row
+        assert row["pack_dedup_ms"] > 0 and row["tokens_per_rank"] > 0
+    md = (tmp_path / "dedup_ids.md").read_text()
+    assert "| ranks | samples per rank |" in md and "commit feed123" in md

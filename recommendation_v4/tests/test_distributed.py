@@ -380,3 +380,22 @@ def test_a_pipelined_run_killed_mid_run_resumes_bit_exactly(data_path, tmp_path)
     assert resumed["history"]["window_losses"] == whole["history"]["window_losses"]
     assert [e["auc"] for e in resumed["history"]["evals"]] == [e["auc"] for e in whole["history"]["evals"]]
     assert resumed["parameters_sha256"] == whole["parameters_sha256"] is not None
+
+
+def test_deduplicated_ids_follow_the_full_lookup_and_resume_bit_exactly(data_path, tmp_path, one_process):
+    """embeddings.dedup_ids on two ranks (row-wise, fp32 all-to-all, pipelined, 2 chunks): each
+    rank asks for fewer ids than the full lookup does, the run follows the one-process trajectory,
+    and a run paused and resumed on two ranks ends where the uninterrupted one does, bit for bit."""
+    extra = {"train.chunks": 2, "embeddings.qcomm": "none", **ROW_WISE}
+    full = train_report(2, data_path, tmp_path / "full", **{"train.max_steps": STEPS, **extra})
+    dedup = {**extra, "embeddings.dedup_ids": True}
+    whole = train_report(2, data_path, tmp_path / "whole", **{"train.max_steps": STEPS, **dedup})
+    assert 0 < whole["ids_looked_up"] < full["ids_looked_up"]
+    assert whole["lookups_distributed_ahead"] == full["lookups_distributed_ahead"] == STEPS - 1
+    assert_same_trajectory(whole, one_process)
+    assert_same_trajectory(whole, full)
+    train_report(2, data_path, tmp_path / "split", **{"train.max_steps": PAUSE, **dedup})
+    split = train_report(2, data_path, tmp_path / "split", **{"train.max_steps": STEPS, **dedup})
+    assert split["history"]["window_losses"] == whole["history"]["window_losses"]
+    assert [e["auc"] for e in split["history"]["evals"]] == [e["auc"] for e in whole["history"]["evals"]]
+    assert split["parameters_sha256"] == whole["parameters_sha256"] is not None

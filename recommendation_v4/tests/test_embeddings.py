@@ -61,7 +61,7 @@ def build(backend: str, seed: int = 7, lr: float = LR):
     return make_embeddings(table_specs(cfg, 0, 0, 0), cfg, "cpu", seed)
 
 
-def batch(seed: int, lengths=(5, 0, 9, 3)):
+def batch(seed: int, lengths=(5, 0, 9, 3), dedup_ids: bool = False):
     """Small id ranges force duplicates within a feature and between history and candidate."""
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths, np.int32)
@@ -88,7 +88,7 @@ def batch(seed: int, lengths=(5, 0, 9, 3)):
         anchor_index=np.arange(b, dtype=np.int64),
     )
     jb.validate()
-    return jb.to_torch()
+    return jb.to_torch(dedup_ids=dedup_ids)
 
 
 def loss_of(emb) -> torch.Tensor:
@@ -366,6 +366,38 @@ def test_ids_distributed_ahead_give_the_same_lookup_and_update():
     for module, emb in ((ahead, got), (plain_order, want)):
         loss_of(emb).backward()
     assert_tables_close(tables(ahead), tables(plain_order), rtol=0, atol=0)
+
+
+@needs_torchrec
+def test_deduplicated_ids_give_the_same_rows_and_update():
+    """embeddings.dedup_ids: the lookup asks for each distinct history id once (fewer ids, also when
+    sent ahead) and every token gets its row back; the rows equal the full lookup's, and the update
+    (a row's token gradients summed before the lookup's backward) equals it to fp32 rounding."""
+    full, dedup = build("torchrec"), build("torchrec")
+    seeds, lrs = [11, 12, 13, 14], [0.01, 0.02, 0.03, 0.05]
+    for i, seed in enumerate(seeds):
+        for module in (full, dedup):
+            module.set_learning_rate(lrs[i])
+        b_full, b_dedup = batch(seed), batch(seed, dedup_ids=True)
+        assert b_dedup.unique_counts is not None and sum(b_dedup.unique_counts) < 3 * b_dedup.total_tokens
+        if i % 2:  # the pipeline's path: the distinct ids sent ahead
+            dedup.distribute_ids(b_dedup)
+        got, want = dedup(b_dedup), full(b_full)
+        for a, b in zip(got.tensors(), want.tensors()):
+            assert torch.equal(a, b)
+        for module, emb in ((full, want), (dedup, got)):
+            loss_of(emb).backward()
+            module.sparse_step()
+    assert dedup.lookups_distributed_ahead == 2
+    assert dedup.ids_looked_up < full.ids_looked_up
+    assert_tables_close(tables(dedup), tables(full), atol=1e-7)
+
+
+def test_deduplicated_ids_are_a_torchrec_setting():
+    cfg = config("plain")
+    cfg = dataclasses.replace(cfg, embeddings=dataclasses.replace(cfg.embeddings, dedup_ids=True))
+    with pytest.raises(UserError, match="dedup_ids is a TorchRec setting"):
+        make_embeddings(table_specs(cfg, 0, 0, 0), cfg, "cpu", 7)
 
 
 @needs_torchrec

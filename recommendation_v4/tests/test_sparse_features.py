@@ -9,8 +9,17 @@ import pytest
 import torch
 from test_embeddings import batch
 
+from dlrmv4.data.batch import unique_with_inverse
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
-from dlrmv4.data.sparse_features import SPARSE_KEYS, feature_ids, packed_ids, sparse_features
+from dlrmv4.data.sparse_features import (
+    HISTORY_KEYS,
+    SPARSE_KEYS,
+    expand_history_rows,
+    feature_ids,
+    lookup_size,
+    packed_ids,
+    sparse_features,
+)
 
 
 def test_feature_ids_name_every_id_of_the_batch():
@@ -78,3 +87,48 @@ def test_a_cut_or_edited_batch_gets_its_features_gathered():
     assert packed_ids(edited) is None  # a replaced field is no longer the region: never stale ids
     _check(sparse_features(edited), edited)
     assert np.array_equal(b.contextual_ids.t().reshape(-1).numpy(), packed_ids(b)[-8 * b.num_samples :].numpy())
+
+
+@pytest.mark.parametrize("top", [50, 1 << 27])  # a flag per possible id; sorting (ids far apart)
+def test_unique_with_inverse(top):
+    ids = np.random.default_rng(top).integers(0, top, 5_000).astype(np.int64)
+    ids[::7] = ids[0]  # repeats
+    unique, inverse = unique_with_inverse(ids)
+    assert np.array_equal(unique, np.unique(ids)) and unique.dtype == np.int64
+    assert inverse.dtype == np.int32 and np.array_equal(unique[inverse], ids)
+    empty, none = unique_with_inverse(ids[:0])
+    assert len(empty) == len(none) == 0
+
+
+def test_a_deduplicated_batch_asks_for_each_distinct_history_id_once():
+    """``to_torch(dedup_ids=True)``: the KeyedJaggedTensor holds each history feature's distinct ids
+    (its lengths count them, all as the first sample's), the candidates and contextual ids as they
+    are, views of the batch's one buffer; every token's id is its distinct id at ``history_inverse``.
+    A cut batch drops the deduplicated layout and gathers."""
+    pytest.importorskip("torchrec")
+    full, b = batch(5), batch(5, dedup_ids=True)
+    assert b._packed() is not None and b.unique_counts is not None
+    kjt = sparse_features(b)
+    assert kjt.values().untyped_storage().data_ptr() == b._packed().untyped_storage().data_ptr()
+    features, ids = kjt.to_dict(), feature_ids(full)
+    for i, key in enumerate(HISTORY_KEYS):
+        values = features[key].values()
+        assert torch.equal(values, torch.unique(ids[key])) and len(values) == b.unique_counts[i]
+        assert features[key].lengths().tolist() == [len(values)] + [0] * (b.num_samples - 1)
+        assert torch.equal(values[b.history_inverse[i].long()], ids[key])
+    for key in SPARSE_KEYS:
+        if key not in HISTORY_KEYS:
+            assert torch.equal(features[key].values(), ids[key]), key
+    assert kjt.length_per_key() == [
+        b.unique_counts[HISTORY_KEYS.index(k)] if k in HISTORY_KEYS else b.num_samples for k in SPARSE_KEYS
+    ]
+    assert lookup_size(b) == len(kjt.values()) < lookup_size(full) == len(sparse_features(full).values())
+    rows = {key: torch.randn(len(jt.values()), 4) for key, jt in features.items()}
+    expanded = expand_history_rows(b, rows)
+    for i, key in enumerate(HISTORY_KEYS):
+        assert torch.equal(expanded[key], rows[key][b.history_inverse[i].long()])
+    moved = b.to("cpu")  # the field views move with the one buffer
+    assert torch.equal(sparse_features(moved).values(), kjt.values())
+    part = b.samples(1, 3)
+    assert part.lookup_ids is None and part.history_inverse is None and expand_history_rows(part, rows) is rows
+    _check(sparse_features(part), part)

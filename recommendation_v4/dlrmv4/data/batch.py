@@ -11,6 +11,11 @@ in it as the sparse lookup's KeyedJaggedTensor holds them: one int64 region in `
 ``contextual_ids`` column by column, with the KeyedJaggedTensor's lengths beside it
 (``id_lengths``). Pinning and the copy to the device move that buffer as one, and the lookup wraps
 the region as the KeyedJaggedTensor's values as it is (``sparse_features.py``).
+
+With ``dedup_ids`` the worker also lays out the lookup's ids with each history feature's distinct
+ids only (``lookup_ids``, ``unique_counts``), and for every history token the index of its id among
+them (``history_inverse``): the lookup then fetches, and the all-to-all carries, each distinct id
+of the batch once, and the tokens take their rows from there.
 """
 
 from __future__ import annotations
@@ -50,6 +55,29 @@ PER_TOKEN = ("history_item_id", "history_artist_id", "history_album_id", "histor
 # candidate per shared table, then the contextual columns.
 ID_FIELDS = ("history_item_id", "candidate_item_id", "history_artist_id", "candidate_artist_id",
              "history_album_id", "candidate_album_id", "contextual_ids")
+
+
+# The history id fields, one per id the history shares with the candidate (sparse_features.SHARED_IDS).
+HISTORY_ID_FIELDS = ("history_item_id", "history_artist_id", "history_album_id")
+# Ids below this are made unique through a flag per possible id (linear time); larger ones by sorting.
+DENSE_UNIQUE_LIMIT = 1 << 26
+
+
+def unique_with_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct values of ``ids`` (non-negative int64) in ascending order, and for every element
+    its index among them (int32): ``unique[inverse] == ids``."""
+    if not len(ids):
+        return ids[:0], np.zeros(0, dtype=np.int32)
+    top = int(ids.max()) + 1
+    if top > DENSE_UNIQUE_LIMIT or top > 16 * len(ids):  # a flag per possible id would cost more than a sort
+        unique, inverse = np.unique(ids, return_inverse=True)
+        return unique, inverse.astype(np.int32).reshape(-1)
+    seen = np.zeros(top, dtype=bool)
+    seen[ids] = True
+    unique = np.flatnonzero(seen)
+    rank = np.empty(top, dtype=np.int32)
+    rank[unique] = np.arange(len(unique), dtype=np.int32)
+    return unique.astype(np.int64, copy=False), rank[ids]
 
 
 # eq=False: arrays have no single truth value, so a generated __eq__ would only raise.
@@ -99,11 +127,13 @@ class JaggedBatch:
         if self.history_offsets[0] != 0 or not np.array_equal(np.diff(self.history_offsets), self.history_lengths):
             raise ValueError("JaggedBatch: history_offsets are not the running sum of history_lengths")
 
-    def to_torch(self, device: torch.device | str | None = None, pin_memory: bool = False) -> TorchJaggedBatch:
+    def to_torch(self, device: torch.device | str | None = None, pin_memory: bool = False,
+                 dedup_ids: bool = False) -> TorchJaggedBatch:
         """Torch twin whose tensors are views of one packed host buffer (8-byte aligned fields), so a
         worker hands a batch over in one shared-memory segment and pinning or a device copy is one
         transfer; optionally pinned, then copied to ``device`` without blocking. The id fields are
-        views of one region in the lookup's layout (module docstring)."""
+        views of one region in the lookup's layout; ``dedup_ids`` adds the lookup's distinct ids
+        (module docstring)."""
         b = self.num_samples
         ids = [np.ascontiguousarray(getattr(self, name)).reshape(-1) for name in ID_FIELDS[:-1]]
         ids.append(np.ascontiguousarray(self.contextual_ids.T).reshape(-1))  # column by column
@@ -111,6 +141,17 @@ class JaggedBatch:
         lengths = self.history_lengths.astype(np.int64)
         regions = {"ids": np.concatenate(ids).astype(np.int64, copy=False),
                    "id_lengths": np.concatenate([lengths, ones] * 3 + [ones] * NUM_CONTEXTUAL)}
+        unique_counts = None
+        if dedup_ids:
+            uniques = {name: unique_with_inverse(getattr(self, name)) for name in HISTORY_ID_FIELDS}
+            n_item, n_artist, n_album = (len(uniques[name][0]) for name in HISTORY_ID_FIELDS)
+            unique_counts = (n_item, n_artist, n_album)
+            # A history feature's distinct ids all count as its first sample's: only the total matters.
+            first = [np.concatenate([[n], np.zeros(b - 1, dtype=np.int64)]) for n in unique_counts]
+            lookup = [uniques[name][0] if name in uniques else arr for name, arr in zip(ID_FIELDS, ids)]
+            regions["id_lengths"] = np.concatenate([x for n in first for x in (n, ones)] + [ones] * NUM_CONTEXTUAL)
+            regions["lookup_ids"] = np.concatenate(lookup).astype(np.int64, copy=False)
+            regions["history_inverse"] = np.stack([uniques[name][1] for name in HISTORY_ID_FIELDS])
         regions |= {name: np.ascontiguousarray(getattr(self, name)) for name in BATCH_DTYPES if name not in ID_FIELDS}
         offsets, total = {}, 0
         for name, arr in regions.items():
@@ -131,7 +172,8 @@ class JaggedBatch:
         out = TorchJaggedBatch(**tensors, num_samples=b,
                                max_history_length=self.max_history_length, total_tokens=self.total_tokens,
                                host_history_lengths=regions["history_lengths"].copy(),
-                               id_lengths=views["id_lengths"])
+                               id_lengths=views["id_lengths"], lookup_ids=views.get("lookup_ids"),
+                               history_inverse=views.get("history_inverse"), unique_counts=unique_counts)
         if pin_memory:
             out = out.pin_memory()
         return out.to(device) if device is not None else out
@@ -162,6 +204,12 @@ class TorchJaggedBatch:
     # The lookup's KeyedJaggedTensor lengths ([features x B] int64), where the id fields lie in one
     # region in the lookup's layout (``to_torch``); None for a batch cut from another (``samples``).
     id_lengths: torch.Tensor | None = None
+    # With the ids deduplicated (``to_torch(dedup_ids=True)``; None otherwise and in a cut batch): the
+    # lookup's values with each history feature's distinct ids only, their counts (host ints, history
+    # item / artist / album), and for every history token the index of its id among them ([3, T] int32).
+    lookup_ids: torch.Tensor | None = None
+    history_inverse: torch.Tensor | None = None
+    unique_counts: tuple[int, int, int] | None = None
 
     def history_row(self, sample: int) -> int:
         """Index of sample ``sample``'s first history row (``sample == num_samples``: the total)."""
@@ -181,7 +229,8 @@ class TorchJaggedBatch:
                                 total_tokens=h1 - h0, host_history_lengths=lengths)
 
     def _tensor_fields(self) -> tuple[str, ...]:
-        return tuple(BATCH_DTYPES) + (("id_lengths",) if self.id_lengths is not None else ())
+        optional = ("id_lengths", "lookup_ids", "history_inverse")
+        return tuple(BATCH_DTYPES) + tuple(name for name in optional if getattr(self, name) is not None)
 
     def _map(self, fn) -> TorchJaggedBatch:
         return dataclasses.replace(self, **{name: fn(getattr(self, name)) for name in self._tensor_fields()})

@@ -119,7 +119,8 @@ class WindowDataset(IterableDataset):
 
     def __init__(self, store: Store, windows: Sequence[int], cfg: SamplerConfig, *, batch_size: int,
                  shuffle: bool = False, seed: int = 0, drop_last: bool = False, start_batch: int = 0,
-                 rank: int = 0, world_size: int = 1, order: str = "index", slicing: str = "strided") -> None:
+                 rank: int = 0, world_size: int = 1, order: str = "index", slicing: str = "strided",
+                 dedup_ids: bool = False) -> None:
         super().__init__()
         windows = [int(w) for w in windows]
         bad = [w for w in windows if not 0 <= w < store.num_windows]
@@ -137,6 +138,7 @@ class WindowDataset(IterableDataset):
         self.start_batch = start_batch
         self.rank, self.world_size = rank, world_size
         self.order, self.slicing = order, slicing
+        self.dedup_ids = dedup_ids
 
     def __len__(self) -> int:
         return len(self.plan) - self.start_batch
@@ -160,21 +162,22 @@ class WindowDataset(IterableDataset):
             share = rank_share(part, self.rank, self.world_size, self.slicing, tokens)
             if not len(share):  # a tail batch smaller than the world: this rank scores a stand-in, ignored
                 share = np.array([part.start], dtype=np.int64)
-            yield build_batch(store, order[share], self.cfg, item_sides).to_torch()
+            yield build_batch(store, order[share], self.cfg, item_sides).to_torch(dedup_ids=self.dedup_ids)
 
 
 def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfig, start_batch: int = 0,
                        drop_last: bool = False, rank: int = 0, world_size: int = 1,
-                       worker_start: str | None = None) -> DataLoader:
+                       worker_start: str | None = None, dedup_ids: bool = False) -> DataLoader:
     """A DataLoader over ``windows`` (in the given order) that starts at batch ``start_batch`` (resume)
     and yields rank ``rank``'s slice of every batch. ``worker_start``: how its worker processes start
     (a multiprocessing start method; None: the platform's, fork on Linux). A process holding pinned
     host memory passes "forkserver": Linux copies pinned pages into a forked child at once, so forked
-    workers of a rank with tables in host memory would each copy them."""
+    workers of a rank with tables in host memory would each copy them. ``dedup_ids``: the workers
+    also pack each history feature's distinct ids for the lookup (``JaggedBatch.to_torch``)."""
     dataset = WindowDataset(store, windows, cfg.sampler, batch_size=cfg.loader.batch_size,
                             shuffle=cfg.loader.shuffle_within_window, seed=cfg.seed, drop_last=drop_last,
                             start_batch=start_batch, rank=rank, world_size=world_size,
-                            order=cfg.loader.window_order, slicing=cfg.loader.rank_slicing)
+                            order=cfg.loader.window_order, slicing=cfg.loader.rank_slicing, dedup_ids=dedup_ids)
     workers = cfg.loader.num_workers
     # An own generator: creating an iterator draws a worker base seed, which must not consume the
     # global torch RNG (dropout draws from it, and a resumed run must see the same stream).

@@ -5,14 +5,17 @@
 feature per contextual column (one id per sample, ``hashing.CONTEXTUAL_FEATURES`` order).
 ``sparse_features`` gives them as TorchRec's KeyedJaggedTensor, in ``SPARSE_KEYS`` order: for a
 batch the loader's worker packed (``TorchJaggedBatch.id_lengths`` set) its values and lengths are
-the batch's own memory, already on the device; otherwise they are gathered.
+the batch's own memory, already on the device; otherwise they are gathered. A batch packed with its
+ids deduplicated (``lookup_ids`` set) gives each history feature's distinct ids instead, all counted
+as its first sample's: the lookup returns one row per distinct id, and ``expand_history_rows`` gives
+every token its row.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dlrmv4.data.batch import ID_FIELDS, TorchJaggedBatch
+from dlrmv4.data.batch import HISTORY_ID_FIELDS, ID_FIELDS, TorchJaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 
 # Ids that both the history and the candidate carry (each indexes one table for both).
@@ -22,6 +25,8 @@ SPARSE_KEYS = tuple(f"{side}_{name}_id" for name in SHARED_IDS for side in ("his
     CONTEXTUAL_FEATURES
 )
 assert SPARSE_KEYS[: len(ID_FIELDS) - 1] == ID_FIELDS[:-1]  # the batch packs its ids in this order
+HISTORY_KEYS = tuple(f"history_{name}_id" for name in SHARED_IDS)
+assert HISTORY_KEYS == HISTORY_ID_FIELDS  # the order of the batch's unique_counts and history_inverse
 
 
 def feature_ids(batch: TorchJaggedBatch) -> dict[str, torch.Tensor]:
@@ -42,6 +47,12 @@ def sparse_features(batch: TorchJaggedBatch):
     from torchrec import KeyedJaggedTensor
 
     b, t = batch.num_samples, batch.total_tokens
+    if batch.lookup_ids is not None and batch.unique_counts is not None and batch.id_lengths is not None:
+        distinct = dict(zip(HISTORY_KEYS, batch.unique_counts))
+        per_key = [distinct.get(k, b) for k in SPARSE_KEYS]
+        return KeyedJaggedTensor(
+            keys=list(SPARSE_KEYS), values=batch.lookup_ids, lengths=batch.id_lengths, stride=b, length_per_key=per_key
+        )
     per_key = [t if k.startswith("history_") else b for k in SPARSE_KEYS]
     packed = packed_ids(batch)
     if packed is not None and batch.id_lengths is not None:
@@ -56,6 +67,26 @@ def sparse_features(batch: TorchJaggedBatch):
         history = batch.history_lengths.to(torch.int64)
         lengths = torch.cat([history if k.startswith("history_") else ones for k in SPARSE_KEYS])
     return KeyedJaggedTensor(keys=list(SPARSE_KEYS), values=values, lengths=lengths, stride=b, length_per_key=per_key)
+
+
+def lookup_size(batch: TorchJaggedBatch) -> int:
+    """How many ids ``sparse_features(batch)`` asks the lookup for (host sizes, no device read)."""
+    b = batch.num_samples
+    history = sum(batch.unique_counts) if batch.lookup_ids is not None and batch.unique_counts else len(HISTORY_KEYS) * batch.total_tokens
+    return history + (len(SPARSE_KEYS) - len(HISTORY_KEYS)) * b
+
+
+def expand_history_rows(batch: TorchJaggedBatch, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The looked-up rows by feature with every history feature's rows per token: as they are for a
+    batch whose ids were not deduplicated, else each token's row picked from its feature's distinct
+    rows. The backward sums a distinct row's token gradients (sorted, deterministic) before the
+    lookup's backward sends them."""
+    if batch.lookup_ids is None or batch.history_inverse is None:
+        return rows
+    expanded = dict(rows)
+    for key, inverse in zip(HISTORY_KEYS, batch.history_inverse):
+        expanded[key] = torch.nn.functional.embedding(inverse, rows[key])
+    return expanded
 
 
 def packed_ids(batch: TorchJaggedBatch) -> torch.Tensor | None:

@@ -36,11 +36,13 @@ class Evaluator:
         train_samples: int,
         holdout: int,
         worker_start: str | None = None,
+        dedup_ids: bool = False,
     ) -> None:
         self.cfg, self.store, self.model, self.embeddings = cfg, store, model, embeddings
         self.chunks, self.cluster, self.runlog = chunks, cluster, runlog
         self.train_samples, self.holdout = train_samples, holdout
         self.worker_start = worker_start  # how the eval loader's workers start (make_window_loader)
+        self.dedup_ids = dedup_ids  # whether they pack the distinct ids for the lookup
         self.schedule = EvalSchedule(train_samples, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
 
     def holdout_due(self, samples: int) -> bool:
@@ -77,7 +79,13 @@ class Evaluator:
         acc = AucAccumulator(self.cluster.device)
         rank, world = self.cluster.rank, self.cluster.world_size
         loader = make_window_loader(
-            self.store, [window], self.cfg, rank=rank, world_size=world, worker_start=self.worker_start
+            self.store,
+            [window],
+            self.cfg,
+            rank=rank,
+            world_size=world,
+            worker_start=self.worker_start,
+            dedup_ids=self.dedup_ids,
         )
         assert isinstance(loader.dataset, WindowDataset)
         plan = loader.dataset.plan

@@ -169,6 +169,7 @@ def _run(
             "memory_plan": plan.describe(),
             "chunks": cfg.train.chunks,
             "lookups_distributed_ahead": embeddings.lookups_distributed_ahead,
+            "ids_looked_up": embeddings.ids_looked_up,
             "recompute": cfg.model.recompute,
             "parameters_sha256": digest,
             "mlperf_log": str(runlog.path),

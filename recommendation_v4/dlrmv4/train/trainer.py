@@ -131,6 +131,7 @@ class Trainer:
         self.step = TrainStep(model, embeddings, cfg.train, self.finite, train_model)
         # Loader workers forked from a rank with tables in pinned host memory would copy them all.
         self.worker_start = "forkserver" if embeddings.holds_pinned_host_memory else None
+        self.dedup_ids = cfg.embeddings.dedup_ids  # the loader packs the distinct ids for the lookup
         self.evaluator = Evaluator(
             cfg,
             store,
@@ -142,6 +143,7 @@ class Trainer:
             self.train_samples,
             self.holdout,
             self.worker_start,
+            self.dedup_ids,
         )
         self.checkpointer = Checkpointer(cfg, cluster, model, self.step.optimizer, embeddings, self.log)
         self.profiler = StepProfiler(
@@ -174,6 +176,7 @@ class Trainer:
             rank=self.cluster.rank,
             world_size=self.cluster.world_size,
             worker_start=self.worker_start,
+            dedup_ids=self.dedup_ids,
         )
         assert isinstance(loader.dataset, WindowDataset)
         self.progress = TrainProgress(

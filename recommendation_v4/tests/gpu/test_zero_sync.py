@@ -21,18 +21,20 @@ from dlrmv4.train.trainer import build_step
 ROWS = 100  # random_batch draws every id below this: small tables, the reference's widths
 
 
-def _steps(preset: str, max_len: int, chunks: int, backend: str, sharding: str = ""):
+def _steps(preset: str, max_len: int, chunks: int, backend: str, sharding: str = "", dedup_ids: bool = False):
     cfg = load_config(preset)
     cfg = dataclasses.replace(
         cfg,
-        embeddings=dataclasses.replace(cfg.embeddings, embedding_backend=backend, sharding_types=sharding),
+        embeddings=dataclasses.replace(
+            cfg.embeddings, embedding_backend=backend, sharding_types=sharding, dedup_ids=dedup_ids
+        ),
         sampler=dataclasses.replace(cfg.sampler, **{f"{name}_rows": ROWS for name in CONTEXTUAL_FEATURES}),
         train=dataclasses.replace(cfg.train, warmup_steps=3, chunks=chunks),
     )
     device = torch.device("cuda")
     step = build_step(cfg, (ROWS, ROWS, ROWS), device, seed=0)
     rng = np.random.default_rng(7)
-    batches = [random_batch(rng.integers(1, max_len + 1, 8), seed=i).to(device) for i in range(8)]
+    batches = [random_batch(rng.integers(1, max_len + 1, 8), seed=i, dedup_ids=dedup_ids).to(device) for i in range(8)]
     for i in range(3):  # allocator, autotuning and lazy initialisation may synchronise once
         step(batches[i], i, 0)
     torch.cuda.synchronize()
@@ -55,20 +57,21 @@ def test_training_steps_do_not_synchronise(preset, max_len, chunks):
     assert all(bool(torch.isfinite(loss)) for loss in losses)
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("pipelined, dedup_ids", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("sharding", ["*=row_wise", "*=table_wise"])
 @pytest.mark.parametrize("chunks", [1, 3])
-def test_torchrec_steps_wait_only_in_torchrecs_input_distribution(sharding, chunks, pipelined, request):
+def test_torchrec_steps_wait_only_in_torchrecs_input_distribution(sharding, chunks, pipelined, dedup_ids, request):
     """TorchRec's input distribution waits for the device in every step: it builds its
     feature permutation from a host list (``torch.tensor(recat, device=...)`` in dist_data.py) and,
     row-wise, reads the bucketised lengths back to size its all-to-all
     (``KeyedJaggedTensor.length_per_key`` in jagged_tensor.py). Those are the only waits of a
     TorchRec step: none is in this project's code. They cannot move out of TorchRec (they size its
     all-to-alls), but with the sparse-dist pipeline they belong to the next batch's distribution,
-    which runs on its own stream during this step: the lookup itself then waits for nothing."""
+    which runs on its own stream during this step: the lookup itself then waits for nothing, also
+    with the ids deduplicated (the loader's worker finds the distinct ids; their counts are host ints)."""
     pytest.importorskip("torchrec")
     request.getfixturevalue("process_group")
-    step, batches = _steps("yambda-5b", 4087, chunks, "torchrec", sharding)
+    step, batches = _steps("yambda-5b", 4087, chunks, "torchrec", sharding, dedup_ids)
     waits_in_lookups: list[int] = []
     lookup = step.embeddings.forward
 
@@ -88,7 +91,7 @@ def test_torchrec_steps_wait_only_in_torchrecs_input_distribution(sharding, chun
         torch.cuda.set_sync_debug_mode(0)
     waits = [w for w in seen if "synchroniz" in str(w.message)]
     sites = sorted({(Path(w.filename).name, w.lineno) for w in waits})
-    print(f"{sharding}, {chunks} chunk(s), pipelined {pipelined}: {len(waits)} waits in 5 steps at", sites)
+    print(f"{sharding}, {chunks} chunk(s), pipelined {pipelined}, dedup {dedup_ids}: {len(waits)} waits at", sites)
     print("waits inside each lookup:", waits_in_lookups)
     assert not [w for w in waits if "torchrec" not in w.filename], sites
     assert {name for name, _ in sites} <= {"dist_data.py", "jagged_tensor.py"}, sites

@@ -84,6 +84,8 @@ def make_embeddings(
             "embeddings.sharding_types and placement are TorchRec settings: the plain backend "
             "keeps a replica of every table on each rank"
         )
+    if cfg.embeddings.dedup_ids:
+        raise UserError("embeddings.dedup_ids is a TorchRec setting: the plain backend looks up every token's id")
     return PlainEmbeddings(
         *args,
         kernels=cfg.model.kernels,

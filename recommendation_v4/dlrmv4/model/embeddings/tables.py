@@ -133,6 +133,7 @@ class SparseEmbeddings(nn.Module, abc.ABC):
         self.eps = eps
         self.lr = lr
         self.lookups_distributed_ahead = 0  # lookups whose ids ``distribute_ids`` had sent ahead
+        self.ids_looked_up = 0  # ids the lookups asked for (TorchRec; fewer than the tokens' with dedup_ids)
 
     def check_ids(self, batch: TorchJaggedBatch) -> None:
         """Raise ValueError naming the feature when an id is outside its table (syncs: debug only)."""
