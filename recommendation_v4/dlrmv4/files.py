@@ -28,6 +28,18 @@ def check_writable(path: Path, what: str) -> None:
         raise UserError(f"{what} {path} is not writable: {exc.strerror or exc}") from exc
 
 
+def check_free_space(path: Path, needed: int, what: str) -> None:
+    """Fail before any work, with one line, when the disk holding directory ``path`` (made if
+    missing) has fewer than ``needed`` bytes free for ``what``."""
+    path.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(path).free
+    if free < needed:
+        raise UserError(
+            f"{what} needs up to {needed / 1e9:.2f} GB under {path} but {free / 1e9:.2f} GB are free; "
+            "free some space or point --data-path at a larger disk"
+        )
+
+
 def write_atomically(final: Path, write: Callable[[Path], Any]) -> None:
     """``write(tmp)`` fills a temp file beside ``final``; only a complete file gets the final name."""
     tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")

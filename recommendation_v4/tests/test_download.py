@@ -189,9 +189,13 @@ def test_network_failure_uses_cache_or_explains(tmp_path: Path, point_at) -> Non
 
 
 def test_disk_space_is_checked_before_downloading(tmp_path: Path, point_at, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each file checks its own room too: the disk filled up after the whole download's check."""
+    frees = iter([10**12])  # the first look (the whole download's) finds room; every later one does not
     with FakeHub(yambda_files(SIZE, rows=100)) as hub:
         point_at(hub.url)
-        monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**9, used=10**9, free=10))
+        monkeypatch.setattr(
+            shutil, "disk_usage", lambda path: SimpleNamespace(total=10**12, used=0, free=next(frees, 10))
+        )
         with pytest.raises(UserError, match=f"{EVENTS}: needs .* GB more but .* GB free; free some space"):
             download_yambda(_ds(tmp_path), progress=False)
         assert _gets(hub, EVENTS) == []
@@ -234,3 +238,25 @@ def test_relative_data_path(tmp_path: Path, offline: None, monkeypatch: pytest.M
     build_hub_cache(tmp_path / "data" / "hub_cache", yambda_files(SIZE, rows=100))
     raw, commit = download_yambda(_ds(Path(".")), progress=False)
     assert commit == COMMIT and raw.multi_event == _storage(tmp_path) / "snapshots" / COMMIT / EVENTS
+
+
+def test_the_whole_download_is_checked_for_space_first(tmp_path: Path, point_at, monkeypatch) -> None:
+    """Room for the largest file but not for all three: refused before any file is fetched, in one
+    line naming what all of them need and what is free; a partial blob counts as already there."""
+    files = yambda_files(SIZE, rows=100)
+    need = sum(len(files[name]) for name in NAMES)
+    with FakeHub(files) as hub:
+        point_at(hub.url)
+        free = need - 1
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**12, used=0, free=free))
+        with pytest.raises(UserError) as excinfo:
+            download_yambda(_ds(tmp_path), progress=False)
+        message = _one_line_error(excinfo)
+        assert message.startswith(f"downloading Yambda-50M (3 files) needs up to {need / 1e9:.2f} GB under ")
+        assert f"but {free / 1e9:.2f} GB are free" in message
+        assert [s for s in hub.seen if s.method == "GET"] == []
+        partial = _storage(tmp_path) / "blobs" / f"{sha256(files[EVENTS])}.incomplete"
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(files[EVENTS][:10])  # ten bytes already on disk: now it fits
+        raw, _ = download_yambda(_ds(tmp_path), progress=False)
+        assert raw.multi_event.read_bytes() == files[EVENTS]

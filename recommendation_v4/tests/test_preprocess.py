@@ -210,3 +210,28 @@ def test_explicit_last_timestamp_is_exclusive(tmp_path):
     assert meta["split"]["t_end"] == end
     assert meta["counts"]["dropped_at_or_after_end"] == int(np.count_nonzero(ev.timestamp >= end))
     assert _rows(open_store(out).test) == _reference(ev, cfg)["test"], f"seed {SEED}"
+
+
+def test_too_little_disk_is_refused_before_any_work(tmp_path, monkeypatch):
+    """Less free space than the store can take (35 bytes a raw row at most): one line naming both,
+    and no store or temp directory left behind."""
+    import shutil
+    from types import SimpleNamespace
+
+    from dlrmv4.data.preprocess import STORE_BYTES_PER_ROW_AT_MOST
+    from dlrmv4.errors import UserError
+
+    ev = random_events(SEED, num_users=5)
+    raw = write_raw(tmp_path / "raw", ev)
+    rows = len(ev.uid)
+    need, free = rows * STORE_BYTES_PER_ROW_AT_MOST, rows * STORE_BYTES_PER_ROW_AT_MOST - 1
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**12, used=0, free=free))
+    out = tmp_path / "data" / "store"
+    cfg = _cfg()
+    with pytest.raises(UserError) as excinfo:
+        preprocess(raw, out, cfg.dataset, cfg.preprocess, progress=False)
+    assert str(excinfo.value) == (
+        f"preprocessing {rows:,} events needs up to {need / 1e9:.2f} GB under {out.parent} but "
+        f"{free / 1e9:.2f} GB are free; free some space or point --data-path at a larger disk"
+    )
+    assert list(out.parent.iterdir()) == []

@@ -123,3 +123,23 @@ def test_meta_counts_and_window_span_are_checked(store):
     write_md5s(store)
     problems = verify_store(store, progress=False)
     assert any("t_min" in p or "another window" in p for p in problems), problems
+
+
+def test_threads_check_chunks_and_files_like_one_thread(store, monkeypatch):
+    """Many small chunks on 4 threads: a good store passes, a damaged one gets the same first problem
+    as on one thread (the earliest chunk's), and the threads' md5 sums are the files' own."""
+    from dlrmv4.data import store as st
+    from dlrmv4.data import verify
+
+    monkeypatch.setattr(verify, "EVENTS_PER_CHECK", 97)
+    steps = []
+    assert verify_store(store, progress=False, workers=4, on_step=steps.append) == []
+    assert steps[0].startswith("checking md5 sums (") and "4 threads" in steps[0]
+    assert any(s.startswith("store invariants checked in") for s in steps)
+    files = st.store_files(store)
+    assert st.file_md5s(files, workers=4) == [st.file_md5(f) for f in files]
+    n = len(np.load(store / "train" / "session_id.npy"))
+    _tamper(store, "train/session_id.npy", lambda a: a.__setitem__(slice(n // 3, None), a[n // 3 :] + 1))
+    _tamper(store, "train/timestamp.npy", lambda a: a.__setitem__(2 * n // 3, a[2 * n // 3 - 1] - 5))
+    one, four = (verify_store(store, progress=False, workers=w) for w in (1, 4))
+    assert one == four and len(one) >= 1 and "session_id does not follow" in one[0], one

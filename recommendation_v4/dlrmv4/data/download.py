@@ -32,6 +32,7 @@ from dlrmv4.config import YAMBDA_SIZES, DatasetConfig
 from dlrmv4.data.paths import hub_cache_dir
 from dlrmv4.data.yambda_schema import RawFiles
 from dlrmv4.errors import UserError
+from dlrmv4.files import check_free_space
 
 REPO_TYPE = "dataset"
 _COMMIT = re.compile(r"[0-9a-fA-F]{40}")
@@ -61,6 +62,9 @@ def download_yambda(ds: DatasetConfig, *, progress: bool = True) -> tuple[RawFil
     cache = hub_cache_dir(ds).expanduser().resolve()
     tqdm_class = None if progress else silent_tqdm
     names = RawFiles.hub_names(ds.size)
+    to_fetch = _bytes_to_fetch(ds.hub_repo_id, revision, names, cache)
+    if to_fetch:
+        check_free_space(cache, to_fetch, f"downloading Yambda-{ds.size.upper()} ({len(names)} files)")
     paths = [Path(_download_file(ds.hub_repo_id, revision, name, cache, tqdm_class, progress)) for name in names]
     snapshots = cache / repo_folder_name(repo_id=ds.hub_repo_id, repo_type=REPO_TYPE) / "snapshots"
     commits = sorted({p.relative_to(snapshots).parts[0] for p in paths})
@@ -100,6 +104,31 @@ def _download_file(repo_id: str, revision: str, filename: str, cache: Path, tqdm
         return download()
     except (HfHubHTTPError, LocalEntryNotFoundError, HFValidationError, httpx2.TransportError, OSError) as exc:
         raise UserError(_explain(exc, repo_id, revision, filename, cache)) from exc
+
+
+def _bytes_to_fetch(repo_id: str, revision: str, names: tuple[str, ...], cache: Path) -> int | None:
+    """Bytes the download of ``names`` still has to write: the files not in the cache, less what
+    their partial blobs hold. None where the hub does not say (offline, unreachable, no sizes): each
+    file's own download then reports that, and checks its own space."""
+    if constants.is_offline_mode():
+        return None
+    storage = cache / repo_folder_name(repo_id=repo_id, repo_type=REPO_TYPE)
+    total = 0
+    for name in names:
+        if _COMMIT.fullmatch(revision) and _cached(repo_id, revision, name, cache):
+            continue
+        try:
+            meta = get_hf_file_metadata(hf_hub_url(repo_id, name, repo_type=REPO_TYPE, revision=revision))
+        except (HfHubHTTPError, LocalEntryNotFoundError, HFValidationError, httpx2.TransportError, OSError):
+            return None
+        if meta.size is None or meta.etag is None:
+            return None
+        blob = storage / "blobs" / meta.etag
+        if blob.exists():
+            continue
+        partial = blob.with_name(blob.name + ".incomplete")
+        total += meta.size - (partial.stat().st_size if partial.exists() else 0)
+    return total
 
 
 def _cached(repo_id: str, revision: str, filename: str, cache: Path) -> str | None:

@@ -49,7 +49,7 @@ from dlrmv4.data.yambda_schema import (ACTION_LIKE, ACTION_LISTEN_PLUS, ACTION_S
                                        LISTEN, RawFiles, check_mapping_schema, check_multi_event_schema,
                                        open_parquet)
 from dlrmv4.errors import UserError, one_line
-from dlrmv4.files import atomic_directory, check_writable, write_json
+from dlrmv4.files import atomic_directory, check_free_space, check_writable, write_json
 
 RAW_COLUMNS = ["uid", "item_id", "timestamp", "is_organic", "event_type", "played_ratio_pct"]
 
@@ -79,6 +79,11 @@ class _Counts:
     dropped_at_or_after_end: int = 0
     dropped_test_unseen_user: int = 0
     event_types: dict[str, int] = field(default_factory=lambda: {t: 0 for t in EVENT_TYPES})
+
+
+# Disk a raw row can take at most: one event's columns (train or test) and, were it an anchor, its
+# day-bucket entry (int64 index + uint32 time) and its final int64 index.
+STORE_BYTES_PER_ROW_AT_MOST = sum(dtype.itemsize for dtype in st.EVENT_COLUMNS.values()) + 8 + 4 + 8
 
 
 class _SplitWriter:
@@ -305,6 +310,7 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
     num_rows = pf.metadata.num_rows
     if num_rows == 0:
         raise UserError(f"{raw.multi_event}: the dataset is empty (0 rows)")
+    check_free_space(out_dir.parent, num_rows * STORE_BYTES_PER_ROW_AT_MOST, f"preprocessing {num_rows:,} events")
     artist_items, artist_ids = _read_item_table(raw.artist_mapping, "artist_id")
     album_items, album_ids = _read_item_table(raw.album_mapping, "album_id")
     bounds = SplitBounds.from_config(resolve_t_end(raw.multi_event, pf, cfg), cfg)

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -220,10 +222,36 @@ def file_md5(path: Path, chunk: int = 1 << 24) -> str:
     return digest.hexdigest()
 
 
-def write_md5s(path: Path) -> dict[str, str]:
-    sums = {}
-    for full in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MD5_FILE):
-        sums[full.relative_to(path).as_posix()] = file_md5(full)
+def usable_cores() -> int:
+    """The cores this process may run on (``taskset`` and cgroup cpusets narrow it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def file_md5s(paths: list[Path], workers: int = 0, on_file: Callable[[int], None] = lambda _: None) -> list[str]:
+    """The md5 of each of ``paths`` (in their order), hashed by ``workers`` threads (0: one per usable core):
+    hashlib lets go of the GIL while it hashes, so files are hashed in parallel, the largest first
+    (the last to finish bounds the time). ``on_file`` gets each finished file's size."""
+    workers = workers or usable_cores()
+    sizes = [p.stat().st_size for p in paths]
+    order = sorted(range(len(paths)), key=lambda i: -sizes[i])
+    sums: list[str] = [""] * len(paths)
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(paths)))) as pool:
+        futures = {pool.submit(file_md5, paths[i]): i for i in order}
+        for future in as_completed(futures):
+            i = futures[future]
+            sums[i] = future.result()
+            on_file(sizes[i])
+    return sums
+
+
+def store_files(path: Path) -> list[Path]:
+    """Every file of the store but its md5 list, sorted."""
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.name != MD5_FILE)
+
+
+def write_md5s(path: Path, workers: int = 0) -> dict[str, str]:
+    files = store_files(path)
+    sums = {full.relative_to(path).as_posix(): md5 for full, md5 in zip(files, file_md5s(files, workers))}
     (path / MD5_FILE).write_text("".join(f"{md5}  {rel}\n" for rel, md5 in sums.items()))
     return sums
 
