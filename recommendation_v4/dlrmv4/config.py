@@ -21,7 +21,7 @@ PRESET_DIR = Path(__file__).parent / "configs"
 DEFAULT_PRESET = "synthetic-tiny"
 
 YAMBDA_SIZES = ("50m", "500m", "5b")
-SYNTHETIC_SIZES = ("tiny", "small", "medium", "50m")
+SYNTHETIC_SIZES = ("tiny", "small", "medium", "50m", "1b")
 
 
 def _field(

@@ -241,12 +241,13 @@ def test_listen_plus_is_predictable_from_recent_history(tiny, events):
 
 def test_deterministic_per_seed_and_block_size(tiny, tmp_path, monkeypatch):
     reference = _table_hash(tiny.multi_event)
-    again = synthetic.generate(tmp_path / "same", "tiny", SEED, progress=False)
+    again = synthetic.generate(tmp_path / "same", "tiny", SEED, progress=False, workers=1)
     assert _table_hash(again.multi_event) == reference
     assert _table_hash(again.artist_mapping) == _table_hash(tiny.artist_mapping)
     monkeypatch.setattr(synthetic, "BLOCK_LISTENS", 7_000)  # many small blocks, same data
-    blocked = synthetic.generate(tmp_path / "blocked", "tiny", SEED, progress=False)
-    assert _table_hash(blocked.multi_event) == reference
+    for workers in (1, 3):  # made in this process, or by 3 worker processes
+        blocked = synthetic.generate(tmp_path / f"blocked{workers}", "tiny", SEED, progress=False, workers=workers)
+        assert _table_hash(blocked.multi_event) == reference, workers
     other = synthetic.generate(tmp_path / "other", "tiny", SEED + 1, progress=False)
     assert _table_hash(other.multi_event) != reference
     assert _table_hash(other.album_mapping) != _table_hash(tiny.album_mapping)

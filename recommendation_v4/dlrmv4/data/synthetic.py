@@ -24,14 +24,21 @@ The generative story (docs/synthetic_data.md says it in full):
   likes/dislikes are undone later (unlike/undislike at a later listen of the same user).
 
 Randomness: one ``SeedSequence`` per user (spawn key ``(_USER_STREAM, user index)``), one for the
-catalog and one for the uids, so the output depends on the seed only, never on the block size. The
-work is vectorized per block of users; blocks stream into a ``ParquetWriter`` with ~1M-row groups.
+catalog and one for the uids, so the output depends on the seed only, never on the block size or
+the number of worker processes. The work is vectorized per block of users; worker processes (one
+per usable core) make blocks in parallel, and the parent streams them, in user order, into a
+``ParquetWriter`` with ~1M-row groups.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -41,6 +48,7 @@ from tqdm import tqdm
 from dlrmv4.config import SYNTHETIC_SIZES
 from dlrmv4.data.yambda_schema import (DISLIKE, EVENT_TYPES, LIKE, LISTEN, MULTI_EVENT_SCHEMA,
                                        TIMESTAMP_BIN_SECONDS, UNDISLIKE, UNLIKE, RawFiles)
+from dlrmv4.data.store import usable_cores
 from dlrmv4.errors import UserError
 from dlrmv4.files import check_writable, write_atomically
 
@@ -63,6 +71,9 @@ SPECS: dict[str, SyntheticSpec] = {
                             days=100),
     "50m": SyntheticSpec(users=10_000, items=934_057, artists=50_000, albums=200_000, mean_listens=4_750,
                          days=300),
+    # Yambda-5B's users, catalog and span at a fifth of its events (the data path at scale).
+    "1b": SyntheticSpec(users=1_000_000, items=9_390_624, artists=1_293_395, albums=3_367_692, mean_listens=1_000,
+                        days=300, uid_rows=1_000_001),
 }
 assert tuple(SPECS) == SYNTHETIC_SIZES
 
@@ -261,8 +272,9 @@ def _launch_time(ts: np.ndarray, ramp: int) -> np.ndarray:
 
 
 def _block_events(users: range, uid_of: np.ndarray, seed: int, cat: _Catalog, span_bins: int, ramp: int,
-                  max_listens: int, mean_listens: int) -> pa.Table:
-    """Events of the users ``users`` (indices); ``span_bins`` is the virtual span (the ramp compressed)."""
+                  max_listens: int, mean_listens: int) -> dict[str, np.ndarray]:
+    """Events of the users ``users`` (indices) as numpy columns (``_as_table`` makes the parquet
+    table); ``span_bins`` is the virtual span (the ramp compressed)."""
     d = _draw_users(users, seed, cat, max_listens, mean_listens)
     u = d.u
     total = int(d.n.sum())
@@ -335,15 +347,70 @@ def _block_events(users: range, uid_of: np.ndarray, seed: int, cat: _Catalog, sp
     src_idx, etype, row_ts, row_user = src_idx[order], etype[order], row_ts[order], row_user[order]
     is_listen = etype == LISTEN
     row_item = item[src_idx]
+    return {
+        "uid": uid_of[users.start + row_user].astype(np.uint32),
+        "item_id": row_item.astype(np.uint32),
+        "timestamp": (row_ts * TIMESTAMP_BIN_SECONDS).astype(np.uint32),
+        "is_organic": organic[src_idx].astype(np.uint8),
+        "event_type": etype.astype(np.int8),
+        "played_ratio_pct": ratio[src_idx].astype(np.uint16),
+        "ratio_null": ~is_listen | (u[_C_NULL_RATIO][src_idx] < _P_NULL_RATIO),
+        "track_length_seconds": cat.track_length[row_item],
+        "length_null": ~is_listen,
+    }
+
+
+def _as_table(c: dict[str, np.ndarray]) -> pa.Table:
     return pa.Table.from_arrays([
-        pa.array(uid_of[users.start + row_user].astype(np.uint32)),
-        pa.array(row_item.astype(np.uint32)),
-        pa.array((row_ts * TIMESTAMP_BIN_SECONDS).astype(np.uint32)),
-        pa.array(organic[src_idx].astype(np.uint8)),
-        pa.DictionaryArray.from_arrays(pa.array(etype.astype(np.int8)), pa.array(EVENT_TYPES, pa.string())),
-        pa.array(ratio[src_idx].astype(np.uint16), mask=~is_listen | (u[_C_NULL_RATIO][src_idx] < _P_NULL_RATIO)),
-        pa.array(cat.track_length[row_item], mask=~is_listen),
+        pa.array(c["uid"]),
+        pa.array(c["item_id"]),
+        pa.array(c["timestamp"]),
+        pa.array(c["is_organic"]),
+        pa.DictionaryArray.from_arrays(pa.array(c["event_type"]), pa.array(EVENT_TYPES, pa.string())),
+        pa.array(c["played_ratio_pct"], mask=c["ratio_null"]),
+        pa.array(c["track_length_seconds"], mask=c["length_null"]),
     ], schema=MULTI_EVENT_SCHEMA)
+
+
+# A worker process's generation arguments, set once when it starts (``_start_worker``): forked, it
+# shares the parent's catalog (hundreds of MB at the 1b size), which would cost a copy per task
+# if it travelled with every block's request.
+_WORKER_ARGS: tuple | None = None
+
+
+def _start_worker(args: tuple) -> None:
+    global _WORKER_ARGS
+    _WORKER_ARGS = args
+
+
+def _worker_block(users: range) -> dict[str, np.ndarray]:
+    assert _WORKER_ARGS is not None
+    uid_of, seed, cat, span_bins, ramp, max_listens, mean_listens = _WORKER_ARGS
+    return _block_events(users, uid_of, seed, cat, span_bins, ramp, max_listens, mean_listens)
+
+
+def _blocks_in_order(blocks: list[range], args: tuple, workers: int) -> Iterator[dict[str, np.ndarray]]:
+    """Every block's events in block order, made by ``workers`` processes (in this one for 1), at
+    most two blocks per worker ahead of the writer."""
+    if workers <= 1 or len(blocks) <= 1:
+        for users in blocks:
+            yield _block_events(users, *args)
+        return
+    # fork: the workers share the catalog's pages with this process instead of rebuilding them.
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(args,)) as pool:
+        pending: deque[Future] = deque()
+        queued = iter(blocks)
+        for users in queued:
+            pending.append(pool.submit(_worker_block, users))
+            if len(pending) >= 2 * workers:
+                break
+        while pending:
+            block = pending.popleft().result()
+            nxt = next(queued, None)
+            if nxt is not None:
+                pending.append(pool.submit(_worker_block, nxt))
+            yield block
 
 
 def _write_mapping(path: Path, id_name: str, ids: np.ndarray, items: np.ndarray) -> None:
@@ -358,7 +425,8 @@ def _write_events(tmp: Path, blocks, bar: tqdm) -> None:
     buffered = 0
     with pq.ParquetWriter(tmp, MULTI_EVENT_SCHEMA, compression="zstd") as writer:
         # Row groups are cut from the concatenated stream, so they do not depend on the block size.
-        for table in blocks:
+        for columns in blocks:
+            table = _as_table(columns)
             pending.append(table)
             buffered += table.num_rows
             if buffered >= ROW_GROUP_ROWS:
@@ -371,8 +439,10 @@ def _write_events(tmp: Path, blocks, bar: tqdm) -> None:
             writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
 
 
-def generate(root: Path, size: str, seed: int, *, num_days: int | None = None, progress: bool = True) -> RawFiles:
-    """Write the synthetic raw files for ``size`` under ``root`` (hub layout) and return their paths."""
+def generate(root: Path, size: str, seed: int, *, num_days: int | None = None, progress: bool = True,
+             workers: int = 0) -> RawFiles:
+    """Write the synthetic raw files for ``size`` under ``root`` (hub layout) and return their paths;
+    ``workers`` processes make the events (0: one per usable core; the files are the same for any)."""
     spec = spec_for(size)
     days = spec.days if num_days is None else num_days
     if days < 1:
@@ -393,9 +463,11 @@ def generate(root: Path, size: str, seed: int, *, num_days: int | None = None, p
     max_listens = max(_MIN_LISTENS, int(_SPAN_FILL * span_bins / per_listen))
     uid_of = user_ids(spec, seed)
     step = max(1, BLOCK_LISTENS // spec.mean_listens)
-    starts = range(0, spec.users, step)
-    blocks = (_block_events(range(s, min(s + step, spec.users)), uid_of, seed, cat, span_bins, ramp, max_listens,
-                            spec.mean_listens) for s in starts)
-    with tqdm(total=len(starts), desc=f"synthetic {size}", unit="block", disable=not progress) as bar:
+    users = [range(s, min(s + step, spec.users)) for s in range(0, spec.users, step)]
+    args = (uid_of, seed, cat, span_bins, ramp, max_listens, spec.mean_listens)
+    # closing: a failed write stops the workers at once.
+    with contextlib.closing(_blocks_in_order(users, args, workers or usable_cores())) as blocks, tqdm(
+        total=len(users), desc=f"synthetic {size}", unit="block", disable=not progress
+    ) as bar:
         write_atomically(files.multi_event, lambda tmp: _write_events(tmp, blocks, bar))
     return files
