@@ -1,43 +1,60 @@
-"""Preprocessing throughput and peak memory at two synthetic sizes (issue goal: >= 2 M events/s on
-2 cores, peak RSS flat in the dataset size and <= 4 GB).
+"""Preprocessing throughput and peak memory by synthetic size and by cores: the generator, then
+for each core count the preprocessing pinned to that many cores (its worker processes too, one per
+core), then the store's verification on the most cores.
 
-Each measurement runs in a fresh child process that reports its own peak RSS. The baseline in the
-same run is the floor of any streaming preprocessor: reading the same columns of the same parquet
-file once with pyarrow (also in a fresh child).
+Each measurement runs in a fresh child process pinned with ``sched_setaffinity`` (what ``taskset``
+does) that reports its own peak RSS and its largest worker's. The baseline in the same run is the
+floor of any streaming preprocessor: reading the same columns of the same parquet file once with
+pyarrow on one core (also in a fresh child).
 
-    python benchmarks/bench_preprocess.py                      # medium (~5M) and 50m (~49M events)
-    python benchmarks/bench_preprocess.py --sizes tiny small   # quick look
+    python benchmarks/bench_preprocess.py                                  # medium and 50m, all cores
+    python benchmarks/bench_preprocess.py --sizes 50m --cores 1 2          # a cores curve
+    python benchmarks/bench_preprocess.py --sizes 1b --cores 1 2 4 8 16 --work-dir /data/bench --label 1b
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from harness import RESULTS, command_line, write_results
+from harness import RESULTS, command_line, cpu_model, write_results
 
 GOAL_EVENTS_PER_S = 2e6
 GOAL_RSS_BYTES = 4 * 2**30
 
 CHILD_PREPROCESS = """
-import json, resource, sys, time
+import json, os, resource, shutil, sys, time
 from pathlib import Path
+os.sched_setaffinity(0, range(int(sys.argv[4])))
 from dlrmv4.config import load_config
 from dlrmv4.data.preprocess import preprocess
 from dlrmv4.data.yambda_schema import RawFiles
 root, size, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 cfg = load_config("synthetic-" + size)
+shutil.rmtree(out, ignore_errors=True)
 t = time.perf_counter()
 meta = preprocess(RawFiles.under(root, size), out, cfg.dataset, cfg.preprocess, progress=False)
 print(json.dumps({"seconds": time.perf_counter() - t, "events": meta["counts"]["raw_events"],
-                  "anchors": meta["counts"]["anchors"],
-                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "anchors": meta["counts"]["anchors"], "train_events": meta["counts"]["train_events"],
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "worker_peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+                  "store_bytes": sum(f.stat().st_size for f in out.rglob("*") if f.is_file())}))
+"""
+
+CHILD_VERIFY = """
+import json, os, sys, time
+from pathlib import Path
+os.sched_setaffinity(0, range(int(sys.argv[2])))
+from dlrmv4.data.verify import verify_store
+t = time.perf_counter()
+problems = verify_store(Path(sys.argv[1]), progress=False)
+print(json.dumps({"seconds": time.perf_counter() - t, "problems": problems}))
 """
 
 CHILD_READ = """
@@ -60,39 +77,62 @@ def _child(code: str, *args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure(size: str, work: Path, seed: int) -> dict:
+def measure(size: str, work: Path, seed: int, cores: list[int]) -> list[dict]:
+    from dlrmv4.data.store import usable_cores
     from dlrmv4.data.synthetic import generate
 
     raw_root = work / f"raw-{size}"
     t = time.perf_counter()
     files = generate(raw_root, size, seed, progress=False)
     gen_s = time.perf_counter() - t
+    raw_bytes = sum(f.stat().st_size for f in files.all())
     read = _child(CHILD_READ, str(files.multi_event))
-    run = _child(CHILD_PREPROCESS, str(raw_root), size, str(work / f"store-{size}"))
-    return {
-        "size": size,
-        "events": run["events"],
-        "anchors": run["anchors"],
-        "generate_s": gen_s,
-        "read_s": read["seconds"],
-        "read_peak_rss": read["peak_rss"],
-        "preprocess_s": run["seconds"],
-        "peak_rss": run["peak_rss"],
-        "events_per_s": run["events"] / run["seconds"],
-    }
+    store = work / f"store-{size}"
+    rows = []
+    for n in cores:
+        run = _child(CHILD_PREPROCESS, str(raw_root), size, str(store), str(n))
+        rows.append(
+            {
+                "size": size,
+                "cores": n,
+                "events": run["events"],
+                "train_events": run["train_events"],
+                "anchors": run["anchors"],
+                "generate_s": gen_s,
+                "generate_cores": usable_cores(),
+                "raw_bytes": raw_bytes,
+                "store_bytes": run["store_bytes"],
+                "read_s": read["seconds"],
+                "read_peak_rss": read["peak_rss"],
+                "preprocess_s": run["seconds"],
+                "peak_rss": run["peak_rss"],
+                "worker_peak_rss": run["worker_peak_rss"] if n > 1 else 0,
+                "events_per_s": run["events"] / run["seconds"],
+            }
+        )
+    check = _child(CHILD_VERIFY, str(store), str(max(cores)))
+    if check["problems"]:
+        raise SystemExit(f"the {size} store failed verification: {check['problems'][0]}")
+    rows[-1]["verify_s"] = check["seconds"]
+    return rows
 
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| size | events | preprocess s | M events/s | vs goal 2 M/s | vs parquet read | peak RSS GB | RSS vs smallest |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| size | events | cores | preprocess s | M events/s | vs 1 core | min per billion events | vs parquet read "
+        "(1 core) | peak RSS GB: parent + workers x largest | store GB | generate s (cores) | verify s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    base_rss = rows[0]["peak_rss"]
     for r in rows:
+        one = next((o for o in rows if o["size"] == r["size"] and o["cores"] == 1), None)
+        speedup = f"{r['events_per_s'] / one['events_per_s']:.2f}x" if one else "-"
+        workers = f" + {r['cores']} x {r['worker_peak_rss'] / 2**30:.2f}" if r["worker_peak_rss"] else ""
+        verify = f"{r['verify_s']:.1f}" if "verify_s" in r else "-"
         lines.append(
-            f"| {r['size']} | {r['events']:,} | {r['preprocess_s']:.2f} | {r['events_per_s'] / 1e6:.2f} | "
-            f"{r['events_per_s'] / GOAL_EVENTS_PER_S:.2f}x | {r['preprocess_s'] / r['read_s']:.1f}x slower | "
-            f"{r['peak_rss'] / 2**30:.2f} | {r['peak_rss'] / base_rss:.2f}x |"
+            f"| {r['size']} | {r['events']:,} | {r['cores']} | {r['preprocess_s']:.2f} | {r['events_per_s'] / 1e6:.2f} | "
+            f"{speedup} | {1e9 / r['events_per_s'] / 60:.2f} | {r['preprocess_s'] / r['read_s']:.1f}x slower | "
+            f"{r['peak_rss'] / 2**30:.2f}{workers} | {r['store_bytes'] / 1e9:.2f} | "
+            f"{r['generate_s']:.1f} ({r['generate_cores']}) | {verify} |"
         )
     return "\n".join(lines)
 
@@ -100,19 +140,33 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["medium", "50m"])
+    parser.add_argument("--cores", type=int, nargs="+", default=None, help="core counts to pin to (default: all)")
+    parser.add_argument("--label", default="", help="suffix of the results files")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--work-dir", default=None, help="where to put generated data (default: a temp dir)")
-    parser.add_argument("--out", default=str(RESULTS / "preprocess"), help="result path without extension")
+    parser.add_argument(
+        "--work-dir", default=None, help="where to put the raw files and stores, and keep them (default: a temp dir)"
+    )
+    parser.add_argument("--out", default=str(RESULTS), help="results folder")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
-        rows = [measure(size, Path(tmp), args.seed) for size in args.sizes]
+    from dlrmv4.data.store import usable_cores
+
+    cores = args.cores or [usable_cores()]
+    if max(cores) > usable_cores():
+        raise SystemExit(f"--cores {max(cores)}: this process may use {usable_cores()} cores")
+    with contextlib.ExitStack() as stack:
+        work = Path(args.work_dir) if args.work_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        work.mkdir(parents=True, exist_ok=True)
+        rows = [row for size in args.sizes for row in measure(size, work, args.seed, cores)]
     text = table(rows)
     print(text)
     info = {"goal_events_per_s": GOAL_EVENTS_PER_S, "goal_peak_rss_bytes": GOAL_RSS_BYTES, "rows": rows}
-    out = Path(args.out)
-    write_results(
-        out.name, info, f"`{command_line()}` on {os.cpu_count()} CPUs\n\n{text}", device="cpu", out=out.parent
+    name = "preprocess" + (f"_{args.label}" if args.label else "")
+    intro = (
+        f"`{command_line()}` on {usable_cores()} usable cores of {cpu_model()}. Goals: at least "
+        f"{GOAL_EVENTS_PER_S / 1e6:.0f} M events/s on 2 cores; 1 minute per billion events on 16; peak RSS at "
+        "most 16 GB."
     )
+    write_results(name, info, f"{intro}\n\n{text}", device="cpu", out=Path(args.out))
 
 
 if __name__ == "__main__":

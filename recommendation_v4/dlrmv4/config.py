@@ -76,7 +76,12 @@ class PreprocessConfig:
         choices=("skip", "drop", "error"),
     )
     rows_per_chunk: int = _field(
-        4_000_000, "at most this many raw rows per chunk (bounds memory; parquet row groups cap it too)", min=1_000
+        4_000_000,
+        "raw rows per chunk, in whole parquet row groups (at least one): a worker's unit of work, which bounds memory",
+        min=1_000,
+    )
+    workers: int = _field(
+        0, "processes that read, check and split the raw chunks (0: one per usable core); the store is the same", min=0
     )
 
 

@@ -204,3 +204,15 @@ def test_cli_reports_one_line_and_exit_1(tmp_path, events):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("[dlrmv4] error:") and "multi_event.parquet" in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_the_first_bad_row_is_named_for_any_number_of_workers(tmp_path, events, workers):
+    """Rows out of order in two chunks: the error names the first, whichever process finds it."""
+    uid = events.uid.copy()
+    for row in (1_000, 2_000):  # users that reappear after a 1,000-row chunk boundary
+        uid[row] = uid[0]
+    raw = write_raw(tmp_path / "raw", dataclasses.replace(events, uid=uid), row_group_size=500)
+    cfg = dataclasses.replace(CFG, preprocess=dataclasses.replace(CFG.preprocess, workers=workers))
+    msg = _fails(tmp_path, raw, "not sorted by \\(uid, timestamp\\)", cfg)
+    assert "at row 1000 " in msg

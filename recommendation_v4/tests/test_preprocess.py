@@ -235,3 +235,18 @@ def test_too_little_disk_is_refused_before_any_work(tmp_path, monkeypatch):
         f"{free / 1e9:.2f} GB are free; free some space or point --data-path at a larger disk"
     )
     assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("row_group_size", [37, 700])
+def test_the_store_is_the_same_for_any_number_of_worker_processes(tmp_path, row_group_size):
+    """Chunks of whole row groups on 1 or 3 processes: users longer than a chunk (some own no row of
+    a chunk, some run on over several groups) end up whole, and the store's files are the same as
+    one chunk's in one process."""
+    ev = random_events(SEED, num_users=12, max_events=3_000)
+    assert np.bincount(np.unique(ev.uid, return_inverse=True)[1]).max() > 2_000  # longer than a chunk
+    stores = {}
+    for name, workers, rows in (("one", 1, 10_000_000), ("w1", 1, 1_000), ("w3", 3, 1_000)):
+        stores[name], _ = _run(
+            tmp_path, ev, _cfg(workers=workers, rows_per_chunk=rows), name, row_group_size=row_group_size
+        )
+    assert read_md5s(stores["w1"]) == read_md5s(stores["one"]) == read_md5s(stores["w3"])

@@ -32,10 +32,16 @@ Choices (the MLPerf reference's, documented in docs/data.md):
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import multiprocessing
+import os
 import time
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generator
 
 import numpy as np
 import polars as pl
@@ -79,6 +85,14 @@ class _Counts:
     dropped_at_or_after_end: int = 0
     dropped_test_unseen_user: int = 0
     event_types: dict[str, int] = field(default_factory=lambda: {t: 0 for t in EVENT_TYPES})
+
+    def add(self, other: "_Counts") -> None:
+        for f in dataclasses.fields(self):
+            if f.name == "event_types":
+                for name, n in other.event_types.items():
+                    self.event_types[name] += n
+            else:
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 # Disk a raw row can take at most: one event's columns (train or test) and, were it an anchor, its
@@ -292,12 +306,60 @@ def _item_table(items: np.ndarray, ids: np.ndarray, num_items: int) -> np.ndarra
     return table
 
 
-def _iter_chunks(pf: pq.ParquetFile, path: Path, rows_per_chunk: int):
+@dataclass(frozen=True)
+class _Chunk:
+    """Row groups [first, stop) of the raw file, starting at file row ``row_base``. It owns the users
+    whose first row lies in them, whole: their rows that run on into the next groups too."""
+    first: int
+    stop: int
+    row_base: int
+
+
+def _plan_chunks(pf: pq.ParquetFile, rows_per_chunk: int) -> list[_Chunk]:
+    """Consecutive row groups of about ``rows_per_chunk`` rows each (at least one group)."""
+    chunks, first, rows, base = [], 0, 0, 0
+    for g in range(pf.metadata.num_row_groups):
+        rows += pf.metadata.row_group(g).num_rows
+        if rows >= rows_per_chunk or g == pf.metadata.num_row_groups - 1:
+            chunks.append(_Chunk(first, g + 1, base))
+            first, base, rows = g + 1, base + rows, 0
+    return chunks
+
+
+def _read_groups(pf: pq.ParquetFile, path: Path, groups: range, columns: list[str]) -> pa.Table:
     try:
-        for batch in pf.iter_batches(batch_size=rows_per_chunk, columns=RAW_COLUMNS):
-            yield pl.from_arrow(pa.Table.from_batches([batch]))
+        return pf.read_row_groups(list(groups), columns=columns)
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
         raise UserError(f"{path}: read failed (truncated or corrupt parquet?): {one_line(exc)}")
+
+
+def _owned_rows(pf: pq.ParquetFile, path: Path, chunk: _Chunk) -> tuple[pl.DataFrame, int]:
+    """The rows of the users ``chunk`` owns, and the file row of the first. Checks the (uid,
+    timestamp) order of its groups' rows, the previous group's last row included."""
+    table = _read_groups(pf, path, range(chunk.first, chunk.stop), RAW_COLUMNS)
+    uid = table.column("uid").to_numpy()
+    prev = None
+    if chunk.first:
+        before = _read_groups(pf, path, range(chunk.first - 1, chunk.first), ["uid", "timestamp"])
+        prev = (int(before.column("uid")[-1].as_py()), int(before.column("timestamp")[-1].as_py()))
+    _check_order(uid, table.column("timestamp").to_numpy(), prev, path, chunk.row_base)
+    skip = 0  # rows that continue the user an earlier chunk owns
+    if prev is not None and len(uid) and uid[0] == prev[0]:
+        differs = uid != prev[0]
+        skip = int(np.argmax(differs)) if bool(differs.any()) else len(uid)
+    parts = [table.slice(skip)]
+    if skip < len(uid):  # the last user's rows that run on into the next groups
+        last = uid[-1]
+        for g in range(chunk.stop, pf.metadata.num_row_groups):
+            nxt = _read_groups(pf, path, range(g, g + 1), RAW_COLUMNS)
+            same = nxt.column("uid").to_numpy() == last
+            run = len(same) if bool(same.all()) else int(np.argmin(same))
+            parts.append(nxt.slice(0, run))
+            if run < len(same):
+                break
+    df = pl.from_arrow(pa.concat_tables(parts))
+    assert isinstance(df, pl.DataFrame)
+    return df, chunk.row_base + skip
 
 
 def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessConfig, *,
@@ -343,6 +405,147 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
     return meta
 
 
+@dataclass
+class _ChunkResult:
+    """One chunk's users, split, labelled and counted: what the parent appends in file order."""
+    train_users: np.ndarray
+    train_counts: np.ndarray
+    train_cols: dict[str, np.ndarray]
+    anchor_pos: np.ndarray  # index among the chunk's train events
+    anchor_ts: np.ndarray
+    test_users: np.ndarray
+    test_counts: np.ndarray
+    test_cols: dict[str, np.ndarray]
+    counts: _Counts
+    items: np.ndarray  # distinct train items and their event counts
+    item_counts: np.ndarray
+    max_item: int
+    rows: int  # raw rows read
+
+
+def _process_chunk(df: pl.DataFrame, row_base: int, path: Path, bounds: SplitBounds,
+                   cfg: PreprocessConfig) -> _ChunkResult:
+    counts = _Counts()
+    n_raw = df.height
+    code = _decode_event_types(df, path, row_base)
+    ratio_null = df.get_column("played_ratio_pct").is_null().to_numpy()
+    null_listen = (code == LISTEN) & ratio_null
+    counts.null_ratio_listens = int(np.count_nonzero(null_listen))
+    if null_listen.any() and cfg.null_ratio_policy == "error":
+        row = row_base + int(np.flatnonzero(null_listen)[0])
+        raise UserError(f"{path}: listen with null played_ratio_pct at row {row} "
+                        "(--null-ratio-policy skip keeps such listens as skips, drop drops them)")
+    if null_listen.any() and cfg.null_ratio_policy == "drop":
+        keep = ~null_listen
+        counts.dropped_null_ratio_listens = int(null_listen.sum())
+        df, code = df.filter(pl.Series(keep)), code[keep]
+    uid = df.get_column("uid").to_numpy()
+    ts = df.get_column("timestamp").to_numpy().astype(np.int64)
+    item = df.get_column("item_id").to_numpy()
+    organic = df.get_column("is_organic").to_numpy()
+    ratio = df.get_column("played_ratio_pct").fill_null(0).to_numpy()  # "skip": a null reads as 0
+    for i, name in enumerate(EVENT_TYPES):
+        counts.event_types[name] = int(np.count_nonzero(code == i))
+    counts.raw_events = n_raw
+
+    is_listen = code == LISTEN
+    plus = ratio >= cfg.listen_threshold_pct
+    action = np.where(is_listen & plus, ACTION_LISTEN_PLUS,
+                      np.where(is_listen, ACTION_SKIP, np.where(code == LIKE, ACTION_LIKE, 0))).astype(np.uint8)
+
+    in_train = (ts >= bounds.train_start) & (ts < bounds.train_end)
+    in_test = (ts >= bounds.test_start) & (ts < bounds.t_end)
+    counts.dropped_before_train_start = int(np.count_nonzero(ts < bounds.train_start))
+    counts.dropped_in_gap = int(np.count_nonzero((ts >= bounds.train_end) & (ts < bounds.test_start)))
+    counts.dropped_at_or_after_end = int(np.count_nonzero(ts >= bounds.t_end))
+
+    cols = {"item_id": item, "timestamp": ts.astype(np.uint32), "event_code": code, "action": action,
+            "is_organic": organic}
+    tr_uid = uid[in_train]
+    tr_starts = _user_starts(tr_uid)
+    tr_users = tr_uid[tr_starts[:-1]]
+    tr_ts = ts[in_train]
+    tr_cols = {k: v[in_train] for k, v in cols.items()}
+    tr_cols["session_id"] = session_numbers(tr_starts, tr_ts, cfg.session_gap_seconds)
+    max_item = -1
+    items, item_counts = np.zeros(0, np.int64), np.zeros(0, np.int64)
+    anchor_pos = np.zeros(0, np.int64)
+    if len(tr_uid):
+        tr_item = item[in_train].astype(np.int64)
+        max_item = int(tr_item.max())
+        items, item_counts = np.unique(tr_item, return_counts=True)
+        local = _local_index(tr_starts, len(tr_uid))
+        anchor_pos = np.flatnonzero((code[in_train] == LISTEN) & (local >= cfg.min_history))
+
+    # Test keeps only users seen in train; a chunk holds its users whole.
+    seen = np.isin(uid, tr_users, assume_unique=False) & in_test
+    counts.dropped_test_unseen_user = int(np.count_nonzero(in_test & ~seen))
+    te_uid = uid[seen]
+    if len(te_uid):
+        max_item = max(max_item, int(item[seen].max()))
+    te_starts = _user_starts(te_uid)
+    te_cols = {k: v[seen] for k, v in cols.items()}
+    te_cols["session_id"] = session_numbers(te_starts, ts[seen], cfg.session_gap_seconds)
+    return _ChunkResult(tr_users, np.diff(tr_starts), tr_cols, anchor_pos, tr_ts[anchor_pos], te_uid[te_starts[:-1]],
+                        np.diff(te_starts), te_cols, counts, items, item_counts.astype(np.int64), max_item, n_raw)
+
+
+def _chunk_result(path: Path, chunk: _Chunk, bounds: SplitBounds, cfg: PreprocessConfig,
+                  pf: pq.ParquetFile | None = None) -> _ChunkResult:
+    """Read, check and process one chunk (in a worker process, or in this one with its open file)."""
+    df, row_base = _owned_rows(pf if pf is not None else _worker_file(path), path, chunk)
+    return _process_chunk(df, row_base, path, bounds, cfg)
+
+
+# A worker process's open raw file (``_worker_file``): opened once, read by every chunk it processes.
+_WORKER_FILES: dict[Path, pq.ParquetFile] = {}
+
+
+def _worker_file(path: Path) -> pq.ParquetFile:
+    if path not in _WORKER_FILES:
+        _WORKER_FILES[path] = open_parquet(path)
+    return _WORKER_FILES[path]
+
+
+def _start_worker() -> None:
+    pa.set_cpu_count(1)  # one core per worker process: the processes are the parallelism
+    pa.set_io_thread_count(1)
+
+
+def _results_in_order(pf: pq.ParquetFile, path: Path, chunks: list[_Chunk], bounds: SplitBounds,
+                      cfg: PreprocessConfig, workers: int) -> Generator[_ChunkResult, None, None]:
+    """Every chunk's result in file order, processed by ``workers`` processes (this one for 1), at
+    most two chunks per worker ahead of the writer."""
+    if workers <= 1 or len(chunks) <= 1:
+        for chunk in chunks:
+            yield _chunk_result(path, chunk, bounds, cfg, pf)
+        return
+    # spawn: fresh interpreters (pyarrow's and polars' thread pools do not survive a fork), each
+    # with one polars thread, set in the environment they start with.
+    polars_threads = os.environ.get("POLARS_MAX_THREADS")
+    os.environ["POLARS_MAX_THREADS"] = "1"
+    try:
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker) as pool:
+            pending: deque[Future] = deque()
+            queued = iter(chunks)
+            for chunk in queued:
+                pending.append(pool.submit(_chunk_result, path, chunk, bounds, cfg))
+                if len(pending) >= 2 * workers:
+                    break
+            while pending:
+                result = pending.popleft().result()
+                nxt = next(queued, None)
+                if nxt is not None:
+                    pending.append(pool.submit(_chunk_result, path, nxt, bounds, cfg))
+                yield result
+    finally:
+        if polars_threads is None:
+            os.environ.pop("POLARS_MAX_THREADS", None)
+        else:
+            os.environ["POLARS_MAX_THREADS"] = polars_threads
+
+
 def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: SplitBounds,
             cfg: PreprocessConfig, progress: bool) -> dict[str, Any]:
     train = _SplitWriter(root, "train", num_rows)
@@ -351,96 +554,21 @@ def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: S
     counts = _Counts()
     popularity = np.zeros(0, np.int64)
     max_item = -1
-    carry: pl.DataFrame | None = None
-    prev_row: tuple[int, int] | None = None
-    rows_seen = 0
-    bar = tqdm(total=num_rows, unit="ev", unit_scale=True, desc="preprocess", disable=not progress)
-
-    def process(df: pl.DataFrame, row_base: int) -> None:
-        nonlocal popularity, max_item
-        n_raw = df.height
-        code = _decode_event_types(df, path, row_base)
-        ratio_null = df.get_column("played_ratio_pct").is_null().to_numpy()
-        null_listen = (code == LISTEN) & ratio_null
-        counts.null_ratio_listens += int(np.count_nonzero(null_listen))
-        if null_listen.any() and cfg.null_ratio_policy == "error":
-            row = row_base + int(np.flatnonzero(null_listen)[0])
-            raise UserError(f"{path}: listen with null played_ratio_pct at row {row} "
-                            "(--null-ratio-policy skip keeps such listens as skips, drop drops them)")
-        if null_listen.any() and cfg.null_ratio_policy == "drop":
-            keep = ~null_listen
-            counts.dropped_null_ratio_listens += int(null_listen.sum())
-            df, code = df.filter(pl.Series(keep)), code[keep]
-        uid = df.get_column("uid").to_numpy()
-        ts = df.get_column("timestamp").to_numpy().astype(np.int64)
-        item = df.get_column("item_id").to_numpy()
-        organic = df.get_column("is_organic").to_numpy()
-        ratio = df.get_column("played_ratio_pct").fill_null(0).to_numpy()  # "skip": a null reads as 0
-        for i, name in enumerate(EVENT_TYPES):
-            counts.event_types[name] += int(np.count_nonzero(code == i))
-        counts.raw_events += n_raw
-
-        is_listen = code == LISTEN
-        plus = ratio >= cfg.listen_threshold_pct
-        action = np.where(is_listen & plus, ACTION_LISTEN_PLUS,
-                          np.where(is_listen, ACTION_SKIP, np.where(code == LIKE, ACTION_LIKE, 0))).astype(np.uint8)
-
-        in_train = (ts >= bounds.train_start) & (ts < bounds.train_end)
-        in_test = (ts >= bounds.test_start) & (ts < bounds.t_end)
-        counts.dropped_before_train_start += int(np.count_nonzero(ts < bounds.train_start))
-        counts.dropped_in_gap += int(np.count_nonzero((ts >= bounds.train_end) & (ts < bounds.test_start)))
-        counts.dropped_at_or_after_end += int(np.count_nonzero(ts >= bounds.t_end))
-
-        cols = {"item_id": item, "timestamp": ts.astype(np.uint32), "event_code": code, "action": action,
-                "is_organic": organic}
-        tr_uid = uid[in_train]
-        tr_starts = _user_starts(tr_uid)
-        tr_users = tr_uid[tr_starts[:-1]]
-        tr_ts = ts[in_train]
-        tr_cols = {k: v[in_train] for k, v in cols.items()}
-        tr_cols["session_id"] = session_numbers(tr_starts, tr_ts, cfg.session_gap_seconds)
-        base = train.append(tr_users, np.diff(tr_starts), tr_cols)
-        if len(tr_uid):
-            tr_item = item[in_train].astype(np.int64)
-            max_item = max(max_item, int(tr_item.max()))
-            hist = np.bincount(tr_item)
-            if len(hist) > len(popularity):
-                popularity = np.concatenate([popularity, np.zeros(len(hist) - len(popularity), np.int64)])
-            popularity[:len(hist)] += hist
-            local = _local_index(tr_starts, len(tr_uid))
-            pos = np.flatnonzero((code[in_train] == LISTEN) & (local >= cfg.min_history))
-            anchors.add(base + pos, tr_ts[pos])
-
-        # Test keeps only users seen in train; users are whole inside a chunk.
-        seen = np.isin(uid, tr_users, assume_unique=False) & in_test
-        counts.dropped_test_unseen_user += int(np.count_nonzero(in_test & ~seen))
-        te_uid = uid[seen]
-        if len(te_uid):
-            max_item = max(max_item, int(item[seen].max()))
-        te_starts = _user_starts(te_uid)
-        te_cols = {k: v[seen] for k, v in cols.items()}
-        te_cols["session_id"] = session_numbers(te_starts, ts[seen], cfg.session_gap_seconds)
-        test.append(te_uid[te_starts[:-1]], np.diff(te_starts), te_cols)
-
-    for chunk in _iter_chunks(pf, path, cfg.rows_per_chunk):
-        uid_np = chunk.get_column("uid").to_numpy()
-        _check_order(uid_np, chunk.get_column("timestamp").to_numpy(), prev_row, path, rows_seen)
-        prev_row = (int(uid_np[-1]), int(chunk.get_column("timestamp")[-1]))
-        row_base = rows_seen - (carry.height if carry is not None else 0)
-        rows_seen += chunk.height
-        if carry is not None:
-            chunk = pl.concat([carry, chunk], how="vertical_relaxed")
-        # Hold back the last user: its rows may continue in the next chunk.
-        last_uid = chunk.get_column("uid")[-1]
-        cut = chunk.height - int((chunk.get_column("uid") == last_uid).sum())
-        carry = chunk.slice(cut)
-        if cut:
-            process(chunk.slice(0, cut), row_base)
-        bar.update(chunk.height - carry.height)
-    if carry is not None and carry.height:
-        process(carry, rows_seen - carry.height)
-        bar.update(carry.height)
-    bar.close()
+    chunks = _plan_chunks(pf, cfg.rows_per_chunk)
+    workers = cfg.workers or st.usable_cores()
+    with tqdm(total=num_rows, unit="ev", unit_scale=True, desc="preprocess", disable=not progress) as bar, \
+            contextlib.closing(_results_in_order(pf, path, chunks, bounds, cfg, workers)) as results:
+        for r in results:
+            base = train.append(r.train_users, r.train_counts, r.train_cols)
+            anchors.add(base + r.anchor_pos, r.anchor_ts)
+            test.append(r.test_users, r.test_counts, r.test_cols)
+            counts.add(r.counts)
+            if len(r.items):
+                if r.items[-1] >= len(popularity):
+                    popularity = np.concatenate([popularity, np.zeros(r.items[-1] + 1 - len(popularity), np.int64)])
+                popularity[r.items] += r.item_counts
+            max_item = max(max_item, r.max_item)
+            bar.update(r.rows)
 
     train_users, train_events = train.finish()
     test_users, test_events = test.finish()

@@ -38,7 +38,7 @@ from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Generator
 
 import numpy as np
 import pyarrow as pa
@@ -389,7 +389,7 @@ def _worker_block(users: range) -> dict[str, np.ndarray]:
     return _block_events(users, uid_of, seed, cat, span_bins, ramp, max_listens, mean_listens)
 
 
-def _blocks_in_order(blocks: list[range], args: tuple, workers: int) -> Iterator[dict[str, np.ndarray]]:
+def _blocks_in_order(blocks: list[range], args: tuple, workers: int) -> Generator[dict[str, np.ndarray], None, None]:
     """Every block's events in block order, made by ``workers`` processes (in this one for 1), at
     most two blocks per worker ahead of the writer."""
     if workers <= 1 or len(blocks) <= 1:

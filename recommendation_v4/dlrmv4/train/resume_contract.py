@@ -21,6 +21,7 @@ RESUMABLE_SECTIONS = ("distributed", "plan")
 RESUMABLE_FIELDS = frozenset(
     {
         "dataset.data_path",
+        "preprocess.workers",
         "loader.num_workers",
         "loader.prefetch_batches",
         "loader.rank_slicing",
