@@ -154,3 +154,27 @@ def test_dedup_ids_benchmark_counts_the_distinct_ids(tmp_path):
         assert row["pack_dedup_ms"] > 0 and row["tokens_per_rank"] > 0
     md = (tmp_path / "dedup_ids.md").read_text()
     assert "| ranks | samples per rank |" in md and "commit feed123" in md
+
+
+def test_loader_benchmark_times_a_worker_and_the_node(tmp_path):
+    """bench_loader.py on a small store: one worker cold and warm, then two ranks' workers at once."""
+    from multi_process import make_data
+
+    data = make_data(tmp_path / "store")
+    env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent), DLRMV4_COMMIT="feed123")
+    args = ["--preset", "synthetic-tiny", "--data-path", str(data), "--ranks", "2", "--workers-per-rank", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_loader.py"), *args, "--batches", "2", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "loader.json").read_text())
+    rows = data["rows"]
+    assert rows["cold"]["samples"] == rows["warm"]["samples"] > 0
+    assert rows["node"]["processes"] == 2 and rows["node"]["samples"] == 2 * rows["warm"]["samples"]
+    assert all(row["samples_per_s"] > 0 for row in rows.values())
+    md = (tmp_path / "loader.md").read_text()
+    assert "| the node | 2 |" in md and "commit feed123" in md
