@@ -379,6 +379,7 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
 
     with atomic_directory(out_dir) as tmp:
         meta = _stream(pf, raw.multi_event, tmp, num_rows, bounds, cfg, progress)
+        append_seconds, workers = meta.pop("_append_seconds"), meta.pop("_workers")
         num_items = max(meta.pop("_num_items"), int(artist_items.max(initial=-1)) + 1,
                         int(album_items.max(initial=-1)) + 1)
         popularity = np.zeros(num_items, np.int64)
@@ -401,7 +402,9 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
                          "num_windows": layout.num_windows}
         write_json(tmp / st.META_FILE, meta)
         st.write_md5s(tmp)
+    # Not in meta.json (the store must not depend on timing): what the run took, for the caller.
     meta["seconds"] = time.perf_counter() - started
+    meta["append_seconds"], meta["workers"] = append_seconds, workers
     return meta
 
 
@@ -558,7 +561,9 @@ def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: S
     workers = cfg.workers or st.usable_cores()
     with tqdm(total=num_rows, unit="ev", unit_scale=True, desc="preprocess", disable=not progress) as bar, \
             contextlib.closing(_results_in_order(pf, path, chunks, bounds, cfg, workers)) as results:
+        append_seconds = 0.0  # the parent's own work: with many workers, the rate it caps
         for r in results:
+            appending = time.perf_counter()
             base = train.append(r.train_users, r.train_counts, r.train_cols)
             anchors.add(base + r.anchor_pos, r.anchor_ts)
             test.append(r.test_users, r.test_counts, r.test_cols)
@@ -568,6 +573,7 @@ def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: S
                     popularity = np.concatenate([popularity, np.zeros(r.items[-1] + 1 - len(popularity), np.int64)])
                 popularity[r.items] += r.item_counts
             max_item = max(max_item, r.max_item)
+            append_seconds += time.perf_counter() - appending
             bar.update(r.rows)
 
     train_users, train_events = train.finish()
@@ -593,6 +599,8 @@ def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: S
                    "eval_samples": int(per_window[-1]) if len(per_window) else 0},
         "event_type_counts": counts.event_types,
         "_num_items": max_item + 1,
+        "_append_seconds": append_seconds,
+        "_workers": workers,
         "_popularity": popularity,
         "_layout": layout,
     }
