@@ -44,13 +44,21 @@ def one_gpu(data_path, tmp_path_factory):
     return train_report(1, data_path, tmp_path_factory.mktemp("one_gpu"), **{"train.max_steps": STEPS, **GPU})
 
 
-@pytest.mark.parametrize("qcomm, slicing", [("none", "strided"), ("fp16", "balanced")])
-def test_two_gpus_follow_the_one_gpu_trajectory(data_path, tmp_path, one_gpu, qcomm, slicing):
+@pytest.mark.parametrize(
+    "qcomm, slicing, dedup_ids", [("none", "strided", False), ("fp16", "balanced", False), ("fp16", "balanced", True)]
+)
+def test_two_gpus_follow_the_one_gpu_trajectory(data_path, tmp_path, one_gpu, qcomm, slicing, dedup_ids):
     report = train_report(
         2,
         data_path,
         tmp_path / "run",
-        **{"train.max_steps": STEPS, **GPU, "embeddings.qcomm": qcomm, "loader.rank_slicing": slicing},
+        **{
+            "train.max_steps": STEPS,
+            **GPU,
+            "embeddings.qcomm": qcomm,
+            "loader.rank_slicing": slicing,
+            "embeddings.dedup_ids": dedup_ids,
+        },
     )
     assert report["world_size"] == 2 and report["device"].startswith("cuda")
     assert all(row["ranks"] == [0, 1] for row in report["sharding_plan"])
