@@ -47,6 +47,7 @@ def dataset(cfg: BenchmarkConfig, rank: int, ranks: int) -> WindowDataset:
         world_size=ranks,
         order=cfg.loader.window_order,
         slicing=cfg.loader.rank_slicing,
+        drop_last=True,  # whole global batches only, as training takes them
     )
 
 
@@ -91,6 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="synthetic-1b")
     parser.add_argument("--data-path", default="data/bench1b")
+    parser.add_argument("--global-batch", type=int, default=8_192, help="the reference's GBS")
     parser.add_argument("--ranks", type=int, default=8, help="ranks of the node (GBS / ranks samples per batch)")
     parser.add_argument("--workers-per-rank", type=int, default=2)
     parser.add_argument("--batches", type=int, default=8, help="batches per worker in each measurement")
@@ -98,7 +100,9 @@ def main() -> None:
     parser.add_argument("--label", default="", help="suffix of the results files")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    cfg = load_config(args.preset, None, {("dataset", "data_path"): args.data_path})
+    cfg = load_config(
+        args.preset, None, {("dataset", "data_path"): args.data_path, ("loader", "batch_size"): args.global_batch}
+    )
     path = store_dir(cfg.dataset)
     if not (path / "meta.json").exists():
         raise SystemExit(f"no store at {path}: prepare it first (see this script's docstring)")

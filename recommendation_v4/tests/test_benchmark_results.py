@@ -162,7 +162,8 @@ def test_loader_benchmark_times_a_worker_and_the_node(tmp_path):
 
     data = make_data(tmp_path / "store")
     env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent), DLRMV4_COMMIT="feed123")
-    args = ["--preset", "synthetic-tiny", "--data-path", str(data), "--ranks", "2", "--workers-per-rank", "1"]
+    args = ["--preset", "synthetic-tiny", "--data-path", str(data), "--global-batch", "16", "--ranks", "2"]
+    args += ["--workers-per-rank", "1"]
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_loader.py"), *args, "--batches", "2", "--out", str(tmp_path)],
         capture_output=True,
