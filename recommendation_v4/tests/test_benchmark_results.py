@@ -131,23 +131,24 @@ def test_sampler_benchmark_writes_stamped_results(tmp_path):
     assert "| config | history | tokens/sample |" in md and "commit feed123" in md.splitlines()[-1]
 
 
-def test_dedup_ids_benchmark_counts_the_distinct_ids(tmp_path):
-    """bench_dedup_ids.py on a small store: rank 0's distinct history ids are a share of its tokens,
-    fewer than all of them (the store's users repeat items), and the table says so per feature."""
+def _run_on_a_small_store(tmp_path, script: str, *args: str) -> dict:
+    """``script`` on the small multi-process store (GBS 16), writing to ``tmp_path``; its results."""
     from multi_process import make_data
 
     data = make_data(tmp_path / "store")
     env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent), DLRMV4_COMMIT="feed123")
-    args = ["--preset", "synthetic-tiny", "--data-path", str(data), "--global-batch", "16", "--worlds", "1", "2"]
+    common = ["--preset", "synthetic-tiny", "--data-path", str(data), "--global-batch", "16", "--out", str(tmp_path)]
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_dedup_ids.py"), *args, "--batches", "3", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+        [sys.executable, str(BENCHMARKS / script), *common, *args], capture_output=True, text=True, env=env, timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    data = json.loads((tmp_path / "dedup_ids.json").read_text())
+    return json.loads((tmp_path / script.removeprefix("bench_").replace(".py", ".json")).read_text())
+
+
+def test_dedup_ids_benchmark_counts_the_distinct_ids(tmp_path):
+    """bench_dedup_ids.py on a small store: rank 0's distinct history ids are a share of its tokens,
+    fewer than all of them (the store's users repeat items), and the table says so per feature."""
+    data = _run_on_a_small_store(tmp_path, "bench_dedup_ids.py", "--worlds", "1", "2", "--batches", "3")
     assert [(r["world"], r["samples_per_rank"]) for r in data["rows"]] == [(1, 16), (2, 8)]
     for row in data["rows"]:
         assert all(0 < share < 1 for share in row["distinct_share"].values()), row
@@ -158,21 +159,9 @@ def test_dedup_ids_benchmark_counts_the_distinct_ids(tmp_path):
 
 def test_loader_benchmark_times_a_worker_and_the_node(tmp_path):
     """bench_loader.py on a small store: one worker cold and warm, then two ranks' workers at once."""
-    from multi_process import make_data
-
-    data = make_data(tmp_path / "store")
-    env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent), DLRMV4_COMMIT="feed123")
-    args = ["--preset", "synthetic-tiny", "--data-path", str(data), "--global-batch", "16", "--ranks", "2"]
-    args += ["--workers-per-rank", "1"]
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_loader.py"), *args, "--batches", "2", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+    data = _run_on_a_small_store(
+        tmp_path, "bench_loader.py", "--ranks", "2", "--workers-per-rank", "1", "--batches", "2"
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    data = json.loads((tmp_path / "loader.json").read_text())
     rows = data["rows"]
     assert rows["cold"]["samples"] == rows["warm"]["samples"] > 0
     assert rows["node"]["processes"] == 2 and rows["node"]["samples"] == 2 * rows["warm"]["samples"]

@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import multiprocessing
 import os
 import time
-from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generator
@@ -56,6 +56,7 @@ from dlrmv4.data.yambda_schema import (ACTION_LIKE, ACTION_LISTEN_PLUS, ACTION_S
                                        open_parquet)
 from dlrmv4.errors import UserError, one_line
 from dlrmv4.files import atomic_directory, check_free_space, check_writable, write_json
+from dlrmv4.parallel import in_order
 
 RAW_COLUMNS = ["uid", "item_id", "timestamp", "is_organic", "event_type", "played_ratio_pct"]
 
@@ -493,7 +494,7 @@ def _process_chunk(df: pl.DataFrame, row_base: int, path: Path, bounds: SplitBou
                         np.diff(te_starts), te_cols, counts, items, item_counts.astype(np.int64), max_item, n_raw)
 
 
-def _chunk_result(path: Path, chunk: _Chunk, bounds: SplitBounds, cfg: PreprocessConfig,
+def _chunk_result(chunk: _Chunk, path: Path, bounds: SplitBounds, cfg: PreprocessConfig,
                   pf: pq.ParquetFile | None = None) -> _ChunkResult:
     """Read, check and process one chunk (in a worker process, or in this one with its open file)."""
     df, row_base = _owned_rows(pf if pf is not None else _worker_file(path), path, chunk)
@@ -521,7 +522,7 @@ def _results_in_order(pf: pq.ParquetFile, path: Path, chunks: list[_Chunk], boun
     most two chunks per worker ahead of the writer."""
     if workers <= 1 or len(chunks) <= 1:
         for chunk in chunks:
-            yield _chunk_result(path, chunk, bounds, cfg, pf)
+            yield _chunk_result(chunk, path, bounds, cfg, pf)
         return
     # spawn: fresh interpreters (pyarrow's and polars' thread pools do not survive a fork), each
     # with one polars thread, set in the environment they start with.
@@ -530,18 +531,8 @@ def _results_in_order(pf: pq.ParquetFile, path: Path, chunks: list[_Chunk], boun
     try:
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker) as pool:
-            pending: deque[Future] = deque()
-            queued = iter(chunks)
-            for chunk in queued:
-                pending.append(pool.submit(_chunk_result, path, chunk, bounds, cfg))
-                if len(pending) >= 2 * workers:
-                    break
-            while pending:
-                result = pending.popleft().result()
-                nxt = next(queued, None)
-                if nxt is not None:
-                    pending.append(pool.submit(_chunk_result, path, nxt, bounds, cfg))
-                yield result
+            work = functools.partial(_chunk_result, path=path, bounds=bounds, cfg=cfg)
+            yield from in_order(pool, work, chunks, 2 * workers)
     finally:
         if polars_threads is None:
             os.environ.pop("POLARS_MAX_THREADS", None)

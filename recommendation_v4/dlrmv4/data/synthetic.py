@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generator
@@ -51,6 +50,7 @@ from dlrmv4.data.yambda_schema import (DISLIKE, EVENT_TYPES, LIKE, LISTEN, MULTI
 from dlrmv4.data.store import usable_cores
 from dlrmv4.errors import UserError
 from dlrmv4.files import check_writable, write_atomically
+from dlrmv4.parallel import in_order
 
 
 @dataclass(frozen=True)
@@ -399,18 +399,7 @@ def _blocks_in_order(blocks: list[range], args: tuple, workers: int) -> Generato
     # fork: the workers share the catalog's pages with this process instead of rebuilding them.
     context = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(args,)) as pool:
-        pending: deque[Future] = deque()
-        queued = iter(blocks)
-        for users in queued:
-            pending.append(pool.submit(_worker_block, users))
-            if len(pending) >= 2 * workers:
-                break
-        while pending:
-            block = pending.popleft().result()
-            nxt = next(queued, None)
-            if nxt is not None:
-                pending.append(pool.submit(_worker_block, nxt))
-            yield block
+        yield from in_order(pool, _worker_block, blocks, 2 * workers)
 
 
 def _write_mapping(path: Path, id_name: str, ids: np.ndarray, items: np.ndarray) -> None:
