@@ -357,3 +357,35 @@ def test_run_settings_leave_out_the_resumable_knobs():
         section, field = name.split(".")
         assert hasattr(getattr(cfg, section), field), name
     assert changed_settings({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4}) == ["b 2 -> 3", "c (not recorded) -> 4"]
+
+
+def test_one_run_per_run_directory(data_path, tmp_path):
+    """A live run holds its run directory: a second run, with or without --restart, refuses in one
+    line naming the holder and touches nothing. A lock left by a killed run is taken over, saying so,
+    and a run that ends releases it."""
+    import socket
+
+    from dlrmv4.train.run_lock import LOCK_FILE, RunDirectoryLock
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    values = _overrides(data_path, run_dir)
+    values["train.max_steps"] = 3
+    flags = _cli_flags(values)
+    with RunDirectoryLock(run_dir, log=lambda _: None):  # this process plays the live run
+        for extra in ([], ["--restart"]):
+            proc = subprocess.run(
+                [sys.executable, "-m", "dlrmv4", "train", *flags, *extra], capture_output=True, text=True
+            )
+            assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+            assert (
+                f"run directory {run_dir} is in use by a live run (pid {os.getpid()} on {socket.gethostname()}"
+                in proc.stderr
+            )
+        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]  # nothing of the live run touched
+    assert (run_dir / LOCK_FILE).read_text() == ""
+    (run_dir / LOCK_FILE).write_text("pid 4242 on elsewhere, started 2026-01-01T00:00:00")  # a killed run's
+    proc = subprocess.run([sys.executable, "-m", "dlrmv4", "train", *flags], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "its run (pid 4242 on elsewhere, started 2026-01-01T00:00:00) ended without releasing it" in proc.stdout
+    assert (run_dir / LOCK_FILE).read_text() == "" and _report(run_dir)["steps"] == 3

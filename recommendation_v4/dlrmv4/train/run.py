@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 
 from dlrmv4.config import BenchmarkConfig, to_dict
 from dlrmv4.data.paths import store_dir
-from dlrmv4.data.store import open_store
+from dlrmv4.data.store import Store, open_store
 from dlrmv4.data.windows import sample_counts
 from dlrmv4.errors import UserError
 from dlrmv4.files import check_writable
@@ -30,8 +31,9 @@ from dlrmv4.train.distributed import (
     start_cluster,
 )
 from dlrmv4.train.history import RunHistory
-from dlrmv4.train.memory_plan import plan_for_run
+from dlrmv4.train.memory_plan import MemoryPlan, plan_for_run
 from dlrmv4.train.report import AUC_PLOT, REPORT_FILE, THROUGHPUT_PLOT, parameter_digest, write_report
+from dlrmv4.train.run_lock import RunDirectoryLock
 from dlrmv4.train.trainer import RUN_LOG_FILE, build_trainer
 
 # Tables larger than this are not gathered onto one host for the report's digest.
@@ -126,9 +128,26 @@ def _run(
         raise UserError(plan.refusal())
     cfg = plan.resolve(cfg)
     log(plan.summary())
-    runlog = RunLog(run_log_path(cfg), rank=cluster.rank, barrier=cluster.barrier)
     if cluster.is_main:
         check_writable(run_dir, "run directory")
+    # Rank 0 holds the run directory for the launch; before anything in it is read or changed.
+    with RunDirectoryLock(run_dir, log) if cluster.is_main else contextlib.nullcontext():
+        return _run_locked(cfg, cluster, log, progress, restart, config_filename, store, plan)
+
+
+def _run_locked(
+    cfg: BenchmarkConfig,
+    cluster: Cluster,
+    log: Callable[[str], None],
+    progress: bool,
+    restart: bool,
+    config_filename: str,
+    store: Store,
+    plan: MemoryPlan,
+) -> tuple[RunHistory, Path]:
+    run_dir = Path(cfg.train.run_dir)
+    runlog = RunLog(run_log_path(cfg), rank=cluster.rank, barrier=cluster.barrier)
+    if cluster.is_main:
         runlog.check_writable(runlog.path)  # fail before any work, not at the first event
         if restart:
             clear_run_dir(run_dir)
