@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args, list_presets, to_toml
 from dlrmv4.errors import ERROR_PREFIX, UserError
@@ -302,8 +302,17 @@ COMMANDS: dict[str, tuple[Callable[[BenchmarkConfig, argparse.Namespace], None],
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag or value gets one line and a pointer to --help, not the usage block (exit 2, as
+    argparse's own). Its subcommands' parsers are of this class too (argparse makes them so)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{ERROR_PREFIX}{message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dlrmv4", description="DLRMv4 HSTU benchmark")
+    parser = OneLineParser(prog="dlrmv4", description="DLRMv4 HSTU benchmark")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -448,6 +449,8 @@ def _check(section: str | None, f: dataclasses.Field, value: Any) -> Any:
         value = float(value)
     if not isinstance(value, want) or (want is int and isinstance(value, bool)):
         raise UserError(f"config field {name} must be {want.__name__}, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):  # NaN passes every range check
+        raise UserError(f"config field {name}={value} must be a finite number")
     meta = f.metadata
     if meta.get("choices") is not None and value not in meta["choices"]:
         raise UserError(f"config field {name}={value!r} is not one of {', '.join(map(str, meta['choices']))}")

@@ -93,6 +93,11 @@ def test_every_field_has_one_typed_flag():
         ({("sampler", "max_seq_len"): 11}, r"leaves no history"),
         ({("preprocess", "min_history"): "10"}, r"preprocess.min_history must be int"),
         ({("loader", "shuffle_within_window"): 1}, r"loader.shuffle_within_window must be bool"),
+        # NaN passes every comparison, so every range check: refused as such, as are infinities.
+        ({("train", "learning_rate"): float("nan")}, r"train.learning_rate=nan must be a finite number"),
+        ({("train", "target_auc"): float("nan")}, r"train.target_auc=nan must be a finite number"),
+        ({("train", "grad_clip_norm"): float("inf")}, r"train.grad_clip_norm=inf must be a finite number"),
+        ({("train", "adam_beta1"): float("-inf")}, r"train.adam_beta1=-inf must be a finite number"),
     ],
 )
 def test_validation_names_field_and_range(overrides, message):
@@ -132,6 +137,29 @@ def test_cli_error_is_one_line_with_exit_1():
     assert proc.stderr.strip() == (
         "[dlrmv4] error: config field preprocess.num_train_days=1 is outside the allowed range [2, 100000]"
     )
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--learning-rate", "nan"], "[dlrmv4] error: config field train.learning_rate=nan must be a finite number"),
+        (
+            ["--batch-size", "abc"],
+            "[dlrmv4] error: argument --batch-size: invalid int value: 'abc' (see dlrmv4 show-config --help)",
+        ),
+        (["--bogus", "3"], "[dlrmv4] error: unrecognized arguments: --bogus 3 (see dlrmv4 --help)"),
+    ],
+)
+def test_a_bad_flag_value_is_one_line(argv, line, tmp_path):
+    """No usage block: one line, and where the flags are described. A NaN in a TOML file too."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dlrmv4", "show-config", *argv], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode in (1, 2) and proc.stderr.strip() == line
+    toml = tmp_path / "nan.toml"
+    toml.write_text("[train]\nadam_eps = nan\n")
+    with pytest.raises(UserError, match="train.adam_eps=nan must be a finite number"):
+        load_config("synthetic-tiny", str(toml))
 
 
 def test_source_and_size_select_the_matching_preset():
