@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from dlrmv4.config import TrainConfig
+from dlrmv4.errors import UserError
 from dlrmv4.train.checkpoint import (
     CheckpointCadence,
     CheckpointPosition,
     ModelAndOptimizers,
     latest_checkpoint,
     load_checkpoint,
+    resume_point,
     save_checkpoint,
 )
 from dlrmv4.train.rng import capture_rng_state, restore_rng_state
@@ -201,6 +203,25 @@ def test_damaged_newest_is_skipped(tmp_path, capsys, damage):
 
 def test_no_checkpoint(tmp_path):
     assert latest_checkpoint(tmp_path) is None
+    assert resume_point(tmp_path) is None
+
+
+def test_checkpoints_none_of_which_is_usable_are_refused(tmp_path, capsys):
+    """A run directory whose every checkpoint is damaged: no silent start-over (it would rewrite
+    the run's MLPerf log); one line naming the newest's problem and --restart. Quietly: the resume
+    warns of what it skips, once."""
+    net = torch.nn.Linear(4, 3)
+    for step in (1, 2):
+        _damage_marker(save_checkpoint(tmp_path, _position(step), {"model": net}, keep_last=3))
+    capsys.readouterr()
+    with pytest.raises(UserError) as info:
+        resume_point(tmp_path)
+    message = str(info.value)
+    assert "\n" not in message and "holds 2 checkpoint(s) but none is usable (the newest, step-00000002: " in message
+    assert message.endswith("pass --restart to start the run over")
+    assert capsys.readouterr().err == ""
+    save_checkpoint(tmp_path, _position(3), {"model": net}, keep_last=3)
+    assert resume_point(tmp_path).name == "step-00000003"
 
 
 # Writes ~24 MB checkpoints in a loop, each tensor filled with its step, until it is killed.

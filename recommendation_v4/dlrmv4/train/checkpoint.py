@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dlrmv4.config import TrainConfig
+from dlrmv4.errors import UserError
 from dlrmv4.files import atomic_directory
 from dlrmv4.train.distributed import Cluster
 
@@ -250,15 +251,31 @@ def _problem(ckpt: Path, verify_hashes: bool) -> str | None:
     return None
 
 
-def latest_checkpoint(run_dir: str | os.PathLike, verify_hashes: bool = True) -> Path | None:
-    """The newest checkpoint that matches its marker; each newer one that does not is skipped with
-    one warning line on stderr. ``verify_hashes=False`` checks sizes only (fast on huge tables)."""
+def latest_checkpoint(run_dir: str | os.PathLike, verify_hashes: bool = True, warn: bool = True) -> Path | None:
+    """The newest checkpoint that matches its marker; each newer one that does not is skipped, with
+    one warning line on stderr when ``warn``. ``verify_hashes=False`` checks sizes only (fast on huge
+    tables)."""
     for ckpt in reversed(_step_dirs(_checkpoints_dir(run_dir))):
         problem = _problem(ckpt, verify_hashes)
         if problem is None:
             return ckpt
-        print(f"[dlrmv4] warning: skipping checkpoint {ckpt}: {problem}", file=sys.stderr)
+        if warn:
+            print(f"[dlrmv4] warning: skipping checkpoint {ckpt}: {problem}", file=sys.stderr)
     return None
+
+
+def resume_point(run_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint a run resumes from, None for a run directory without checkpoints. Checkpoints
+    none of which is sound are refused in one line: starting over would rewrite the run's MLPerf
+    log, which only ``--restart`` may do. Quiet: the resume itself warns of each one it skips."""
+    found = latest_checkpoint(run_dir, warn=False)
+    steps = _step_dirs(_checkpoints_dir(run_dir))
+    if found is None and steps:
+        raise UserError(
+            f"{_checkpoints_dir(run_dir)} holds {len(steps)} checkpoint(s) but none is usable (the newest, "
+            f"{steps[-1].name}: {_problem(steps[-1], True)}); pass --restart to start the run over"
+        )
+    return found
 
 
 def load_small_state(path: str | os.PathLike) -> dict[str, Any]:

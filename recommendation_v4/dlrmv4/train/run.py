@@ -21,7 +21,7 @@ from dlrmv4.mlperf.rules import check_closed_division
 from dlrmv4.mlperf.runlog import RunLog
 from dlrmv4.model.embeddings import store_table_counts
 from dlrmv4.model.embeddings.sharding import check_sharding_options, describe_plan, plan_rows
-from dlrmv4.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
+from dlrmv4.train.checkpoint import CHECKPOINT_DIR, resume_point
 from dlrmv4.train.distributed import (
     Cluster,
     RankLostError,
@@ -151,7 +151,7 @@ def _run_locked(
         runlog.check_writable(runlog.path)  # fail before any work, not at the first event
         if restart:
             clear_run_dir(run_dir)
-    cold = cluster.broadcast(latest_checkpoint(run_dir) is None if cluster.is_main else None)
+    cold = cluster.broadcast(resume_point(run_dir) is None if cluster.is_main else None)
     if cold:  # the MLPerf run begins here
         runlog.open(0)
         runlog.init_start()
