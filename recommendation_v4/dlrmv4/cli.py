@@ -134,7 +134,8 @@ def cmd_verify(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
 
 def _store_current(cfg: BenchmarkConfig) -> bool:
     """True when the configured store exists and was written by this code's store schema (an older
-    one is rebuilt: the preprocessing's rules changed with its schema)."""
+    one is rebuilt: the preprocessing's rules changed with its schema); one built with other
+    settings than ``cfg``'s is refused in one line."""
     import json
 
     from dlrmv4.data.paths import store_dir
@@ -153,6 +154,9 @@ def _store_current(cfg: BenchmarkConfig) -> bool:
             "rebuilding it"
         )
         return False
+    from dlrmv4.data.store_settings import check_store_settings
+
+    check_store_settings(meta.parent, json.loads(meta.read_text()), cfg)
     return True
 
 

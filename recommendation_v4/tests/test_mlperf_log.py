@@ -197,7 +197,12 @@ def test_training_refuses_a_closed_yambda_5b_store_with_other_counts(tmp_path, c
 
     data = tmp_path / "data"
     store = random_store(data / "processed" / "yambda-5b", seed=4, lengths=[50, 70], num_windows=3)
-    counts = json.loads((store / "meta.json").read_text())["counts"]
+    meta = json.loads((store / "meta.json").read_text())
+    # A store built with the preset's constants (else the settings check refuses it first), other counts.
+    preset = load_config("yambda-5b").preprocess
+    meta["constants"] = {name: getattr(preset, name) for name in meta["constants"]}
+    (store / "meta.json").write_text(json.dumps(meta))
+    counts = meta["counts"]
     capsys.readouterr()
     assert (
         cli_main(

@@ -389,3 +389,18 @@ def test_one_run_per_run_directory(data_path, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "its run (pid 4242 on elsewhere, started 2026-01-01T00:00:00) ended without releasing it" in proc.stdout
     assert (run_dir / LOCK_FILE).read_text() == "" and _report(run_dir)["steps"] == 3
+
+
+def test_a_store_built_with_other_settings_is_refused(data_path, tmp_path):
+    """Preprocessing constants or a data seed other than the store's: one line naming each, nothing
+    trained (the run's report would otherwise record settings the store was not built with)."""
+    values = _overrides(data_path, tmp_path / "run")
+    values["train.max_steps"] = 1
+    values["preprocess.num_train_days"] = 5
+    values["dataset.synthetic_seed"] = 99
+    proc = subprocess.run(
+        [sys.executable, "-m", "dlrmv4", "train", *_cli_flags(values)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "was built with other settings (preprocess.num_train_days 6 -> 5; dataset.synthetic_seed " in proc.stderr
+    assert "-> 99; store -> this run)" in proc.stderr and not (tmp_path / "run" / "report.json").exists()

@@ -14,6 +14,7 @@ import torch
 from dlrmv4.config import BenchmarkConfig, to_dict
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import Store, open_store
+from dlrmv4.data.store_settings import check_store_settings
 from dlrmv4.data.windows import sample_counts
 from dlrmv4.errors import UserError
 from dlrmv4.files import check_writable
@@ -119,6 +120,7 @@ def _run(
             "(python -m dlrmv4 prepare with the same flags; run_and_time.sh does it)"
         )
     store = open_store(store_path)
+    check_store_settings(store_path, store.meta, cfg)
     train_samples, eval_samples = sample_counts(store)
     check_closed_division(cfg, train_samples, eval_samples)
     # The memory plan, before anything is allocated: a run that cannot fit stops here with one line.
