@@ -235,3 +235,22 @@ def test_workers_started_by_a_fork_server_give_the_same_batches(store):
     served = make_window_loader(store, windows, config(workers=2), worker_start="forkserver")
     assert served.multiprocessing_context.get_start_method() == "forkserver"
     assert anchors_of(served) == anchors_of(forked)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_item_id_beyond_the_stores_items_is_one_line_naming_the_store(tmp_path, workers):
+    """A damaged item column (an id past the item tables) stops the loader with one line naming the
+    store and verify, in a worker process too, not with the embedding lookup's IndexError."""
+    from dlrmv4.errors import UserError
+
+    path = random_store(tmp_path / "store", seed=11, lengths=[40, 90, 130], min_history=5, num_windows=4)
+    items = np.load(path / "train" / "item_id.npy", mmap_mode="r+")
+    items[:] = len(np.load(path / "items" / "artist_id.npy")) + 7  # every event: whichever batch comes first
+    items.flush()
+    del items
+    loader = make_window_loader(open_store(path), [0, 1, 2], config(workers))
+    with pytest.raises(UserError) as info:
+        list(loader)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{path}: item id ")
+    assert f"python -m dlrmv4 verify --store {path}" in message

@@ -25,9 +25,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from dlrmv4.config import BenchmarkConfig, SamplerConfig
-from dlrmv4.data.batch import TorchJaggedBatch
+from dlrmv4.data.batch import JaggedBatch, TorchJaggedBatch
 from dlrmv4.data.sampler import build_batch, history_lengths, pack_item_sides
 from dlrmv4.data.store import Store, open_store
+from dlrmv4.errors import UserError
 
 
 class BatchSlice(NamedTuple):
@@ -162,7 +163,42 @@ class WindowDataset(IterableDataset):
             share = rank_share(part, self.rank, self.world_size, self.slicing, tokens)
             if not len(share):  # a tail batch smaller than the world: this rank scores a stand-in, ignored
                 share = np.array([part.start], dtype=np.int64)
-            yield build_batch(store, order[share], self.cfg, item_sides).to_torch(dedup_ids=self.dedup_ids)
+            batch = build_batch(store, order[share], self.cfg, item_sides)
+            check_item_ids(batch, len(item_sides), store.path, part.window)
+            yield batch.to_torch(dedup_ids=self.dedup_ids)
+
+
+def check_item_ids(batch: JaggedBatch, num_items: int, store_path: Path, window: int) -> None:
+    """Item ids beyond the store's item tables can only come from a damaged store (preprocessing
+    sizes the tables to cover every item of the data); the embedding lookup would fail on them
+    with an IndexError naming nothing. One line naming the store and what to do instead."""
+    top = max(int(batch.history_item_id.max(initial=0)), int(batch.candidate_item_id.max(initial=0)))
+    if top >= num_items:
+        raise UserError(
+            f"{store_path}: item id {top} in a batch of window {window} is outside the store's {num_items:,} "
+            f"items: the store is damaged (python -m dlrmv4 verify --store {store_path} names the file; "
+            "prepare it again)"
+        )
+
+
+class WindowLoader(DataLoader):
+    """A DataLoader whose workers' one-line errors stay one line: PyTorch re-raises a worker's
+    exception with the worker's whole traceback as its message."""
+
+    def __iter__(self):
+        try:
+            yield from super().__iter__()
+        except UserError as exc:
+            raise UserError(_worker_message(str(exc))) from None
+
+
+def _worker_message(message: str) -> str:
+    """The original message of an exception PyTorch re-raised from a loader worker (its traceback's
+    last line, less the exception's name); other messages as they are."""
+    if not message.startswith("Caught "):
+        return message
+    last = message.strip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last
 
 
 def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfig, start_batch: int = 0,
@@ -181,7 +217,7 @@ def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfi
     workers = cfg.loader.num_workers
     # An own generator: creating an iterator draws a worker base seed, which must not consume the
     # global torch RNG (dropout draws from it, and a resumed run must see the same stream).
-    return DataLoader(dataset, batch_size=None, num_workers=workers, generator=torch.Generator().manual_seed(cfg.seed),
+    return WindowLoader(dataset, batch_size=None, num_workers=workers, generator=torch.Generator().manual_seed(cfg.seed),
                       prefetch_factor=cfg.loader.prefetch_batches if workers else None,
                       pin_memory=torch.cuda.is_available(),
                       multiprocessing_context=worker_start if workers else None)
