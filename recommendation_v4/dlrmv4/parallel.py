@@ -1,10 +1,11 @@
-"""Work fanned out to a pool of processes and taken back in order, with a bounded number ahead."""
+"""Work fanned out and taken back in order: to a pool of processes with a bounded number ahead, or
+to threads (numpy and hashlib let go of the GIL)."""
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -21,3 +22,12 @@ def in_order(pool: Executor, fn: Callable[[T], R], items: Iterable[T], ahead: in
         for item in itertools.islice(queued, 1):
             pending.append(pool.submit(fn, item))
         yield result
+
+
+def parallel_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list[R]:
+    """``[fn(x) for x in items]`` on ``workers`` threads, in order."""
+    items = list(items)
+    if workers <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(workers, len(items))) as pool:
+        return list(pool.map(fn, items))

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from model_inputs import random_batch
+from step_setup import gloo_rank
 from test_chunked_step import LENGTHS, config, dense_grads
 from torch.nn.parallel import DistributedDataParallel
 
-from dlrmv4.data.loader import BatchSlice, rank_share
 from dlrmv4.model.embeddings import make_embeddings, table_specs
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.distributed import Cluster
@@ -50,17 +50,12 @@ def one_step(backend: str, chunks: int, batch, cluster: Cluster, out: Path) -> N
 
 
 def main(backend: str, out: Path) -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cluster = Cluster(
-        rank, world, rank, world, torch.device("cpu"), backend="gloo", control=dist.new_group(backend="gloo")
-    )
-    share = rank_share(BatchSlice(0, 0, len(LENGTHS)), rank, world, "contiguous")
-    batch = random_batch(LENGTHS, seed=5).samples(int(share[0]), int(share[-1]) + 1)
+    cluster, share = gloo_rank(len(LENGTHS))
+    batch = random_batch(LENGTHS, seed=5).samples(share.start, share.stop)
     for chunks in (1, 2, 3):
         one_step(backend, chunks, batch, cluster, out)
-    if rank == 0:
-        (out / "world.json").write_text(json.dumps({"world_size": world}))
+    if cluster.rank == 0:
+        (out / "world.json").write_text(json.dumps({"world_size": cluster.world_size}))
     dist.barrier()
     dist.destroy_process_group()
 

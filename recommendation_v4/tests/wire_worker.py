@@ -10,29 +10,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from model_inputs import random_batch
-from step_setup import small_table_config
+from step_setup import gloo_rank, small_table_config
 
-from dlrmv4.data.loader import BatchSlice, rank_share
 from dlrmv4.model.embeddings import make_embeddings, table_specs
-from dlrmv4.train.distributed import Cluster
 
 LENGTHS = [5, 0, 9, 3, 12, 7, 1, 4]
 
 
 def main(qcomm: str, out: Path) -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cluster = Cluster(
-        rank, world, rank, world, torch.device("cpu"), backend="gloo", control=dist.new_group(backend="gloo")
-    )
-    share = rank_share(BatchSlice(0, 0, len(LENGTHS)), rank, world, "contiguous")
+    cluster, share = gloo_rank(len(LENGTHS))
     saved = {}
     for backend in ("plain", "torchrec"):
         cfg = small_table_config("synthetic-tiny", backend, 100, qcomm=qcomm)
         embeddings = make_embeddings(table_specs(cfg, 0, 0, 0), cfg, "cpu", seed=3, cluster=cluster)
         embeddings.set_learning_rate(0.05)
         for seed in (1, 2, 3):
-            batch = random_batch(LENGTHS, seed=seed).samples(int(share[0]), int(share[-1]) + 1)
+            batch = random_batch(LENGTHS, seed=seed).samples(share.start, share.stop)
             emb = embeddings(batch)
             # A loss whose gradients use fp32's whole mantissa (fp16 rounds them visibly).
             g = torch.Generator().manual_seed(seed)
@@ -40,7 +33,7 @@ def main(qcomm: str, out: Path) -> None:
             loss.backward()
             embeddings.sparse_step()
         saved[backend] = embeddings.state_for_checkpoint().get("tables")  # a collective
-    if rank == 0:
+    if cluster.rank == 0:
         torch.save(saved, out / f"tables_{qcomm}.pt")
     dist.barrier()
     dist.destroy_process_group()

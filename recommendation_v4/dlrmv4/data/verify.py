@@ -9,9 +9,8 @@ good); the CLI turns them into one line and exit 1.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import Callable
 
 import numpy as np
 from tqdm import tqdm
@@ -19,19 +18,9 @@ from tqdm import tqdm
 from dlrmv4.data import store as st
 from dlrmv4.data.yambda_schema import ACTION_LIKE, ACTION_LISTEN_PLUS, ACTION_SKIP, EVENT_TYPES, LIKE, LISTEN
 from dlrmv4.errors import UserError
+from dlrmv4.parallel import parallel_map
 
 EVENTS_PER_CHECK = 4_000_000  # per thread: a chunk's temporaries take about 60 bytes an event
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-def parallel_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list[R]:
-    """``[fn(x) for x in items]`` on ``workers`` threads, in order."""
-    items = list(items)
-    if workers <= 1 or len(items) <= 1:
-        return [fn(x) for x in items]
-    with ThreadPoolExecutor(max_workers=min(workers, len(items))) as pool:
-        return list(pool.map(fn, items))
 
 
 def check_md5s(path: Path, progress: bool = True, workers: int = 0) -> list[str]:

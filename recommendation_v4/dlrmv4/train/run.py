@@ -13,7 +13,7 @@ import torch
 
 from dlrmv4.config import BenchmarkConfig, to_dict
 from dlrmv4.data.paths import store_dir
-from dlrmv4.data.store import Store, open_store
+from dlrmv4.data.store import open_store
 from dlrmv4.data.store_settings import check_store_settings
 from dlrmv4.data.windows import sample_counts
 from dlrmv4.errors import UserError
@@ -32,7 +32,7 @@ from dlrmv4.train.distributed import (
     start_cluster,
 )
 from dlrmv4.train.history import RunHistory
-from dlrmv4.train.memory_plan import MemoryPlan, plan_for_run
+from dlrmv4.train.memory_plan import plan_for_run
 from dlrmv4.train.report import AUC_PLOT, REPORT_FILE, THROUGHPUT_PLOT, parameter_digest, write_report
 from dlrmv4.train.run_lock import RunDirectoryLock
 from dlrmv4.train.trainer import RUN_LOG_FILE, build_trainer
@@ -132,77 +132,65 @@ def _run(
     log(plan.summary())
     if cluster.is_main:
         check_writable(run_dir, "run directory")
-    # Rank 0 holds the run directory for the launch; before anything in it is read or changed.
-    with RunDirectoryLock(run_dir, log) if cluster.is_main else contextlib.nullcontext():
-        return _run_locked(cfg, cluster, log, progress, restart, config_filename, store, plan)
-
-
-def _run_locked(
-    cfg: BenchmarkConfig,
-    cluster: Cluster,
-    log: Callable[[str], None],
-    progress: bool,
-    restart: bool,
-    config_filename: str,
-    store: Store,
-    plan: MemoryPlan,
-) -> tuple[RunHistory, Path]:
-    run_dir = Path(cfg.train.run_dir)
-    runlog = RunLog(run_log_path(cfg), rank=cluster.rank, barrier=cluster.barrier)
-    if cluster.is_main:
-        runlog.check_writable(runlog.path)  # fail before any work, not at the first event
-        if restart:
-            clear_run_dir(run_dir)
-    cold = cluster.broadcast(resume_point(run_dir) is None if cluster.is_main else None)
-    if cold:  # the MLPerf run begins here
-        runlog.open(0)
-        runlog.init_start()
-    seed_everything(cfg.seed)
-    trainer = build_trainer(cfg, store, cluster, log, progress, runlog, config_filename)
-    model, embeddings = trainer.model, trainer.embeddings
-    log(
-        f"training on {cluster.describe()} with {embeddings.backend} embeddings: {len(trainer.windows)} train "
-        f"windows, holdout window {trainer.holdout}, {trainer.train_samples:,} train samples, global batch "
-        f"{cfg.loader.batch_size} ({cfg.loader.batch_size // cluster.world_size} per process), eval every "
-        f"{trainer.evaluator.schedule.interval:,} samples from {trainer.evaluator.schedule.first:,}, target AUC {cfg.train.target_auc}"
-    )
-    if embeddings.backend == "torchrec":
-        log(describe_plan(embeddings.plan))
-    try:
-        history = trainer.run()
-    finally:
-        runlog.close()
-    digest = run_digest(model, embeddings)
-    if not cluster.is_main:
-        return history, run_dir / REPORT_FILE
-    report, plots = write_report(
-        run_dir,
-        {
-            "history": history.to_dict(),
-            "config": to_dict(cfg),
-            "eval_interval": trainer.evaluator.schedule.interval,
-            "first_eval_samples": trainer.evaluator.schedule.first,
-            "train_samples": trainer.train_samples,
-            "device": str(cluster.device),
-            "world_size": cluster.world_size,
-            "embedding_backend": embeddings.backend,
-            "sharding_plan": plan_rows(embeddings.plan) if embeddings.backend == "torchrec" else None,
-            "memory_plan": plan.describe(),
-            "chunks": cfg.train.chunks,
-            "lookups_distributed_ahead": embeddings.lookups_distributed_ahead,
-            "ids_looked_up": embeddings.ids_looked_up,
-            "recompute": cfg.model.recompute,
-            "parameters_sha256": digest,
-            "mlperf_log": str(runlog.path),
-            "eval_samples": trainer.eval_samples,
-        },
-        cfg.train.target_auc,
-    )
-    if plots:
-        log(f"plots: {', '.join(str(p) for p in plots)}")
-    else:
-        log("matplotlib is not installed: report written without plots")
-    return history, report
+    held = contextlib.ExitStack()  # the run directory's lock while the run lasts
+    if cluster.is_main:  # rank 0 holds it for the launch, before anything in it is read or changed
+        held.enter_context(RunDirectoryLock(run_dir, log))
+    with held:
+        runlog = RunLog(run_log_path(cfg), rank=cluster.rank, barrier=cluster.barrier)
+        if cluster.is_main:
+            runlog.check_writable(runlog.path)  # fail before any work, not at the first event
+            if restart:
+                clear_run_dir(run_dir)
+        cold = cluster.broadcast(resume_point(run_dir) is None if cluster.is_main else None)
+        if cold:  # the MLPerf run begins here
+            runlog.open(0)
+            runlog.init_start()
+        seed_everything(cfg.seed)
+        trainer = build_trainer(cfg, store, cluster, log, progress, runlog, config_filename)
+        model, embeddings = trainer.model, trainer.embeddings
+        log(
+            f"training on {cluster.describe()} with {embeddings.backend} embeddings: {len(trainer.windows)} train "
+            f"windows, holdout window {trainer.holdout}, {trainer.train_samples:,} train samples, global batch "
+            f"{cfg.loader.batch_size} ({cfg.loader.batch_size // cluster.world_size} per process), eval every "
+            f"{trainer.evaluator.schedule.interval:,} samples from {trainer.evaluator.schedule.first:,}, target AUC {cfg.train.target_auc}"
+        )
+        if embeddings.backend == "torchrec":
+            log(describe_plan(embeddings.plan))
+        try:
+            history = trainer.run()
+        finally:
+            runlog.close()
+        digest = run_digest(model, embeddings)
+        if not cluster.is_main:
+            return history, run_dir / REPORT_FILE
+        report, plots = write_report(
+            run_dir,
+            {
+                "history": history.to_dict(),
+                "config": to_dict(cfg),
+                "eval_interval": trainer.evaluator.schedule.interval,
+                "first_eval_samples": trainer.evaluator.schedule.first,
+                "train_samples": trainer.train_samples,
+                "device": str(cluster.device),
+                "world_size": cluster.world_size,
+                "embedding_backend": embeddings.backend,
+                "sharding_plan": plan_rows(embeddings.plan) if embeddings.backend == "torchrec" else None,
+                "memory_plan": plan.describe(),
+                "chunks": cfg.train.chunks,
+                "lookups_distributed_ahead": embeddings.lookups_distributed_ahead,
+                "ids_looked_up": embeddings.ids_looked_up,
+                "recompute": cfg.model.recompute,
+                "parameters_sha256": digest,
+                "mlperf_log": str(runlog.path),
+                "eval_samples": trainer.eval_samples,
+            },
+            cfg.train.target_auc,
+        )
+        if plots:
+            log(f"plots: {', '.join(str(p) for p in plots)}")
+        else:
+            log("matplotlib is not installed: report written without plots")
+        return history, report
 
 
 def run_digest(model: torch.nn.Module, embeddings) -> str | None:
