@@ -70,6 +70,9 @@ else
                     --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:?}:${MASTER_PORT:-29500}")
     fi
     start=$(date +%s)
+    # torchrun would give each rank one CPU thread; a rank's host work (pinning, TorchRec's input
+    # distribution) gets its share of the node's cores instead.
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / gpus_per_node > 0 ? $(nproc) / gpus_per_node : 1 ))}
     torchrun "${rendezvous[@]}" --nproc-per-node "${gpus_per_node}" -m dlrmv4 train --restart \
         "${args[@]+"${args[@]}"}"
     if [[ "${NODE_RANK:-0}" != "0" ]]; then

@@ -254,8 +254,9 @@ def main() -> None:
                 str(out),
             ]
             env = dict(os.environ)
-            if not torch.cuda.is_available():  # CPU: share the cores between the processes
-                env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+            # Each rank gets its share of the cores (torchrun alone would give it one thread), as
+            # run_and_time.sh does.
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(f"world size {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -282,6 +283,7 @@ def main() -> None:
         "qcomm": cfg.embeddings.qcomm,
         "rank_slicing": cfg.loader.rank_slicing,
         "sparse_pipeline": cfg.train.sparse_pipeline,
+        "dedup_ids": cfg.embeddings.dedup_ids,
         "results": results,
     }
     print(_table([row]))
@@ -307,6 +309,7 @@ def _table(rows: list[dict]) -> str:
         setup = f"{tables}, {row.get('qcomm', 'none')}, {row.get('rank_slicing', 'contiguous')}"
         if row["results"][0]["backend"] == "torchrec" and "sparse_pipeline" in row:
             setup += ", pipelined ids" if row["sparse_pipeline"] else ", ids not pipelined"
+            setup += ", distinct ids looked up" if row.get("dedup_ids") else ""
         for r in row["results"]:
             lines.append(
                 f"| {row['label']} | {row['device']} | {row['scaling']} | {row['d_model']} x "
