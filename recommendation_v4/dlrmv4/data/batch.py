@@ -63,6 +63,11 @@ HISTORY_ID_FIELDS = ("history_item_id", "history_artist_id", "history_album_id")
 DENSE_UNIQUE_LIMIT = 1 << 26
 
 
+def spread_evenly(total: int, parts: int) -> np.ndarray:
+    """``parts`` int64 counts that sum to ``total`` and differ by at most one (the larger first)."""
+    return np.full(parts, total // parts, dtype=np.int64) + (np.arange(parts) < total % parts)
+
+
 def unique_with_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct values of ``ids`` (non-negative int64) in ascending order, and for every element
     its index among them (int32): ``unique[inverse] == ids``."""
@@ -146,10 +151,12 @@ class JaggedBatch:
             uniques = {name: unique_with_inverse(getattr(self, name)) for name in HISTORY_ID_FIELDS}
             n_item, n_artist, n_album = (len(uniques[name][0]) for name in HISTORY_ID_FIELDS)
             unique_counts = (n_item, n_artist, n_album)
-            # A history feature's distinct ids all count as its first sample's: only the total matters.
-            first = [np.concatenate([[n], np.zeros(b - 1, dtype=np.int64)]) for n in unique_counts]
+            # Only a history feature's total count of distinct ids matters to the lookup, but TorchRec's
+            # sequence all-to-all copies each sample's rows with one warp (FBGEMM's
+            # permute_2D_sparse_data): spread over the samples, the copy uses the whole GPU.
+            spread = [spread_evenly(n, b) for n in unique_counts]
             lookup = [uniques[name][0] if name in uniques else arr for name, arr in zip(ID_FIELDS, ids)]
-            regions["id_lengths"] = np.concatenate([x for n in first for x in (n, ones)] + [ones] * NUM_CONTEXTUAL)
+            regions["id_lengths"] = np.concatenate([x for n in spread for x in (n, ones)] + [ones] * NUM_CONTEXTUAL)
             regions["lookup_ids"] = np.concatenate(lookup).astype(np.int64, copy=False)
             regions["history_inverse"] = np.stack([uniques[name][1] for name in HISTORY_ID_FIELDS])
         regions |= {name: np.ascontiguousarray(getattr(self, name)) for name in BATCH_DTYPES if name not in ID_FIELDS}

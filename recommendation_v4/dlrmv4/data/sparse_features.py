@@ -6,9 +6,9 @@ feature per contextual column (one id per sample, ``hashing.CONTEXTUAL_FEATURES`
 ``sparse_features`` gives them as TorchRec's KeyedJaggedTensor, in ``SPARSE_KEYS`` order: for a
 batch the loader's worker packed (``TorchJaggedBatch.id_lengths`` set) its values and lengths are
 the batch's own memory, already on the device; otherwise they are gathered. A batch packed with its
-ids deduplicated (``lookup_ids`` set) gives each history feature's distinct ids instead, all counted
-as its first sample's: the lookup returns one row per distinct id, and ``expand_history_rows`` gives
-every token its row.
+ids deduplicated (``lookup_ids`` set) gives each history feature's distinct ids instead, counted
+over its samples evenly (which sample an id counts for does not matter): the lookup returns one row
+per distinct id, and ``expand_history_rows`` gives every token its row.
 """
 
 from __future__ import annotations
