@@ -37,6 +37,26 @@ for value in "${gpus_per_node}" "${nnodes}"; do
 done
 source "${repo_root}/tools/ensure_env.sh"
 args=("${knobs[@]+"${knobs[@]}"}" "$@")
+
+# Each step runs as a child that SIGTERM (a batch scheduler's time limit) and SIGINT reach: the
+# script passes either on to the step in flight and ends with its status. Job control (set -m)
+# keeps SIGINT live in background children, which a script's shell would otherwise ignore.
+set -m
+step_pid=""
+pass_on() { if [[ -n "${step_pid}" ]]; then kill -s "$1" "${step_pid}" 2>/dev/null || true; fi; }
+trap 'pass_on INT' INT
+trap 'pass_on TERM' TERM
+step() {
+    "$@" &
+    step_pid=$!
+    local status=0
+    while :; do
+        wait "${step_pid}" && status=0 || status=$?
+        kill -0 "${step_pid}" 2>/dev/null || break  # a trapped signal interrupts wait, not the step
+    done
+    step_pid=""
+    return "${status}"
+}
 md5s=(--reference-md5s "${repo_root}/md5sums")
 
 if [[ "${PREPARE_ONLY:-0}" == "1" ]]; then
@@ -50,9 +70,9 @@ if [[ -n "${SLURM_PROCID:-}" && -z "${RANK:-}" ]]; then
     export LOCAL_WORLD_SIZE="${SLURM_NTASKS_PER_NODE:-${gpus_per_node}}"
     LOCAL_WORLD_SIZE="${LOCAL_WORLD_SIZE%%(*}"  # SLURM writes "8(x2)" for uniform nodes
     export MASTER_PORT="${MASTER_PORT:-29500}"
-    python -m dlrmv4 train --restart "${args[@]+"${args[@]}"}"
+    step python -m dlrmv4 train --restart "${args[@]+"${args[@]}"}"
     if [[ "${RANK}" == "0" ]]; then
-        python -m dlrmv4 check-log "${args[@]+"${args[@]}"}"
+        step python -m dlrmv4 check-log "${args[@]+"${args[@]}"}"
     fi
     exit 0
 fi
@@ -60,10 +80,10 @@ fi
 world=$((gpus_per_node * nnodes))
 start=$(date +%s)
 if (( world == 1 )); then
-    python -m dlrmv4 train --restart "${md5s[@]}" "${args[@]+"${args[@]}"}"
+    step python -m dlrmv4 train --restart "${md5s[@]}" "${args[@]+"${args[@]}"}"
 else
     if (( nnodes == 1 )); then
-        python -m dlrmv4 prepare --if-missing "${md5s[@]}" "${args[@]+"${args[@]}"}"
+        step python -m dlrmv4 prepare --if-missing "${md5s[@]}" "${args[@]+"${args[@]}"}"
         rendezvous=(--standalone)
     else  # the nodes would race to write one store: it is prepared beforehand, once (PREPARE_ONLY=1)
         rendezvous=(--nnodes "${nnodes}" --node-rank "${NODE_RANK:?NODE_RANK must be set on each node}"
@@ -73,7 +93,7 @@ else
     # torchrun would give each rank one CPU thread; a rank's host work (pinning, TorchRec's input
     # distribution) gets its share of the node's cores instead.
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / gpus_per_node > 0 ? $(nproc) / gpus_per_node : 1 ))}
-    torchrun "${rendezvous[@]}" --nproc-per-node "${gpus_per_node}" -m dlrmv4 train --restart \
+    step torchrun "${rendezvous[@]}" --nproc-per-node "${gpus_per_node}" -m dlrmv4 train --restart \
         "${args[@]+"${args[@]}"}"
     if [[ "${NODE_RANK:-0}" != "0" ]]; then
         exit 0
@@ -81,4 +101,4 @@ else
 fi
 end=$(date +%s)
 echo "[dlrmv4] run finished in $((end - start)) s ($(date -u +%Y-%m-%dT%H:%M:%SZ))"
-python -m dlrmv4 check-log "${args[@]+"${args[@]}"}"
+step python -m dlrmv4 check-log "${args[@]+"${args[@]}"}"

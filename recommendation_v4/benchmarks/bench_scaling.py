@@ -283,7 +283,7 @@ def main() -> None:
         "qcomm": cfg.embeddings.qcomm,
         "rank_slicing": cfg.loader.rank_slicing,
         "sparse_pipeline": cfg.train.sparse_pipeline,
-        "dedup_ids": cfg.embeddings.dedup_ids,
+        "dedup_ids": cfg.embeddings.dedup_ids and results[0]["backend"] == "torchrec",
         "results": results,
     }
     print(_table([row]))

@@ -57,7 +57,7 @@ from dlrmv4.data.loader import make_window_loader
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
 from dlrmv4.data.windows import split_windows
-from dlrmv4.model.embeddings import store_table_counts, table_specs
+from dlrmv4.model.embeddings import looks_up_distinct_ids, store_table_counts, table_specs
 from dlrmv4.model.flops import batch_flops
 from dlrmv4.train.schedule import EvalSchedule
 from dlrmv4.train.trainer import build_step
@@ -221,7 +221,7 @@ def bare_step(args: argparse.Namespace, device: torch.device) -> dict:
         windows,
         dataclasses.replace(cfg, loader=dataclasses.replace(cfg.loader, num_workers=min(cfg.loader.num_workers, 4))),
         drop_last=True,
-        dedup_ids=cfg.embeddings.dedup_ids,
+        dedup_ids=looks_up_distinct_ids(cfg, args.backend),
     )
     batches = []
     for batch in loader:
@@ -284,7 +284,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--dedup-ids",
-        default="false",
+        default="true",
         choices=("true", "false"),
         help="TorchRec: each distinct history id of a rank's batch looked up once (embeddings.dedup_ids)",
     )

@@ -13,7 +13,9 @@ Measured (files in benchmarks/results/, each naming its device and commit):
   share of the 559 GiB of tables once per window reached (the trainer's default cadence).
 
 The embedding all-to-all: per step each rank receives the rows its samples look up, 1,024 x (mean
-tokens x 3 item-side tables + 8 contextual) rows of D = 512 in fp16 (the reference's qcomm),
+tokens x 3 item-side tables + 8 contextual) rows of D = 512 in fp16 (the reference's qcomm), of the
+history's rows only the distinct ids' with ``embeddings.dedup_ids`` (their share as
+``dedup_ids.json`` counted it at 1,024 samples per rank, ``--distinct-from``),
 (W - 1)/W of them from other ranks, and sends as many gradients back. Within a node at the rate
 ``hot_ids_<label>.json`` measured (``--alltoall-from``: the bytes each rank put on the wire per
 step over the device time of its NCCL kernels, uniform ids, two GPUs of one node) or at
@@ -60,9 +62,12 @@ def load(name: str) -> dict:
     return json.loads(path.read_text())
 
 
-def alltoall_seconds(world: int, per_gpu: int, mean_tokens: float, nvlink_gbs: float, network_gbs: float) -> float:
-    """One step's forward rows plus backward gradients through the all-to-all, per rank."""
-    rows = per_gpu * (mean_tokens * ITEM_SIDE_TABLES + CONTEXTUAL)
+def alltoall_seconds(
+    world: int, per_gpu: int, mean_tokens: float, nvlink_gbs: float, network_gbs: float, history_share: float = 1.0
+) -> float:
+    """One step's forward rows plus backward gradients through the all-to-all, per rank; of the
+    history's rows ``history_share`` (the distinct ids' share, with ``embeddings.dedup_ids``)."""
+    rows = per_gpu * (mean_tokens * ITEM_SIDE_TABLES * history_share + CONTEXTUAL)
     remote = rows * D * FP16 * (world - 1) / world
     off_node = max(0, world - GPUS_PER_NODE) / world  # the share of a rank's peers on other nodes
     per_direction = remote * (1 - off_node) / (nvlink_gbs * 1e9) + remote * off_node / (network_gbs * 1e9)
@@ -84,7 +89,19 @@ def measured_alltoall_gbs(hot_ids: dict) -> float:
     return sum(rates) / len(rates)
 
 
-def exchange_work_per_sample(scaling: dict, label: str, nvlink_gbs: float, network_gbs: float) -> float:
+def distinct_share(dedup_ids: dict) -> float:
+    """The history rows' distinct share at 1,024 samples per rank (the real job's), over the three
+    history id features."""
+    rows = [row for row in dedup_ids["rows"] if row["samples_per_rank"] == 1_024]
+    if not rows:
+        raise SystemExit("dedup_ids.json holds no row at 1,024 samples per rank")
+    shares = rows[0]["distinct_share"]
+    return sum(shares.values()) / len(shares)
+
+
+def exchange_work_per_sample(
+    scaling: dict, label: str, nvlink_gbs: float, network_gbs: float, history_share: float = 1.0
+) -> float:
     """Seconds per sample of a rank's batch that the two-rank step spends beyond the one-rank step
     and its modelled NCCL time: the medians over the row's repeats of the bare step (no loader)."""
     rows = [row for row in scaling["rows"] if row["label"] == label]
@@ -102,7 +119,7 @@ def exchange_work_per_sample(scaling: dict, label: str, nvlink_gbs: float, netwo
     one, _ = step_seconds(1)
     two, run = step_seconds(2)
     per_rank = run["per_rank_batch"]
-    nccl = alltoall_seconds(2, per_rank, run["mean_history_tokens"], nvlink_gbs, network_gbs)
+    nccl = alltoall_seconds(2, per_rank, run["mean_history_tokens"], nvlink_gbs, network_gbs, history_share)
     return max(0.0, two - one - nccl) / per_rank
 
 
@@ -113,6 +130,7 @@ def project(
     alltoall_source: str | None = None,
     exchange_s_per_sample: float = 0.0,
     exchange_source: str | None = None,
+    history_share: float = 1.0,
 ) -> dict:
     rehearsal, train, stu = load(f"rehearsal_{gpu}"), load(f"train_{gpu}"), load("stu")
     steps = SAMPLES_TO_TARGET / GLOBAL_BATCH
@@ -130,7 +148,7 @@ def project(
             else max(r["samples_per_s"] for r in rehearsal["baseline"])
         )
         train_s = steps * per_gpu / rate
-        comm_s = steps * alltoall_seconds(world, per_gpu, mean_tokens, nvlink_gbs, network_gbs)
+        comm_s = steps * alltoall_seconds(world, per_gpu, mean_tokens, nvlink_gbs, network_gbs, history_share)
         exchange_s = steps * per_gpu * exchange_s_per_sample
         eval_s = evals * REFERENCE_EVAL_SAMPLES / (world * train["eval_samples_per_s"])
         setup_s = stu["cold_start_s"]
@@ -167,6 +185,7 @@ def project(
         "exchange_source": exchange_source,
         "network_gbs": network_gbs,
         "mean_tokens": mean_tokens,
+        "history_share": history_share,
         "rows": rows,
         "reference_minutes": REFERENCE_MINUTES,
     }
@@ -180,7 +199,7 @@ def table(p: dict) -> str:
         f"{', '.join(f'{k} {v}' for k, v in p['commits'].items())}; all-to-all at "
         f"{p['nvlink_gbs']:,.0f} GB/s per GPU and direction in a node ({intra_node_source(p)}), "
         f"{p['network_gbs']:g} GB/s across nodes (modelled) "
-        f"(fp16 rows, mean {p['mean_tokens']:,.0f} tokens); {exchange_source(p)}. "
+        f"(fp16 rows, mean {p['mean_tokens']:,.0f} tokens, {history_rows(p)}); {exchange_source(p)}. "
         f"Reference: {p['reference_minutes'] // 60} h {p['reference_minutes'] % 60} min on 8 MI350X.",
         "",
         "| GPUs | per GPU batch | per GPU samples/s | train min | exchange work min | all-to-all min | eval min | "
@@ -197,6 +216,13 @@ def table(p: dict) -> str:
             f"{p['reference_minutes'] / r['total_min_not_overlapped']:.2f}x |"
         )
     return "\n".join(lines)
+
+
+def history_rows(p: dict) -> str:
+    share = p.get("history_share", 1.0)
+    if share == 1.0:
+        return "every history token's rows"
+    return f"the distinct history ids' rows, {share:.2%} of the tokens' (dedup_ids, synthetic-50m)"
 
 
 def intra_node_source(p: dict) -> str:
@@ -224,9 +250,15 @@ def main() -> None:
     )
     parser.add_argument(
         "--exchange-from",
-        default="h100x2-torchrec-real-tables",
+        default="h200x4-torchrec-real-tables-dedup",
         help="the weak-scaling row of scaling.json whose two-rank step measures the exchange's work "
         "beyond NCCL ('' to leave it out)",
+    )
+    parser.add_argument(
+        "--distinct-from",
+        default="dedup_ids",
+        help="the dedup-ids results whose distinct share of the history ids the all-to-all carries "
+        "('' : every token's; must agree with the --exchange-from row's embeddings.dedup_ids)",
     )
     parser.add_argument(
         "--nvlink-gbs",
@@ -246,13 +278,19 @@ def main() -> None:
         hot_ids = load(args.alltoall_from)
         nvlink_gbs = measured_alltoall_gbs(hot_ids)
         source = f"{args.alltoall_from}, {hot_ids['device']}, commit {hot_ids['commit']}"
+    share = distinct_share(load(args.distinct_from)) if args.distinct_from else 1.0
     exchange, exchange_from = 0.0, None
     if args.exchange_from:
         scaling = load("scaling")
-        exchange = exchange_work_per_sample(scaling, args.exchange_from, nvlink_gbs, args.network_gbs)
+        exchange = exchange_work_per_sample(scaling, args.exchange_from, nvlink_gbs, args.network_gbs, share)
         row = next(row for row in scaling["rows"] if row["label"] == args.exchange_from)
+        if bool(row.get("dedup_ids")) != bool(args.distinct_from):
+            raise SystemExit(
+                f"the scaling row {args.exchange_from!r} ran with dedup_ids {bool(row.get('dedup_ids'))}: "
+                f"{'give' if row.get('dedup_ids') else 'leave out'} --distinct-from to match"
+            )
         exchange_from = f"scaling {args.exchange_from}, {row['device']}, commit {row['commit']}"
-    p = project(args.gpu, nvlink_gbs, args.network_gbs, source, exchange, exchange_from)
+    p = project(args.gpu, nvlink_gbs, args.network_gbs, source, exchange, exchange_from, share)
     p["command"] = command_line()
     text = table(p)
     print(text)

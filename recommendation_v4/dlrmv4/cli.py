@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Callable, NoReturn
 
 from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args, list_presets, to_toml
 from dlrmv4.errors import ERROR_PREFIX, UserError
+from dlrmv4.files import remove_dead_temps
 
 
 def _say(msg: str) -> None:
@@ -34,6 +36,8 @@ def _raw_files(cfg: BenchmarkConfig, progress: bool):
     if ds.source == "synthetic":
         root = synthetic_raw_root(ds)
         files = RawFiles.under(root, ds.size)
+        for folder in {p.parent for p in files.all()}:
+            remove_dead_temps(folder, _say)
         if all(p.exists() for p in files.all()):
             _say(f"synthetic raw data already at {root}")
         else:
@@ -62,6 +66,7 @@ def cmd_preprocess(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
 
     files, revision = _raw_files(cfg, _show_progress(args))
     out = store_dir(cfg.dataset)
+    remove_dead_temps(out.parent, _say)
     _say(f"preprocessing into {out}")
     meta = preprocess(
         files, out, cfg.dataset, cfg.preprocess, resolved_revision=revision, progress=_show_progress(args)
@@ -108,14 +113,14 @@ def _store_dataset_name(path: Path, fallback: str) -> str:
 
 def cmd_verify(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     from dlrmv4.data.paths import store_dir
-    from dlrmv4.data.verify import check_reference_md5s, read_reference_md5s, verify_store
+    from dlrmv4.data.verify import check_reference_md5s, read_reference_md5s, verify_and_stamp
 
     if getattr(args, "discover", False):
         path = _discover_store(Path(cfg.dataset.data_path))
     else:
         path = Path(args.store) if getattr(args, "store", None) else store_dir(cfg.dataset)
     name = _store_dataset_name(path, cfg.dataset.name)
-    problems = verify_store(path, progress=_show_progress(args), on_step=_say)
+    problems = verify_and_stamp(path, progress=_show_progress(args), on_step=_say)
     reference_file = getattr(args, "reference_md5s", None)
     if not problems and reference_file:
         reference = read_reference_md5s(Path(reference_file), name)
@@ -164,7 +169,14 @@ def cmd_prepare(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     from dlrmv4.data.paths import store_dir
 
     if getattr(args, "if_missing", False) and _store_current(cfg):
-        _say(f"store ready at {store_dir(cfg.dataset)}: nothing to prepare")
+        from dlrmv4.data.verified_stamp import unverified_reason
+
+        reason = unverified_reason(store_dir(cfg.dataset))
+        if reason is None:
+            _say(f"store ready at {store_dir(cfg.dataset)}: nothing to prepare")
+            return
+        _say(f"the store at {store_dir(cfg.dataset)} {reason}: verifying it")
+        cmd_verify(cfg, args)
         return
     cmd_preprocess(cfg, args)
     cmd_verify(cfg, args)
@@ -370,9 +382,19 @@ def _preset_from_dataset_flags(args: argparse.Namespace, argv: list[str]) -> Non
             args.preset = name
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a batch scheduler's time limit, run_and_time.sh passing one on): the run ends as it
+    does on SIGINT (temp files removed, checkpoints whole), with its own line and status."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         _preset_from_dataset_flags(args, argv)
         cfg = config_from_args(args)
@@ -380,6 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"{ERROR_PREFIX}{exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # an I/O failure no step turned into its own line: the file and the cause
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"{ERROR_PREFIX}{where}{exc.strerror or ' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
+    except Terminated:
+        print("[dlrmv4] terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("[dlrmv4] interrupted", file=sys.stderr)
         return 130

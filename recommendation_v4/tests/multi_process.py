@@ -17,6 +17,7 @@ from raw_factory import random_events, write_raw
 
 from dlrmv4.config import load_config
 from dlrmv4.data.preprocess import preprocess
+from dlrmv4.data.verify import verify_and_stamp
 
 REPO = Path(__file__).resolve().parents[2]
 # A small store and model (fp32, PyTorch kernels): a run of 70 steps takes seconds per process.
@@ -125,10 +126,13 @@ def free_port() -> int:
 
 
 def make_data(root: Path) -> Path:
-    """The small store every run here trains on (9 days of 40 users); returns its data path."""
+    """The small store every run here trains on (9 days of 40 users), verified as ``prepare`` leaves
+    it (a multi-process run refuses a store it cannot tell is verified); returns its data path."""
     cfg = load_config(None, None, {tuple(k.split(".")): v for k, v in OVERRIDES.items()})
     raw = write_raw(root / "raw", random_events(21, num_users=40, max_events=300, span_days=9))
-    preprocess(raw, root / "data" / "processed" / "synthetic-tiny", cfg.dataset, cfg.preprocess, progress=False)
+    store = root / "data" / "processed" / "synthetic-tiny"
+    preprocess(raw, store, cfg.dataset, cfg.preprocess, progress=False)
+    assert verify_and_stamp(store, progress=False) == []
     return root / "data"
 
 

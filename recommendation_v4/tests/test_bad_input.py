@@ -190,6 +190,15 @@ def test_failed_rerun_keeps_the_previous_store(tmp_path, events):
     assert sorted(p.name for p in out.parent.iterdir()) == ["store"]
 
 
+def test_items_past_the_mappings_are_refused(tmp_path, events):
+    """The reference refuses events whose items run past the artist/album mappings; so do we,
+    before anything is written (we used to give such items artist and album 0)."""
+    largest = int(events.item_id.max())
+    raw = write_raw(tmp_path / "raw", events, num_items=largest)  # mapping rows stop one item short
+    message = _fails(tmp_path, raw, "past the largest item id")
+    assert f"item ids run to {largest:,}" in message and str(raw.artist_mapping) in message
+
+
 def test_cli_reports_one_line_and_exit_1(tmp_path, events):
     raw_root = tmp_path / "data" / "raw" / "synthetic-tiny"
     write_raw(raw_root, events)

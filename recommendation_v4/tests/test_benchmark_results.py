@@ -63,7 +63,7 @@ def test_write_results_stamps_both_files(tmp_path, argv):
     footer = md.splitlines()[-1]
     assert f"Command: `{data['command']}`" in footer and "commit abc1234" in footer
     assert data["machine"]["cpu"] in footer and f"python {data['versions']['python']}" in footer
-    assert not list((tmp_path / "results").glob("*.tmp"))
+    assert not list((tmp_path / "results").glob("*.tmp*"))
 
 
 def test_the_footer_leaves_out_what_the_text_shows(tmp_path, argv):

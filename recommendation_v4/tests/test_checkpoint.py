@@ -292,3 +292,23 @@ def test_cadence_window_and_off():
     assert c.due(5, 0.0, True) and not c.due(6, 1e9, False)
     off = _cadence()
     assert not any(off.due(s, float(s), s % 2 == 0) for s in range(1, 20))
+
+
+def test_a_write_failure_names_the_path_and_the_cause(tmp_path):
+    """write_failure finds the OSError under the wrappers (an exception's cause, DCP's per-rank
+    failures) and names its cause; an exception with no I/O cause is left to be raised as it is."""
+    import errno
+
+    from dlrmv4.files import write_failure
+
+    path = tmp_path / "checkpoints" / "step-00000009"
+    full = OSError(errno.ENOSPC, "No space left on device")
+    wrapped = RuntimeError("unexpected pos 704 vs 598")
+    wrapped.__cause__ = full
+
+    class PerRank(BaseException):  # the shape of DCP's CheckpointException
+        failures = {0: (OSError(errno.EFBIG, "File too large"), None)}
+
+    assert str(write_failure(path, wrapped)) == f"cannot write {path}: No space left on device"
+    assert str(write_failure(path, PerRank())) == f"cannot write {path}: File too large"
+    assert write_failure(path, RuntimeError("a bug, not a write")) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,29 @@ def test_no_bar_redraws_in_a_redirected_log(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert b"store ready:" in proc.stdout and b"\r" not in proc.stderr + proc.stdout
     assert b"preprocess:" not in proc.stderr  # no bar at all
+
+
+def test_a_killed_writers_temp_files_are_removed_by_the_next_run(tiny, tmp_path):
+    """A generator or preprocessing killed mid-write leaves temp files named with its PID; the next
+    prepare removes those of processes that are gone, saying so, and leaves a live writer's alone."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny[0], data)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its PID is free now
+    raw = next(data.glob("raw/*/flat/*/multi_event.parquet")).parent
+    dead = [
+        raw / f".multi_event.parquet.tmp-{gone.pid}-0a1b2c3d",
+        data / "processed" / f".synthetic-tiny.tmp-{gone.pid}",
+    ]
+    live = data / "processed" / f".synthetic-tiny.tmp-{os.getpid()}"
+    dead[0].write_bytes(b"half a parquet")
+    for folder in (dead[1], live):
+        folder.mkdir()
+        (folder / "meta.json").write_text("{}")
+    proc = _run("prepare", "--data-path", str(data))
+    assert proc.returncode == 0, proc.stderr
+    for path in dead:
+        assert not path.exists() and f"removed {path}, left by process {gone.pid}" in proc.stdout
+    assert live.exists()

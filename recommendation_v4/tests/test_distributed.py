@@ -387,7 +387,9 @@ def test_deduplicated_ids_follow_the_full_lookup_and_resume_bit_exactly(data_pat
     rank asks for fewer ids than the full lookup does, the run follows the one-process trajectory,
     and a run paused and resumed on two ranks ends where the uninterrupted one does, bit for bit."""
     extra = {"train.chunks": 2, "embeddings.qcomm": "none", **ROW_WISE}
-    full = train_report(2, data_path, tmp_path / "full", **{"train.max_steps": STEPS, **extra})
+    full = train_report(
+        2, data_path, tmp_path / "full", **{"train.max_steps": STEPS, **extra, "embeddings.dedup_ids": False}
+    )
     dedup = {**extra, "embeddings.dedup_ids": True}
     whole = train_report(2, data_path, tmp_path / "whole", **{"train.max_steps": STEPS, **dedup})
     assert 0 < whole["ids_looked_up"] < full["ids_looked_up"]

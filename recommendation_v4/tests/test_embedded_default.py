@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 
@@ -56,3 +57,38 @@ def test_run_and_time_refuses_a_bad_process_count(tmp_path, knob, value):
     assert proc.returncode == 1
     assert proc.stderr.strip() == f"[dlrmv4] error: GPUS_PER_NODE and NNODES must be positive integers, got '{value}'"
     assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize(
+    "sig, status, line",
+    [(signal.SIGTERM, 143, "[dlrmv4] terminated (SIGTERM)"), (signal.SIGINT, 130, "[dlrmv4] interrupted")],
+)
+def test_a_signal_to_run_and_time_stops_its_training_step(tmp_path, sig, status, line):
+    """SIGTERM (a batch scheduler's time limit) or SIGINT to the script reaches the training child,
+    which ends with its own line; the script ends with its status, and no child is left training."""
+    env = {**os.environ, "DLRMV4_NO_VENV": "1", "DATA_PATH": str(tmp_path / "data")}
+    run_dir = tmp_path / "run"
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(
+            [str(REPO / "run_and_time.sh"), "--run-dir", str(run_dir), "--no-progress"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+        for out in proc.stdout:
+            if "memory plan:" in out:  # the train step has started
+                break
+        proc.send_signal(sig)
+        assert proc.wait(timeout=120) == status
+    assert (tmp_path / "stderr").read_text().strip().splitlines()[-1] == line
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(run_dir).encode() in _cmdline(p)]
+    assert left == []
+
+
+def _cmdline(proc_dir: Path) -> bytes:
+    try:
+        return (proc_dir / "cmdline").read_bytes()
+    except OSError:
+        return b""

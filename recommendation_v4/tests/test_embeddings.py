@@ -19,6 +19,7 @@ from dlrmv4.model.embeddings import (
     SequenceEmbeddings,
     TableSpec,
     init_rows,
+    looks_up_distinct_ids,
     make_embeddings,
     resolve_backend,
     store_table_counts,
@@ -393,11 +394,12 @@ def test_deduplicated_ids_give_the_same_rows_and_update():
     assert_tables_close(tables(dedup), tables(full), atol=1e-7)
 
 
-def test_deduplicated_ids_are_a_torchrec_setting():
+def test_deduplicated_ids_are_for_torchrec_only():
+    """On by default; the plain backend, which exchanges no rows, takes every token's id."""
     cfg = config("plain")
-    cfg = dataclasses.replace(cfg, embeddings=dataclasses.replace(cfg.embeddings, dedup_ids=True))
-    with pytest.raises(UserError, match="dedup_ids is a TorchRec setting"):
-        make_embeddings(table_specs(cfg, 0, 0, 0), cfg, "cpu", 7)
+    assert cfg.embeddings.dedup_ids
+    assert looks_up_distinct_ids(cfg, "torchrec") and not looks_up_distinct_ids(cfg, "plain")
+    assert make_embeddings(table_specs(cfg, 0, 0, 0), cfg, "cpu", 7).backend == "plain"
 
 
 @needs_torchrec

@@ -66,3 +66,32 @@ def test_the_committed_results_project_with_the_exchange_counted():
             assert a[total] == pytest.approx(b[total] + a["exchange_work_min"])
     assert "permutes and casts at" in projection.table(with_work)
     assert "not counted" in projection.table(without)
+
+
+def test_distinct_ids_shrink_only_the_history_rows_on_the_wire():
+    full = projection.alltoall_seconds(8, 1_024, 2_800.0, NVLINK_GBS, NETWORK_GBS)
+    distinct = projection.alltoall_seconds(8, 1_024, 2_800.0, NVLINK_GBS, NETWORK_GBS, history_share=0.01)
+    assert distinct / full == pytest.approx((2_800 * 3 * 0.01 + 8) / (2_800 * 3 + 8))
+
+
+def test_the_committed_results_project_with_distinct_ids():
+    """The script's defaults: the 4x H200 row with distinct ids and their share from dedup_ids.json,
+    which project a shorter run than the 2x H100 row without them."""
+    nvlink = projection.measured_alltoall_gbs(projection.load("hot_ids_h100x2"))
+    scaling = projection.load("scaling")
+    share = projection.distinct_share(projection.load("dedup_ids"))
+    assert 0 < share < 0.01
+    dedup = projection.exchange_work_per_sample(
+        scaling, "h200x4-torchrec-real-tables-dedup", nvlink, NETWORK_GBS, share
+    )
+    full = projection.exchange_work_per_sample(scaling, "h100x2-torchrec-real-tables", nvlink, NETWORK_GBS)
+    with_dedup = projection.project("h200", nvlink, NETWORK_GBS, "hot ids", dedup, "scaling", share)
+    without = projection.project("h200", nvlink, NETWORK_GBS, "hot ids", full, "scaling")
+    assert with_dedup["rows"][0]["total_min_not_overlapped"] < without["rows"][0]["total_min_not_overlapped"]
+    assert "distinct history ids' rows" in projection.table(with_dedup)
+
+
+def test_a_row_and_a_wire_that_disagree_are_refused(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["project_time_to_train.py", "--exchange-from", "h100x2-torchrec-real-tables"])
+    with pytest.raises(SystemExit, match="ran with dedup_ids False: leave out --distinct-from"):
+        projection.main()

@@ -65,8 +65,9 @@ NULL_ROW = 5
 
 # Mapping rows in file order. Item 1's artist rows are 20 then 50: the last (50) wins, not the
 # smallest; item 3's album rows are 2 then 11: 11 wins. Items without rows map to 0.
-ARTIST_ROWS = [(1, 20), (2, 7), (1, 50)]
-ALBUM_ROWS = [(3, 2), (1, 900), (3, 11)]
+# Item 5 (the largest with events) has rows: the reference refuses items past a mapping's largest.
+ARTIST_ROWS = [(1, 20), (2, 7), (1, 50), (5, 33)]
+ALBUM_ROWS = [(3, 2), (1, 900), (3, 11), (5, 44)]
 
 
 def _cfg(policy: str = "skip"):
@@ -208,8 +209,8 @@ def test_labels_null_ratio_is_a_skip(built):
 
 def test_items_take_the_last_mapping_row(built):
     store = open_store(built[0])
-    assert np.asarray(store.artist_id).tolist() == [0, 50, 7, 0, 0, 0]
-    assert np.asarray(store.album_id).tolist() == [0, 900, 0, 11, 0, 0]
+    assert np.asarray(store.artist_id).tolist() == [0, 50, 7, 0, 0, 33]  # items 0, 3, 4: no row
+    assert np.asarray(store.album_id).tolist() == [0, 900, 0, 11, 0, 44]
     # Train events per item: user 7: 1,2,3,1,4,1,2,3,1; user 9: 1,2,3,4,1,2; user 12: 5.
     assert np.asarray(store.popularity).tolist() == [0, 6, 4, 3, 2, 1]
 

@@ -342,6 +342,12 @@ def test_a_resume_with_other_run_settings_stops_naming_them(data_path, tmp_path)
     assert allowed.returncode == 0, allowed.stderr
     assert "resuming with changed settings (--allow-changed-settings): seed 0 -> 7;" in allowed.stdout
     assert _report(run_dir)["steps"] == 8
+    # The MLPerf log states the values in force, each once, and records the change.
+    events = [json.loads(line[len(":::MLLOG ") :]) for line in (run_dir / "mlperf_log.txt").read_text().splitlines()]
+    values_of = {key: [e["value"] for e in events if e["key"] == key] for key in ("seed", "opt_base_learning_rate")}
+    assert values_of == {"seed": [7], "opt_base_learning_rate": [0.02]}
+    changes = [e["value"] for e in events if e["key"] == "resumed_with_changed_settings"]
+    assert len(changes) == 1 and "seed 0 -> 7" in changes[0] and "train.learning_rate" in changes[0]
 
 
 def test_run_settings_leave_out_the_resumable_knobs():
@@ -404,3 +410,56 @@ def test_a_store_built_with_other_settings_is_refused(data_path, tmp_path):
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert "was built with other settings (preprocess.num_train_days 6 -> 5; dataset.synthetic_seed " in proc.stderr
     assert "-> 99; store -> this run)" in proc.stderr and not (tmp_path / "run" / "report.json").exists()
+
+
+def test_a_damaged_store_is_not_trained_on(data_path, tmp_path):
+    """A store changed since it was verified is verified again before training: random bytes in
+    one array stop the run in one line naming the file (they used to train to a passing result)."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(data_path, data)
+    (data / "processed" / ".synthetic-tiny.verified.json").unlink(missing_ok=True)  # an earlier test's run
+    values = {**_overrides(data, tmp_path / "run"), "train.max_steps": 1}
+    first = subprocess.run(
+        [sys.executable, "-c", RUNNER, json.dumps(values)], capture_output=True, text=True, timeout=300
+    )
+    assert first.returncode == 0 and "was never verified: verifying it before training" in first.stdout
+    item = data / "processed" / "synthetic-tiny" / "train" / "item_id.npy"
+    raw = bytearray(item.read_bytes())
+    raw[-64:] = os.urandom(64)
+    item.write_bytes(bytes(raw))
+    values["train.run_dir"] = str(tmp_path / "second")
+    proc = subprocess.run(
+        [sys.executable, "-m", "dlrmv4", "train", *_cli_flags(values)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "changed train/item_id.npy since it was verified" in proc.stdout
+    assert f"fails verification: {item}: md5 mismatch" in proc.stderr
+    assert not (tmp_path / "second" / "report.json").exists()
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line(data_path, tmp_path):
+    """A write that fails for want of room (here: a file-size limit, EFBIG, as a full disk gives
+    ENOSPC) ends the run in one line naming the checkpoint and the cause, where torch's zip writer
+    said only "unexpected pos"; the previous checkpoint stays whole and the run resumes from it."""
+    import resource
+
+    run_dir = tmp_path / "run"
+    values = {**_overrides(data_path, run_dir), "train.max_steps": 7}
+    flags = [sys.executable, "-m", "dlrmv4", "train"]
+    assert subprocess.run([*flags, *_cli_flags(values)], capture_output=True, timeout=300).returncode == 0
+    values["train.max_steps"] = 14
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    proc = subprocess.run(
+        [*flags, *_cli_flags(values)], capture_output=True, text=True, timeout=300, preexec_fn=small_files
+    )
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    checkpoints = run_dir / "checkpoints"
+    assert f"cannot write {checkpoints / 'step-00000014'}: File too large" in proc.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000007"]
+    resumed = subprocess.run([*flags, *_cli_flags(values)], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "resumed from step-00000007: step 7" in resumed.stdout, resumed.stderr

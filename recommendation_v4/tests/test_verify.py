@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import numpy as np
@@ -11,7 +12,8 @@ from raw_factory import random_events, write_raw
 from dlrmv4.config import load_config
 from dlrmv4.data.preprocess import preprocess
 from dlrmv4.data.store import write_md5s
-from dlrmv4.data.verify import verify_store
+from dlrmv4.data.verified_stamp import unverified_reason
+from dlrmv4.data.verify import check_verified, verify_and_stamp, verify_store
 from dlrmv4.errors import UserError
 
 
@@ -143,3 +145,56 @@ def test_threads_check_chunks_and_files_like_one_thread(store, monkeypatch):
     _tamper(store, "train/timestamp.npy", lambda a: a.__setitem__(2 * n // 3, a[2 * n // 3 - 1] - 5))
     one, four = (verify_store(store, progress=False, workers=w) for w in (1, 4))
     assert one == four and len(one) >= 1 and "session_id does not follow" in one[0], one
+
+
+def _rewrite_same_size(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000_000))
+
+
+def test_a_verified_store_is_stamped_and_any_change_shows(store):
+    """verify_and_stamp records the files it verified; a file rewritten (same size), added or removed
+    since shows by name, and a failed verification leaves no stamp."""
+    assert unverified_reason(store) == "was never verified"
+    assert verify_and_stamp(store, progress=False) == []
+    assert unverified_reason(store) is None
+    item = store / "train" / "item_id.npy"
+    _rewrite_same_size(item)
+    assert unverified_reason(store).startswith("changed train/item_id.npy since it was verified at")
+    assert verify_and_stamp(store, progress=False) == [
+        f"{item}: md5 mismatch (file changed or damaged; re-run preprocessing)"
+    ]
+    assert unverified_reason(store) == "was never verified"
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        (lambda s: (s / "stray.bin").write_bytes(b"x"), "gained stray.bin"),
+        (lambda s: (s / "items" / "popularity.npy").unlink(), "lost items/popularity.npy"),
+    ],
+)
+def test_added_and_removed_files_show(store, change, reason):
+    assert verify_and_stamp(store, progress=False) == []
+    change(store)
+    assert unverified_reason(store).startswith(reason)
+
+
+def test_a_run_verifies_a_changed_store_or_refuses_it(store):
+    """check_verified (a run's start): nothing to do on an unchanged store; one process verifies a
+    changed one and goes on, or stops in one line when it fails; several processes refuse."""
+    said = []
+    check_verified(store, 1, said.append, progress=False)
+    assert said[0] == f"the store at {store} was never verified: verifying it before training"
+    assert unverified_reason(store) is None
+    said.clear()
+    check_verified(store, 1, said.append, progress=False)
+    assert said == []
+    _rewrite_same_size(store / "train" / "timestamp.npy")
+    with pytest.raises(UserError, match="verify it before a multi-process run") as multi:
+        check_verified(store, 2, said.append, progress=False)
+    with pytest.raises(UserError, match="fails verification: .*timestamp.npy: md5 mismatch") as one:
+        check_verified(store, 1, said.append, progress=False)
+    assert "\n" not in str(multi.value) + str(one.value)

@@ -21,7 +21,8 @@ Choices (the MLPerf reference's, documented in docs/data.md):
 - Sessions: a new session when the gap to the user's previous event of the same split is
   strictly greater than ``session_gap_seconds``. Train sessions are numbered from 0 per user over
   the user's train events; test sessions get their own numbering from 0 over the test events.
-- An item's artist (album) is the one on its LAST mapping row in file order; unmapped items get 0.
+- An item's artist (album) is the one on its LAST mapping row in file order; an item without a row
+  gets 0. Events whose items run past a mapping's largest item id are refused (as the reference does).
 - Anchors are listens whose user-local index among the user's train-span events (all five
   types) is >= ``min_history``. Windows start at t_min = the earliest anchor's timestamp:
   window = (ts - t_min) // window_seconds, N = ceil((t_last - t_min + 1) / window_seconds)
@@ -271,16 +272,32 @@ def resolve_t_end(path: Path, pf: pq.ParquetFile, cfg: PreprocessConfig) -> int:
     """The exclusive split end: ``last_timestamp``, or when 0 the data's largest timestamp."""
     if cfg.last_timestamp:
         return cfg.last_timestamp
-    # Row-group statistics give the maximum without a pass over the data.
-    col = pf.schema_arrow.get_field_index("timestamp")
+    return _column_max(path, pf, "timestamp")
+
+
+def _column_max(path: Path, pf: pq.ParquetFile, name: str) -> int:
+    """A column's largest value: from the row groups' statistics (no pass over the data) where
+    every group has them, else by a scan."""
+    col = pf.schema_arrow.get_field_index(name)
     best = -1
     for rg in range(pf.metadata.num_row_groups):
         stats = pf.metadata.row_group(rg).column(col).statistics
         if stats is None or not stats.has_min_max:
-            best = int(pl.scan_parquet(path).select(pl.col("timestamp").max()).collect().item())
-            break
+            return int(pl.scan_parquet(path).select(pl.col(name).max()).collect().item())
         best = max(best, int(stats.max))
     return best
+
+
+def check_items_mapped(raw: RawFiles, largest_event_item: int, mapped: dict[Path, int]) -> None:
+    """Every event's item must have a row in the artist and album mappings: the reference refuses
+    data whose item ids run past a mapping's largest (its popularity table must have one row per
+    mapped item), where giving such items artist and album 0 would train on made-up ids."""
+    for path, largest in mapped.items():
+        if largest_event_item > largest:
+            raise UserError(
+                f"{raw.multi_event}: item ids run to {largest_event_item:,}, past the largest item id of "
+                f"{path} ({largest:,}): every event's item needs a row in the artist and album mappings"
+            )
 
 
 def _read_item_table(path: Path, id_column: str) -> tuple[np.ndarray, np.ndarray]:
@@ -376,6 +393,8 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
     check_free_space(out_dir.parent, num_rows * STORE_BYTES_PER_ROW_AT_MOST, f"preprocessing {num_rows:,} events")
     artist_items, artist_ids = _read_item_table(raw.artist_mapping, "artist_id")
     album_items, album_ids = _read_item_table(raw.album_mapping, "album_id")
+    mapped = {raw.artist_mapping: int(artist_items.max(initial=-1)), raw.album_mapping: int(album_items.max(initial=-1))}
+    check_items_mapped(raw, _column_max(raw.multi_event, pf, "item_id"), mapped)
     bounds = SplitBounds.from_config(resolve_t_end(raw.multi_event, pf, cfg), cfg)
 
     with atomic_directory(out_dir) as tmp:

@@ -165,8 +165,8 @@ def _catalog(spec: SyntheticSpec, seed: int) -> _Catalog:
     track_length = np.clip(rng.lognormal(np.log(200.0), 0.35, n_items), 30, 900).astype(np.uint32)
     keep = [np.flatnonzero((rng.random(n_items) >= _UNMAPPED_FRACTION) | (np.arange(n_items) == 0))
             for _ in range(2)]
-    artist_map = _mapping_rows(rng, item_artist, keep[0], n_artists)
-    album_map = _mapping_rows(rng, item_album, keep[1], n_albums)
+    artist_map = _with_last_item(_mapping_rows(rng, item_artist, keep[0], n_artists), item_artist)
+    album_map = _with_last_item(_mapping_rows(rng, item_album, keep[1], n_albums), item_album)
     return _Catalog(item_artist, item_album, np.cumsum(pop), by_artist, cum_by_artist, artist_lo, artist_hi,
                     artist_first, artist_last, cum_pref, quality, track_length, artist_map, album_map)
 
@@ -194,6 +194,17 @@ def _mapping_rows(rng: np.random.Generator, item_ids: np.ndarray, kept: np.ndarr
     ids[last[m] - 2] = np.where(upper_first, upper, lower)[m]
     ids[last[m] - 1] = np.where(upper_first, lower, upper)[m]
     return ids, items
+
+
+def _with_last_item(mapping: tuple[np.ndarray, np.ndarray], item_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The mapping with a row for the catalog's last item where the draw left it out: the reference
+    refuses events whose items run past a mapping's largest item. Added after the draws, so every
+    other row (and the data of every seed whose last item was drawn) is unchanged."""
+    ids, items = mapping
+    last = len(item_ids) - 1
+    if items[-1] == last:
+        return mapping
+    return np.append(ids, item_ids[last]), np.append(items, last)
 
 
 def _sample(cum: np.ndarray, u: np.ndarray) -> np.ndarray:

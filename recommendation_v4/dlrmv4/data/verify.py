@@ -16,6 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dlrmv4.data import store as st
+from dlrmv4.data.verified_stamp import clear_stamp, snapshot, unverified_reason, write_stamp
 from dlrmv4.data.yambda_schema import ACTION_LIKE, ACTION_LISTEN_PLUS, ACTION_SKIP, EVENT_TYPES, LIKE, LISTEN
 from dlrmv4.errors import UserError
 from dlrmv4.parallel import parallel_map
@@ -219,6 +220,41 @@ def check_reference_md5s(store_path: Path, reference: dict[str, str]) -> list[st
                 for rel, md5 in sorted(reference.items()) if own.get(rel) != md5]
     problems += [f"{store_path / rel}: not in the published sums" for rel in sorted(set(own) - set(reference))]
     return problems
+
+
+def verify_and_stamp(
+    path: Path, *, progress: bool = True, on_step: Callable[[str], None] = lambda _: None, workers: int = 0
+) -> list[str]:
+    """``verify_store``, recording the outcome beside the store (``verified_stamp.py``): a stamp of
+    the files as verified when no problem was found, none otherwise."""
+    started, files = time.time(), snapshot(path) if path.exists() else {}
+    clear_stamp(path)
+    problems = verify_store(path, progress=progress, on_step=on_step, workers=workers)
+    if not problems:
+        write_stamp(path, files, started)
+    return problems
+
+
+def check_verified(path: Path, world_size: int, log: Callable[[str], None], progress: bool) -> None:
+    """Before a run trains on the store: unchanged since its last successful verification, or
+    verified now (one process; several refuse in one line, since the other ranks would wait on a
+    collective while one hashes the store). A store that fails stops the run in one line."""
+    reason = unverified_reason(path)
+    if reason is None:
+        return
+    if world_size > 1:
+        raise UserError(
+            f"the store at {path} {reason}: verify it before a multi-process run (python -m dlrmv4 "
+            "verify, or prepare --if-missing, with the same flags; run_and_time.sh does it)"
+        )
+    log(f"the store at {path} {reason}: verifying it before training")
+    problems = verify_and_stamp(path, progress=progress, on_step=log)
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise UserError(
+            f"the store at {path} fails verification: {problems[0]}{more}; prepare it again "
+            "(python -m dlrmv4 prepare with the same flags)"
+        )
 
 
 def verify_store(

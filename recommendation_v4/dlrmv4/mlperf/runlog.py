@@ -1,26 +1,31 @@
 """The MLPerf run log (SPEC §7): ``:::MLLOG`` lines written through ``mlperf_logging.mllog``.
 
-Resume-aware: a cold start truncates the file; every checkpoint records the log's byte size, and
-a resumed run cuts the file back to that size before appending, so the events of the steps after
-the checkpoint (which the resumed run repeats) appear once, and the file holds exactly one
-INIT_START and one RUN_START. Only rank 0 writes; ``barrier`` runs on every rank before
-INIT_STOP, RUN_START and RUN_STOP.
+Resume-aware: a cold start truncates the file; every checkpoint records the log's length in lines
+(and bytes), and a resumed run cuts the file back to it before appending, so the events of the
+steps after the checkpoint (which the resumed run repeats) appear once, and the file holds exactly
+one INIT_START and one RUN_START. A resume whose hyperparameters differ from the logged ones
+(``--allow-changed-settings``, another world size's chunks) rewrites their values in place, so the
+log states what is in force, and appends a ``resumed_with_changed_settings`` event naming the
+changed settings. Only rank 0 writes; ``barrier`` runs on every rank before INIT_STOP, RUN_START
+and RUN_STOP.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from mlperf_logging.mllog import constants as C
 from mlperf_logging.mllog.mllog import MLLogger
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.errors import UserError
+from dlrmv4.files import write_atomically
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 PRECISION = {"bfloat16": "bfloat16", "float16": "fp16", "float32": "fp32"}
@@ -57,21 +62,35 @@ class RunLog:
         except OSError as exc:
             raise UserError(f"MLPerf log file {path} is not writable: {exc.strerror or exc}") from exc
 
-    def open(self, keep_bytes: int = 0) -> None:
-        """Cut the file to ``keep_bytes`` (0: a cold start) and append from there."""
+    def open(self, keep_bytes: int = 0, keep_lines: int | None = None, values: dict[str, Any] | None = None) -> None:
+        """Cut the file to its first ``keep_lines`` lines (else ``keep_bytes``; 0: a cold start),
+        with the events of ``values``' keys given those values, and append from there."""
         if not self.writer:
             return
         self.check_writable(self.path)
         size = self.path.stat().st_size
+        data = self.path.read_bytes() if keep_lines is not None or values else b""
+        if keep_lines is not None:
+            lines = data.splitlines(keepends=True)
+            if keep_lines > len(lines):
+                raise UserError(
+                    f"MLPerf log {self.path} is shorter ({len(lines)} lines) than the checkpoint recorded "
+                    f"({keep_lines}): it was replaced or truncated, so this run cannot continue it"
+                )
+            keep_bytes = sum(len(line) for line in lines[:keep_lines])
         if keep_bytes > size:
             raise UserError(
                 f"MLPerf log {self.path} is shorter ({size} bytes) than the checkpoint recorded "
                 f"({keep_bytes}): it was replaced or truncated, so this run cannot continue it"
             )
-        with open(self.path, "r+b") as fh:
-            fh.truncate(keep_bytes)
-            fh.flush()
-            os.fsync(fh.fileno())
+        kept = b"".join(_with_values(line, values or {}) for line in data[:keep_bytes].splitlines(keepends=True))
+        if values and kept != data[:keep_bytes]:  # shorter or longer: the checkpoints count lines
+            write_atomically(self.path, lambda tmp: tmp.write_bytes(kept))
+        else:
+            with open(self.path, "r+b") as fh:
+                fh.truncate(keep_bytes)
+                fh.flush()
+                os.fsync(fh.fileno())
         logger = logging.Logger(f"dlrmv4.mllog.{self.path}")  # not registered: no global logger state
         self._handler = logging.FileHandler(self.path, mode="a", encoding="utf-8")
         self._handler.setFormatter(logging.Formatter("%(message)s"))
@@ -90,12 +109,25 @@ class RunLog:
             self._handler.flush()
         return self.path.stat().st_size if self.writer and self.path.exists() else 0
 
-    def state(self) -> dict[str, Any]:
-        return {"bytes": self.size(), "block_open": self.block_open}
+    def lines(self) -> int:
+        if self._handler is not None:
+            self._handler.flush()
+        return self.path.read_bytes().count(b"\n") if self.writer and self.path.exists() else 0
 
-    def resume(self, state: dict[str, Any]) -> None:
-        self.open(int(state["bytes"]))
+    def state(self) -> dict[str, Any]:
+        return {"bytes": self.size(), "lines": self.lines(), "block_open": self.block_open}
+
+    def resume(
+        self, state: dict[str, Any], cfg: BenchmarkConfig, facts: RunFacts, changed_settings: Sequence[str] = ()
+    ) -> None:
+        """Continue the log from a checkpoint's ``state``: cut back to it, the hyperparameters
+        rewritten to those in force (``cfg``, ``facts``), and the contract's changed settings that
+        ``--allow-changed-settings`` let through recorded."""
+        lines = state.get("lines")  # checkpoints before lines were counted hold bytes only
+        self.open(int(state["bytes"]), None if lines is None else int(lines), hyperparameters(cfg, facts))
         self.block_open = bool(state["block_open"])
+        if changed_settings:
+            self.event("resumed_with_changed_settings", "; ".join(changed_settings))
 
     def close(self) -> None:
         if self._handler is not None:
@@ -121,38 +153,8 @@ class RunLog:
         self.start(C.INIT_START)
 
     def init_stop_and_run_start(self, cfg: BenchmarkConfig, facts: RunFacts) -> None:
-        tr, mlp = cfg.train, cfg.mlperf
-        self.event(C.SUBMISSION_BENCHMARK, C.DLRMV4)
-        self.event(C.SUBMISSION_ORG, mlp.submission_org)
-        self.event(C.SUBMISSION_DIVISION, mlp.division)
-        self.event(C.SUBMISSION_PLATFORM, mlp.submission_platform)
-        self.event(C.SUBMISSION_STATUS, mlp.submission_status)
-        self.event(C.GLOBAL_BATCH_SIZE, cfg.loader.batch_size)  # the batch of one step, over all ranks
-        # Chunks of one step: the dense gradients accumulate over them before the one optimizer step.
-        self.event(C.GRADIENT_ACCUMULATION_STEPS, facts.chunks)
-        self.event(C.SEED, int(cfg.seed))
-        self.event(C.OPT_NAME, "Adam")
-        self.event(C.OPT_BASE_LR, tr.learning_rate)
-        self.event(C.OPT_ADAM_BETA_1, tr.adam_beta1)
-        self.event(C.OPT_ADAM_BETA_2, tr.adam_beta2)
-        self.event(C.OPT_ADAM_EPSILON, tr.adam_eps)
-        self.event(C.OPT_WEIGHT_DECAY, tr.weight_decay)
-        self.event(C.OPT_GRADIENT_CLIP_NORM, tr.grad_clip_norm)
-        self.event(C.OPT_SPARSE_NAME, "RowWiseAdagrad")
-        self.event(C.OPT_SPARSE_BASE_LR, tr.learning_rate)
-        self.event(C.OPT_LR_WARMUP_STEPS, tr.warmup_steps)
-        self.event(C.OPT_LR_WARMUP_START_LR, 0.0)
-        self.event("eval_every_data_pct", tr.eval_every_data_pct)
-        self.event(C.MAX_SEQUENCE_LENGTH, cfg.sampler.max_seq_len)
-        precision = PRECISION[cfg.model.sequence_dtype]
-        self.event(C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, precision)
-        self.event(C.LOWEST_NUMERICAL_PRECISION_IN_ATTN, precision)
-        self.event(C.LOWEST_NUMERICAL_PRECISION_IN_COMM, COMM_PRECISION[cfg.embeddings.qcomm])
-        for key in (C.TENSOR_PARALLELISM, C.PIPELINE_PARALLELISM, C.CONTEXT_PARALLELISM, C.EXPERT_PARALLELISM):
-            self.event(key, 1)
-        slice_size = cfg.loader.batch_size // facts.world_size
-        self.event(C.MICRO_BATCH_SIZE, -(-slice_size // facts.chunks))  # the largest chunk's samples
-        self.event(C.CONFIG_FILENAME, facts.config_filename)
+        for key, value in hyperparameters(cfg, facts).items():
+            self.event(key, value)
         self.barrier()
         self.end(C.INIT_STOP)
         self.barrier()
@@ -186,3 +188,57 @@ class RunLog:
         self.end(
             C.RUN_STOP, metadata={"status": "success" if status == "success" else "aborted", C.SAMPLES_COUNT: samples}
         )
+
+
+def hyperparameters(cfg: BenchmarkConfig, facts: RunFacts) -> dict[str, Any]:
+    """The INIT section's submission facts and hyperparameters, in the order they are logged."""
+    tr, mlp = cfg.train, cfg.mlperf
+    precision = PRECISION[cfg.model.sequence_dtype]
+    slice_size = cfg.loader.batch_size // facts.world_size
+    return {
+        C.SUBMISSION_BENCHMARK: C.DLRMV4,
+        C.SUBMISSION_ORG: mlp.submission_org,
+        C.SUBMISSION_DIVISION: mlp.division,
+        C.SUBMISSION_PLATFORM: mlp.submission_platform,
+        C.SUBMISSION_STATUS: mlp.submission_status,
+        C.GLOBAL_BATCH_SIZE: cfg.loader.batch_size,  # the batch of one step, over all ranks
+        # Chunks of one step: the dense gradients accumulate over them before the one optimizer step.
+        C.GRADIENT_ACCUMULATION_STEPS: facts.chunks,
+        C.SEED: int(cfg.seed),
+        C.OPT_NAME: "Adam",
+        C.OPT_BASE_LR: tr.learning_rate,
+        C.OPT_ADAM_BETA_1: tr.adam_beta1,
+        C.OPT_ADAM_BETA_2: tr.adam_beta2,
+        C.OPT_ADAM_EPSILON: tr.adam_eps,
+        C.OPT_WEIGHT_DECAY: tr.weight_decay,
+        C.OPT_GRADIENT_CLIP_NORM: tr.grad_clip_norm,
+        C.OPT_SPARSE_NAME: "RowWiseAdagrad",
+        C.OPT_SPARSE_BASE_LR: tr.learning_rate,
+        C.OPT_LR_WARMUP_STEPS: tr.warmup_steps,
+        C.OPT_LR_WARMUP_START_LR: 0.0,
+        "eval_every_data_pct": tr.eval_every_data_pct,
+        C.MAX_SEQUENCE_LENGTH: cfg.sampler.max_seq_len,
+        C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR: precision,
+        C.LOWEST_NUMERICAL_PRECISION_IN_ATTN: precision,
+        C.LOWEST_NUMERICAL_PRECISION_IN_COMM: COMM_PRECISION[cfg.embeddings.qcomm],
+        **{
+            key: 1
+            for key in (C.TENSOR_PARALLELISM, C.PIPELINE_PARALLELISM, C.CONTEXT_PARALLELISM, C.EXPERT_PARALLELISM)
+        },
+        C.MICRO_BATCH_SIZE: -(-slice_size // facts.chunks),  # the largest chunk's samples
+        C.CONFIG_FILENAME: facts.config_filename,
+    }
+
+
+_PREFIX = b":::MLLOG "
+
+
+def _with_values(line: bytes, values: dict[str, Any]) -> bytes:
+    """An ``:::MLLOG`` line with its value replaced where its key is in ``values`` (else as it is)."""
+    if not line.startswith(_PREFIX):
+        return line
+    event = json.loads(line[len(_PREFIX) :])
+    if event.get("key") not in values or event.get("value") == values[event["key"]]:
+        return line
+    event["value"] = values[event["key"]]
+    return _PREFIX + json.dumps(event).encode() + (b"\n" if line.endswith(b"\n") else b"")

@@ -17,6 +17,7 @@ node sees. DCP reshards on load, so a checkpoint written by N ranks loads on M.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -28,7 +29,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from dlrmv4.config import TrainConfig
 from dlrmv4.errors import UserError
-from dlrmv4.files import atomic_directory
+from dlrmv4.files import atomic_directory, remove_dead_temps, write_failure
 from dlrmv4.train.distributed import Cluster
 
 MARKER = "COMPLETE"
@@ -47,8 +48,6 @@ POSITION_FILE = "position.json"
 PICKLE_FILE = "state.pkl"
 CHECKPOINT_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-# Left behind by atomic_directory when its writer died: ".step-00000042.tmp-<pid>" (or ".old-").
-_DEAD_DIR = re.compile(r"^\.step-\d{8}\.(?:tmp|old)-(\d+)$")
 _HASH_CHUNK = 1 << 20
 
 
@@ -151,30 +150,27 @@ def _step_dirs(root: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)), key=lambda p: p.name)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
-
-
-def _remove_dead_temp_dirs(root: Path) -> None:
-    """Temp dirs of writers that died (kill -9, OOM) before their rename; live writers' stay."""
-    for p in root.iterdir():
-        match = _DEAD_DIR.match(p.name)
-        if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
-            shutil.rmtree(p, ignore_errors=True)
-
-
 def _prune(root: Path, keep: int, just_written: Path) -> None:
     """Keep the newest ``keep`` complete checkpoints (the one just written always among them)."""
     complete = [p for p in _step_dirs(root) if (p / MARKER).is_file()]
     older = [p for p in complete if p != just_written]
     for p in older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _write_errors_in_one_line(final: Path) -> Iterator[None]:
+    """A checkpoint that cannot be written (no space, a file-size limit) ends the run in one line
+    naming it; its temp directory is gone (``atomic_directory``) and the previous one is whole."""
+    try:
+        yield
+    except (UserError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        error = write_failure(final, exc)
+        if error is None:
+            raise
+        raise error from exc
 
 
 def save_checkpoint(
@@ -197,27 +193,28 @@ def save_checkpoint(
     tensor_state, small_state = _split_state(state)
     root = _checkpoints_dir(run_dir)
     final = root / f"step-{position.step:08d}"
-    if cluster is None or cluster.world_size == 1:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_dead_temp_dirs(root)
-        with atomic_directory(final) as tmp:
-            _dcp_quietly(dcp.save, tensor_state, tmp)
-            _write_small_files(tmp, position, {**small_state, "rank_states": [rank_state]})
-    elif cluster.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_dead_temp_dirs(root)
-        with atomic_directory(final) as tmp:
-            cluster.broadcast(str(tmp))
+    with _write_errors_in_one_line(final):
+        if cluster is None or cluster.world_size == 1:
+            root.mkdir(parents=True, exist_ok=True)
+            remove_dead_temps(root)
+            with atomic_directory(final) as tmp:
+                _dcp_quietly(dcp.save, tensor_state, tmp)
+                _write_small_files(tmp, position, {**small_state, "rank_states": [rank_state]})
+        elif cluster.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            remove_dead_temps(root)
+            with atomic_directory(final) as tmp:
+                cluster.broadcast(str(tmp))
+                _dcp_quietly(dcp.save, tensor_state, tmp, cluster)
+                rank_states = cluster.gather(rank_state)
+                _write_small_files(tmp, position, {**small_state, "rank_states": rank_states})
+            cluster.barrier()  # the others go on once the checkpoint is complete
+        else:
+            tmp = Path(cluster.broadcast(None))
             _dcp_quietly(dcp.save, tensor_state, tmp, cluster)
-            rank_states = cluster.gather(rank_state)
-            _write_small_files(tmp, position, {**small_state, "rank_states": rank_states})
-        cluster.barrier()  # the others go on once the checkpoint is complete
-    else:
-        tmp = Path(cluster.broadcast(None))
-        _dcp_quietly(dcp.save, tensor_state, tmp, cluster)
-        cluster.gather(rank_state)
-        cluster.barrier()
-        return final
+            cluster.gather(rank_state)
+            cluster.barrier()
+            return final
     _fsync_dir(root)
     _prune(root, keep_last, final)
     return final

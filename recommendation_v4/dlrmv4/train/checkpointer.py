@@ -36,6 +36,7 @@ class Resumed:
     runlog: dict[str, Any]  # the MLPerf log's state, reopened only if the run goes on
     window_loss: float  # this rank's running loss of the current window
     window_steps: int
+    changed_settings: list[str]  # the contract's settings --allow-changed-settings let change
 
 
 class Checkpointer:
@@ -97,7 +98,7 @@ class Checkpointer:
         path = self.cluster.broadcast(latest_checkpoint(self.cfg.train.run_dir) if self.cluster.is_main else None)
         if path is None:
             return None
-        self.check_settings(Path(path))
+        changed = self.check_settings(Path(path))
         template = {
             "dense": ModelAndOptimizers(self.model, [self.optimizer]),
             "sparse": self.embeddings.checkpoint_state(),
@@ -121,17 +122,18 @@ class Checkpointer:
             )
             window_loss = mean_loss
         self.log(f"resumed from {Path(path).name}: step {position.step}, {position.samples_seen:,} samples")
-        return Resumed(state["history"], state["runlog"], window_loss, window_steps)
+        return Resumed(state["history"], state["runlog"], window_loss, window_steps, changed)
 
-    def check_settings(self, path: Path) -> None:
-        """The resume contract: stop when the settings that shape the run differ from the checkpoint's."""
+    def check_settings(self, path: Path) -> list[str]:
+        """The resume contract: stop when the settings that shape the run differ from the
+        checkpoint's, unless allowed; returns those that changed."""
         saved = load_small_state(path).get("settings")
         if saved is None:
             self.log(f"{path.name} records no settings: the resume contract is not checked")
-            return
+            return []
         changed = changed_settings(saved, run_settings(self.cfg))
         if not changed:
-            return
+            return []
         listed = "; ".join(changed)
         if not self.cfg.train.allow_changed_settings:
             raise UserError(
@@ -140,3 +142,4 @@ class Checkpointer:
                 "--allow-changed-settings true"
             )
         self.log(f"resuming with changed settings (--allow-changed-settings): {listed}")
+        return changed

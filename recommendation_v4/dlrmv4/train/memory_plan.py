@@ -366,7 +366,7 @@ def make_memory_plan(
             int(cfg.plan.plan_headroom_fraction * device_memory_bytes),
         ),
     ]
-    step = _step_consumers(cfg, target, backend)
+    step = _step_consumers(cfg, target, backend, rows)
     candidates = _candidate_settings(cfg, gbs // world_size)
     sharding = (
         table_options(emb.sharding_types, "sharding_types", SHARDING_TYPES, DEFAULT_SHARDING)
@@ -569,8 +569,25 @@ def _dense(cfg: BenchmarkConfig, world_size: int) -> Consumer:
     return Consumer(f"dense model: {params:,} parameters ({what})", params * per)
 
 
-def _step_consumers(cfg: BenchmarkConfig, target: Target, backend: str) -> list[Consumer]:
-    """The slice's batch, ids, looked-up rows, their gradients and the embedding communication."""
+def _rows_served(cfg: BenchmarkConfig, world_size: int, history: int, samples: int, table_rows: dict[str, int]) -> int:
+    """The most rows one rank may serve in a step's all-to-all: every rank may ask it for all of
+    its ids (a table it holds alone, or ids that all fall in its row-wise block, as the popular ones
+    may; seen on 4 GPUs). With the ids deduplicated (``embeddings.dedup_ids``) a rank asks for each
+    row at most once, so a table's share is also at most the rows each rank holds of it."""
+    sharding = table_options(cfg.embeddings.sharding_types, "sharding_types", SHARDING_TYPES, DEFAULT_SHARDING)
+    served = world_size * samples * (SHARED_TABLES + NUM_CONTEXTUAL)  # candidates and contextual ids
+    for name in TABLE_NAMES[:SHARED_TABLES]:
+        asked = world_size * history
+        if cfg.embeddings.dedup_ids:
+            held = -(-table_rows[name] // world_size) if sharding[name] == "row_wise" else table_rows[name]
+            asked = min(asked, world_size * held)
+        served += asked
+    return served
+
+
+def _step_consumers(cfg: BenchmarkConfig, target: Target, backend: str, table_rows: dict[str, int]) -> list[Consumer]:
+    """The slice's batch, ids, looked-up rows, their gradients and the embedding communication (on
+    the rank that serves the most rows)."""
     samples = cfg.loader.batch_size // target.world_size
     length, e = cfg.sampler.max_seq_len, cfg.model.embedding_dim
     history = samples * (length - HISTORY_RESERVED)
@@ -588,9 +605,12 @@ def _step_consumers(cfg: BenchmarkConfig, target: Target, backend: str) -> list[
         # Without qcomm the all-to-all carries the lookup's output dtype (the sequence dtype on GPUs).
         c = 2 if cfg.embeddings.qcomm != "none" else (s if target.device_kind == "cuda" else 4)
         comm = cfg.embeddings.qcomm if cfg.embeddings.qcomm != "none" else ("fp32" if c == 4 else name)
+        served = _rows_served(cfg, target.world_size, history, samples, table_rows)
         out += [
-            Consumer(f"embedding all-to-all send buffer, {comm}", rows * e * c, ("lookup",)),
-            Consumer(f"embedding all-to-all gradients received, {comm}", rows * e * c, ("update",)),
+            Consumer(
+                f"embedding all-to-all send buffer, {comm} (up to {served:,} rows served)", served * e * c, ("lookup",)
+            ),
+            Consumer(f"embedding all-to-all gradients received for them, {comm}", served * e * c, ("update",)),
         ]
     if backend == "plain":
         cand = samples * SHARED_TABLES * e * 4

@@ -15,6 +15,7 @@ from dlrmv4.config import BenchmarkConfig, to_dict
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
 from dlrmv4.data.store_settings import check_store_settings
+from dlrmv4.data.verify import check_verified
 from dlrmv4.data.windows import sample_counts
 from dlrmv4.errors import UserError
 from dlrmv4.files import check_writable
@@ -130,6 +131,8 @@ def _run(
         raise UserError(plan.refusal())
     cfg = plan.resolve(cfg)
     log(plan.summary())
+    # Last of the checks: on a store changed since its verification this one takes minutes.
+    check_verified(store_path, cluster.world_size, log, progress)
     if cluster.is_main:
         check_writable(run_dir, "run directory")
     held = contextlib.ExitStack()  # the run directory's lock while the run lasts

@@ -33,7 +33,13 @@ from dlrmv4.data.store import Store
 from dlrmv4.data.windows import sample_counts, split_windows
 from dlrmv4.errors import UserError
 from dlrmv4.mlperf.runlog import RunFacts, RunLog
-from dlrmv4.model.embeddings import SparseEmbeddings, make_embeddings, store_table_counts, table_specs
+from dlrmv4.model.embeddings import (
+    SparseEmbeddings,
+    looks_up_distinct_ids,
+    make_embeddings,
+    store_table_counts,
+    table_specs,
+)
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.checkpointer import Checkpointer
 from dlrmv4.train.distributed import Cluster
@@ -131,7 +137,7 @@ class Trainer:
         self.step = TrainStep(model, embeddings, cfg.train, self.finite, train_model)
         # Loader workers forked from a rank with tables in pinned host memory would copy them all.
         self.worker_start = "forkserver" if embeddings.holds_pinned_host_memory else None
-        self.dedup_ids = cfg.embeddings.dedup_ids  # the loader packs the distinct ids for the lookup
+        self.dedup_ids = looks_up_distinct_ids(cfg, embeddings.backend)  # the loader packs them
         self.evaluator = Evaluator(
             cfg,
             store,
@@ -199,20 +205,14 @@ class Trainer:
         """The newest checkpoint's history (its MLPerf log reopened if the run goes on), or a fresh
         run's, whose MLPerf log gets INIT_STOP and RUN_START here."""
         resumed = self.checkpointer.restore()
+        facts = RunFacts(
+            self.train_samples, self.eval_samples, self.config_filename, self.cluster.world_size, self.step.chunks
+        )
         if resumed is None:
             if not self.runlog.opened:
                 self.runlog.open(0)
                 self.runlog.init_start()
-            self.runlog.init_stop_and_run_start(
-                self.cfg,
-                RunFacts(
-                    self.train_samples,
-                    self.eval_samples,
-                    self.config_filename,
-                    self.cluster.world_size,
-                    self.step.chunks,
-                ),
-            )
+            self.runlog.init_stop_and_run_start(self.cfg, facts)
             return RunHistory()
         self.window_loss.fill_(resumed.window_loss)
         self.window_steps = resumed.window_steps
@@ -222,7 +222,7 @@ class Trainer:
             history.status = "running"  # a max_steps stop is a pause: a larger limit continues the run
             self.log(f"continuing the stopped run from step {history.steps}")
         if history.status == "running":
-            self.runlog.resume(resumed.runlog)
+            self.runlog.resume(resumed.runlog, self.cfg, facts, resumed.changed_settings)
         return history
 
     def _stream(self, history: RunHistory, loader) -> None:

@@ -17,7 +17,7 @@ The batch's id features and their KeyedJaggedTensor layout are the data side's
 (``data/sparse_features.py``).
 """
 
-from dlrmv4.model.embeddings.backend import make_embeddings, resolve_backend, torchrec_works
+from dlrmv4.model.embeddings.backend import looks_up_distinct_ids, make_embeddings, resolve_backend, torchrec_works
 from dlrmv4.model.embeddings.checkpoint_state import TableState
 from dlrmv4.model.embeddings.plain import PlainEmbeddings
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
@@ -43,6 +43,7 @@ __all__ = [
     "TableState",
     "TorchRecEmbeddings",
     "init_rows",
+    "looks_up_distinct_ids",
     "make_embeddings",
     "resolve_backend",
     "store_table_counts",

@@ -53,6 +53,13 @@ def resolve_backend(cfg: BenchmarkConfig, device: torch.device) -> str:
     return "torchrec" if dist.is_initialized() and torchrec_works(device) else "plain"
 
 
+def looks_up_distinct_ids(cfg: BenchmarkConfig, backend: str) -> bool:
+    """Whether the loader packs each batch's distinct history ids for the lookup
+    (``embeddings.dedup_ids``): for TorchRec only; the plain backend gathers every token's row from
+    its own replica, and no exchange follows."""
+    return cfg.embeddings.dedup_ids and backend == "torchrec"
+
+
 def make_embeddings(
     specs: list[TableSpec],
     cfg: BenchmarkConfig,
@@ -84,8 +91,6 @@ def make_embeddings(
             "embeddings.sharding_types and placement are TorchRec settings: the plain backend "
             "keeps a replica of every table on each rank"
         )
-    if cfg.embeddings.dedup_ids:
-        raise UserError("embeddings.dedup_ids is a TorchRec setting: the plain backend looks up every token's id")
     return PlainEmbeddings(
         *args,
         kernels=cfg.model.kernels,
