@@ -47,6 +47,12 @@ def write_failure(path: Path, exc: BaseException) -> UserError | None:
     return None
 
 
+def write_error(path: Path, exc: OSError) -> UserError:
+    """An OSError met while writing ``path``, as one line naming it and the cause."""
+    found = write_failure(path, exc)
+    return found if found is not None else UserError(f"cannot write {path}: {' '.join(str(exc).split())}")
+
+
 def _os_error_in(exc: BaseException | None, seen: set[int] | None = None) -> OSError | None:
     seen = set() if seen is None else seen
     while exc is not None and id(exc) not in seen:
@@ -118,11 +124,14 @@ def remove_dead_temps(directory: Path, say: Callable[[str], None] = lambda _: No
 
 
 def write_atomically(final: Path, write: Callable[[Path], Any]) -> None:
-    """``write(tmp)`` fills a temp file beside ``final``; only a complete file gets the final name."""
+    """``write(tmp)`` fills a temp file beside ``final``; only a complete file gets the final name. A
+    write that fails for an I/O cause is one line naming ``final`` and the cause."""
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         write(tmp)
         os.replace(tmp, final)
+    except OSError as exc:
+        raise write_error(final, exc) from exc
     finally:
         tmp.unlink(missing_ok=True)
 

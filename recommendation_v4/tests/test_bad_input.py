@@ -225,3 +225,29 @@ def test_the_first_bad_row_is_named_for_any_number_of_workers(tmp_path, events, 
     cfg = dataclasses.replace(CFG, preprocess=dataclasses.replace(CFG.preprocess, workers=workers))
     msg = _fails(tmp_path, raw, "not sorted by \\(uid, timestamp\\)", cfg)
     assert "at row 1000 " in msg
+
+
+def test_a_store_that_cannot_be_written_is_one_line(tmp_path, events):
+    """A write that fails while the store is built (here a file-size limit: EFBIG, as a full disk
+    gives ENOSPC) names the store and the cause, and leaves neither a store nor temp files."""
+    raw = write_raw(tmp_path / "raw", events)
+    out = tmp_path / "data" / "processed" / "store"
+    child = f"""
+import resource, sys
+from pathlib import Path
+from dlrmv4.config import load_config
+from dlrmv4.data.preprocess import preprocess
+from dlrmv4.data.yambda_schema import RawFiles
+from dlrmv4.errors import UserError
+cfg = load_config(None, None, {{("preprocess", "last_timestamp"): 0, ("preprocess", "num_train_days"): 9,
+                               ("preprocess", "min_history"): 40}})
+resource.setrlimit(resource.RLIMIT_FSIZE, (2_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    preprocess(RawFiles.under(Path({str(raw.multi_event.parents[2])!r}), {raw.multi_event.parent.name!r}),
+               Path({str(out)!r}), cfg.dataset, cfg.preprocess, progress=False)
+except UserError as exc:
+    print(exc)
+"""
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == f"cannot write {out}: File too large", proc.stdout + proc.stderr
+    assert not out.exists() and list(out.parent.iterdir()) == []

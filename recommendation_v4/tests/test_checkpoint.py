@@ -312,3 +312,23 @@ def test_a_write_failure_names_the_path_and_the_cause(tmp_path):
     assert str(write_failure(path, wrapped)) == f"cannot write {path}: No space left on device"
     assert str(write_failure(path, PerRank())) == f"cannot write {path}: File too large"
     assert write_failure(path, RuntimeError("a bug, not a write")) is None
+
+
+def test_a_file_written_whole_names_itself_when_the_write_fails(tmp_path):
+    """write_atomically (reports, plots, the verified stamp): one line naming the final file, no
+    temp file left, the previous content kept."""
+    import errno
+
+    from dlrmv4.errors import UserError
+    from dlrmv4.files import write_atomically
+
+    final = tmp_path / "report.json"
+    final.write_text("previous")
+
+    def full(tmp):
+        tmp.write_text("half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(UserError, match=f"cannot write {final}: No space left on device"):
+        write_atomically(final, full)
+    assert final.read_text() == "previous" and sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]

@@ -226,3 +226,25 @@ def test_training_refuses_a_closed_yambda_5b_store_with_other_counts(tmp_path, c
     assert f"train_samples {counts['train_samples']:,} from the store, the closed division pins 2,290,835,423" in err
     assert f"eval_samples {counts['eval_samples']:,} from the store, the closed division pins 2,058,204" in err
     assert not (tmp_path / "run" / "mlperf_log.txt").exists()  # no log claims the pinned counts
+
+
+def test_a_log_that_cannot_be_written_stops_the_run_in_one_line(tmp_path):
+    """logging's own FileHandler prints a traceback per failed event and goes on; the run log's
+    raises: one line naming the log and the cause (here a full disk)."""
+    import errno
+
+    log = RunLog(tmp_path / "mlperf_log.txt")
+    log.open(0)
+    log.init_start()
+
+    class FullDisk:
+        def write(self, text: str) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self) -> None:
+            pass
+
+    log._handler.stream = FullDisk()
+    with pytest.raises(UserError) as info:
+        log.event("eval_accuracy", 0.7)
+    assert str(info.value) == f"cannot write {tmp_path / 'mlperf_log.txt'}: No space left on device"

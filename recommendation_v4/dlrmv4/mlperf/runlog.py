@@ -12,20 +12,21 @@ and RUN_STOP.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from mlperf_logging.mllog import constants as C
 from mlperf_logging.mllog.mllog import MLLogger
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.errors import UserError
-from dlrmv4.files import write_atomically
+from dlrmv4.files import write_atomically, write_error
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 PRECISION = {"bfloat16": "bfloat16", "float16": "fp16", "float32": "fp32"}
@@ -92,7 +93,7 @@ class RunLog:
                 fh.flush()
                 os.fsync(fh.fileno())
         logger = logging.Logger(f"dlrmv4.mllog.{self.path}")  # not registered: no global logger state
-        self._handler = logging.FileHandler(self.path, mode="a", encoding="utf-8")
+        self._handler = _RaisingFileHandler(self.path, mode="a", encoding="utf-8")
         self._handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(self._handler)
         logger.setLevel(logging.INFO)
@@ -137,15 +138,25 @@ class RunLog:
     # -- events --------------------------------------------------------------------------
     def event(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
         if self._mllog is not None:
-            self._mllog.event(key=key, value=value, metadata=metadata)
+            with self._write_errors_in_one_line():
+                self._mllog.event(key=key, value=value, metadata=metadata)
 
     def start(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
         if self._mllog is not None:
-            self._mllog.start(key=key, value=value, metadata=metadata)
+            with self._write_errors_in_one_line():
+                self._mllog.start(key=key, value=value, metadata=metadata)
 
     def end(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
         if self._mllog is not None:
-            self._mllog.end(key=key, value=value, metadata=metadata)
+            with self._write_errors_in_one_line():
+                self._mllog.end(key=key, value=value, metadata=metadata)
+
+    @contextlib.contextmanager
+    def _write_errors_in_one_line(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            raise write_error(self.path, exc) from exc
 
     # -- the benchmark's events, in SPEC §7 order ---------------------------------------
     def init_start(self) -> None:
@@ -228,6 +239,14 @@ def hyperparameters(cfg: BenchmarkConfig, facts: RunFacts) -> dict[str, Any]:
         C.MICRO_BATCH_SIZE: -(-slice_size // facts.chunks),  # the largest chunk's samples
         C.CONFIG_FILENAME: facts.config_filename,
     }
+
+
+class _RaisingFileHandler(logging.FileHandler):
+    """A FileHandler whose write errors reach the caller: logging's own handler prints a traceback
+    per event and goes on, so a full disk would leave a log that silently stops."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        raise  # the OSError emit() caught
 
 
 _PREFIX = b":::MLLOG "
