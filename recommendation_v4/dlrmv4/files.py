@@ -47,10 +47,19 @@ def write_failure(path: Path, exc: BaseException) -> UserError | None:
     return None
 
 
-def write_error(path: Path, exc: OSError) -> UserError:
-    """An OSError met while writing ``path``, as one line naming it and the cause."""
-    found = write_failure(path, exc)
-    return found if found is not None else UserError(f"cannot write {path}: {' '.join(str(exc).split())}")
+@contextlib.contextmanager
+def write_errors_in_one_line(path: Path) -> Iterator[None]:
+    """Writes of ``path`` that fail for an I/O cause (``write_failure``) end in one line naming it
+    and the cause; anything else (a bug, Ctrl-C, a UserError) goes on as it is."""
+    try:
+        yield
+    except (UserError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        error = write_failure(path, exc)
+        if error is None:
+            raise
+        raise error from exc
 
 
 def _os_error_in(exc: BaseException | None, seen: set[int] | None = None) -> OSError | None:
@@ -128,10 +137,9 @@ def write_atomically(final: Path, write: Callable[[Path], Any]) -> None:
     write that fails for an I/O cause is one line naming ``final`` and the cause."""
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        write(tmp)
-        os.replace(tmp, final)
-    except OSError as exc:
-        raise write_error(final, exc) from exc
+        with write_errors_in_one_line(final):
+            write(tmp)
+            os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
 

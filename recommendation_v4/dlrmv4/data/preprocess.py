@@ -56,7 +56,7 @@ from dlrmv4.data.yambda_schema import (ACTION_LIKE, ACTION_LISTEN_PLUS, ACTION_S
                                        LISTEN, RawFiles, check_mapping_schema, check_multi_event_schema,
                                        open_parquet)
 from dlrmv4.errors import UserError, one_line
-from dlrmv4.files import atomic_directory, check_free_space, check_writable, write_error, write_json
+from dlrmv4.files import atomic_directory, check_free_space, check_writable, write_errors_in_one_line, write_json
 from dlrmv4.parallel import in_order
 
 RAW_COLUMNS = ["uid", "item_id", "timestamp", "is_organic", "event_type", "played_ratio_pct"]
@@ -397,34 +397,32 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
     check_items_mapped(raw, _column_max(raw.multi_event, pf, "item_id"), mapped)
     bounds = SplitBounds.from_config(resolve_t_end(raw.multi_event, pf, cfg), cfg)
 
-    try:
-        with atomic_directory(out_dir) as tmp:
-            meta = _stream(pf, raw.multi_event, tmp, num_rows, bounds, cfg, progress)
-            append_seconds, workers = meta.pop("_append_seconds"), meta.pop("_workers")
-            num_items = max(meta.pop("_num_items"), int(artist_items.max(initial=-1)) + 1,
-                            int(album_items.max(initial=-1)) + 1)
-            popularity = np.zeros(num_items, np.int64)
-            pop = meta.pop("_popularity")
-            popularity[:len(pop)] = pop
-            st.save_array(tmp / "items" / "artist_id.npy", _item_table(artist_items, artist_ids, num_items))
-            st.save_array(tmp / "items" / "album_id.npy", _item_table(album_items, album_ids, num_items))
-            st.save_array(tmp / "items" / "popularity.npy", popularity)
-            meta["counts"]["num_items"] = num_items
-            meta["dataset"] = {"source": ds.source, "size": ds.size, "hub_repo_id": ds.hub_repo_id,
-                               "hub_revision": ds.hub_revision, "resolved_revision": resolved_revision,
-                               "synthetic_seed": ds.synthetic_seed if ds.source == "synthetic" else None}
-            meta["schema_version"] = st.STORE_SCHEMA_VERSION
-            meta["constants"] = {k: getattr(cfg, k) for k in (
-                "last_timestamp", "test_span_seconds", "split_gap_seconds", "num_train_days", "window_seconds",
-                "session_gap_seconds", "listen_threshold_pct", "min_history", "null_ratio_policy")}
-            layout: WindowLayout = meta.pop("_layout")
-            meta["split"] = {"t_end": bounds.t_end, "test_start": bounds.test_start, "train_end": bounds.train_end,
-                             "train_start": bounds.train_start, "t_min": layout.t_min, "t_last": layout.t_last,
-                             "num_windows": layout.num_windows}
-            write_json(tmp / st.META_FILE, meta)
-            st.write_md5s(tmp)
-    except OSError as exc:  # the raw reads turn theirs into UserErrors: this is the store's writing
-        raise write_error(out_dir, exc) from exc
+    # The raw reads turn their errors into UserErrors: what fails for an I/O cause here is the store's writing.
+    with write_errors_in_one_line(out_dir), atomic_directory(out_dir) as tmp:
+        meta = _stream(pf, raw.multi_event, tmp, num_rows, bounds, cfg, progress)
+        append_seconds, workers = meta.pop("_append_seconds"), meta.pop("_workers")
+        num_items = max(meta.pop("_num_items"), int(artist_items.max(initial=-1)) + 1,
+                        int(album_items.max(initial=-1)) + 1)
+        popularity = np.zeros(num_items, np.int64)
+        pop = meta.pop("_popularity")
+        popularity[:len(pop)] = pop
+        st.save_array(tmp / "items" / "artist_id.npy", _item_table(artist_items, artist_ids, num_items))
+        st.save_array(tmp / "items" / "album_id.npy", _item_table(album_items, album_ids, num_items))
+        st.save_array(tmp / "items" / "popularity.npy", popularity)
+        meta["counts"]["num_items"] = num_items
+        meta["dataset"] = {"source": ds.source, "size": ds.size, "hub_repo_id": ds.hub_repo_id,
+                           "hub_revision": ds.hub_revision, "resolved_revision": resolved_revision,
+                           "synthetic_seed": ds.synthetic_seed if ds.source == "synthetic" else None}
+        meta["schema_version"] = st.STORE_SCHEMA_VERSION
+        meta["constants"] = {k: getattr(cfg, k) for k in (
+            "last_timestamp", "test_span_seconds", "split_gap_seconds", "num_train_days", "window_seconds",
+            "session_gap_seconds", "listen_threshold_pct", "min_history", "null_ratio_policy")}
+        layout: WindowLayout = meta.pop("_layout")
+        meta["split"] = {"t_end": bounds.t_end, "test_start": bounds.test_start, "train_end": bounds.train_end,
+                         "train_start": bounds.train_start, "t_min": layout.t_min, "t_last": layout.t_last,
+                         "num_windows": layout.num_windows}
+        write_json(tmp / st.META_FILE, meta)
+        st.write_md5s(tmp)
     # Not in meta.json (the store must not depend on timing): what the run took, for the caller.
     meta["seconds"] = time.perf_counter() - started
     meta["append_seconds"], meta["workers"] = append_seconds, workers

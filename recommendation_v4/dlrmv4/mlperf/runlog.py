@@ -12,21 +12,20 @@ and RUN_STOP.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from mlperf_logging.mllog import constants as C
 from mlperf_logging.mllog.mllog import MLLogger
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.errors import UserError
-from dlrmv4.files import write_atomically, write_error
+from dlrmv4.files import write_atomically, write_errors_in_one_line
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 PRECISION = {"bfloat16": "bfloat16", "float16": "fp16", "float32": "fp32"}
@@ -138,25 +137,18 @@ class RunLog:
     # -- events --------------------------------------------------------------------------
     def event(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
         if self._mllog is not None:
-            with self._write_errors_in_one_line():
+            with write_errors_in_one_line(self.path):
                 self._mllog.event(key=key, value=value, metadata=metadata)
 
     def start(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
         if self._mllog is not None:
-            with self._write_errors_in_one_line():
+            with write_errors_in_one_line(self.path):
                 self._mllog.start(key=key, value=value, metadata=metadata)
 
     def end(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
         if self._mllog is not None:
-            with self._write_errors_in_one_line():
+            with write_errors_in_one_line(self.path):
                 self._mllog.end(key=key, value=value, metadata=metadata)
-
-    @contextlib.contextmanager
-    def _write_errors_in_one_line(self) -> Iterator[None]:
-        try:
-            yield
-        except OSError as exc:
-            raise write_error(self.path, exc) from exc
 
     # -- the benchmark's events, in SPEC §7 order ---------------------------------------
     def init_start(self) -> None:

@@ -17,7 +17,6 @@ node sees. DCP reshards on load, so a checkpoint written by N ranks loads on M.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -29,7 +28,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +39,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from dlrmv4.config import TrainConfig
 from dlrmv4.errors import UserError
-from dlrmv4.files import atomic_directory, remove_dead_temps, write_failure
+from dlrmv4.files import atomic_directory, remove_dead_temps, write_errors_in_one_line
 from dlrmv4.train.distributed import Cluster
 
 MARKER = "COMPLETE"
@@ -158,21 +157,6 @@ def _prune(root: Path, keep: int, just_written: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _write_errors_in_one_line(final: Path) -> Iterator[None]:
-    """A checkpoint that cannot be written (no space, a file-size limit) ends the run in one line
-    naming it; its temp directory is gone (``atomic_directory``) and the previous one is whole."""
-    try:
-        yield
-    except (UserError, KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        error = write_failure(final, exc)
-        if error is None:
-            raise
-        raise error from exc
-
-
 def save_checkpoint(
     run_dir: str | os.PathLike,
     position: CheckpointPosition,
@@ -193,7 +177,7 @@ def save_checkpoint(
     tensor_state, small_state = _split_state(state)
     root = _checkpoints_dir(run_dir)
     final = root / f"step-{position.step:08d}"
-    with _write_errors_in_one_line(final):
+    with write_errors_in_one_line(final):  # the previous checkpoint stays whole
         if cluster is None or cluster.world_size == 1:
             root.mkdir(parents=True, exist_ok=True)
             remove_dead_temps(root)
