@@ -15,6 +15,8 @@ sys.path.insert(0, str(BENCHMARKS))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# cuBLAS is deterministic only with a fixed workspace; torch's deterministic mode refuses it without.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     # Triton 3.6's interpreter turns loop bounds into ints with int(ndarray of shape (1,)), which
@@ -43,3 +45,13 @@ def gloo_world_of_one(tmp_path_factory):
     yield
     if created:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    """``torch.use_deterministic_algorithms(True)`` for one test: torch's ops and the project's
+    kernels take their ordered paths (no atomics, no configs picked by timing)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)

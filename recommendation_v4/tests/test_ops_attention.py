@@ -145,6 +145,15 @@ def test_atomic_dq_and_larger_normaliser(monkeypatch):
     check_against_reference(q, k, v, offsets, 80, nt, 0.4, 1e-5, seed)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="Triton interpreter tests (tests/gpu/ covers the compiled kernels)")
+def test_atomic_dq_is_refused_under_deterministic_algorithms(deterministic_algorithms):
+    from dlrmv4.ops.triton import attention as tri
+
+    q, k, v, offsets, nt = make_batch([9, 5], 1, 16, 16, torch.float32, "cpu", 0, 1)
+    with pytest.raises(RuntimeError, match="dq_mode='atomic'.*deterministic"):
+        tri.attention_bwd(torch.ones_like(v), q, k, v, offsets, nt, 9, 0.5, dq_mode="atomic")
+
+
 @pytest.mark.parametrize("kernels", ["pytorch"] + (["triton"] if INTERPRET else []))
 def test_mask_semantics(kernels):
     """A future token, and another candidate, leave a row's output unchanged; prefix rows never see

@@ -116,6 +116,13 @@ def test_kernel_matches_reference(dtype, b, c, max_history, num_pos, d, seconds,
     torch.testing.assert_close(time_table.grad.double(), t64.grad, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_deterministic_backward_matches_reference(p, gen, poison, deterministic_algorithms):
+    """Under deterministic algorithms the tables' gradients are summed by torch in a fixed order
+    instead of with atomics: the same values."""
+    test_kernel_matches_reference(torch.float32, 13, 8, 3, 32, 40, 3600.0, p, gen, poison)
+
+
 def test_bad_inputs_are_reported(gen):
     _, seq_offsets, ts, query = make_batch(2, 1, 3, 60.0, 8, gen)
     x = randn((int(seq_offsets[-1]), 8), gen)

@@ -42,6 +42,33 @@ def test_full_size_matches_float64_reference(monkeypatch, dtype, tol, targets, d
     check_against_reference(q, k, v, offsets, max(lengths), nt, ALPHA, tol, seed)
 
 
+def test_deterministic_configs_match_the_reference(monkeypatch, deterministic_algorithms):
+    """Under deterministic algorithms each kernel runs its list's first config that fits instead of
+    the autotuner's pick (timings differ from one process to the next): no autotuning, the same bits
+    twice, and the float64 reference's values."""
+    from dlrmv4.ops.triton import attention as tri
+
+    def no_tuning(*args, **kwargs):
+        raise AssertionError("autotuned under deterministic algorithms")
+
+    for tuned in (tri._fwd_tuned, tri._dkdv_tuned, tri._dq_tuned):
+        monkeypatch.setattr(tuned, "run", no_tuning)
+    poison_outputs(monkeypatch)
+    seed = fresh_seed()
+    lengths = reference_lengths(torch.Generator().manual_seed(seed))
+    q, k, v, offsets, nt = make_batch(lengths, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed, 1)
+    g = torch.randn_like(v)
+
+    def grads():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out = hstu_attention(qq, kk, vv, offsets, max(lengths), num_targets=nt, alpha=ALPHA, kernels="triton")
+        return (out, *torch.autograd.grad(out, (qq, kk, vv), g))
+
+    for name, a, b in zip(("out", "dq", "dk", "dv"), grads(), grads()):
+        assert torch.equal(a, b), name
+    check_against_reference(q, k, v, offsets, max(lengths), nt, ALPHA, 2e-2, seed)
+
+
 def test_mask_semantics_full_length():
     seed = fresh_seed()
     length, n_t = 4_095, 2

@@ -213,6 +213,27 @@ def test_position_time_encode(dtype, p, gen, poison):
     torch.testing.assert_close(time_table.grad.double(), t64.grad, atol=1e-3, rtol=1e-5)
 
 
+def test_position_time_encode_deterministic(gen, poison, deterministic_algorithms):
+    """Under deterministic algorithms the tables' gradients (thousands of tokens per position row)
+    are summed in a fixed order: the same bits twice, and the reference's values."""
+    seq_offsets, ts, query = model_batch(gen)
+    x = randn((ts.numel(), D), gen, torch.bfloat16, CUDA)
+    tables = [randn((rows, D), gen, device=CUDA, scale=10.0) for rows in (8192, 2048)]
+    g = randn(x.shape, gen, torch.bfloat16, CUDA)
+
+    def grads(xx, pt, tt, kernels):
+        leaves = [t.detach().requires_grad_() for t in (xx, pt, tt)]
+        out = position_time_encode(leaves[0], seq_offsets, ts, query, C, *leaves[1:], math.sqrt(D), kernels=kernels)
+        return torch.autograd.grad(out, leaves, g.to(out.dtype))
+
+    first, second = grads(x, *tables, "triton"), grads(x, *tables, "triton")
+    for name, a, b in zip(("dx", "dpos", "dtime"), first, second):
+        assert torch.equal(a, b), name
+    want = grads(x.double(), *(t.double() for t in tables), "pytorch")
+    torch.testing.assert_close(first[1].double(), want[1], atol=1e-3, rtol=1e-5)
+    torch.testing.assert_close(first[2].double(), want[2], atol=1e-3, rtol=1e-5)
+
+
 def test_position_time_encode_chunks_are_the_whole(gen, poison):
     """bf16 with dropout at the full slice (about 730k rows: the 32 sequences repeated), the rows of
     consecutive sequences run with their first row as row_offset: out and dx bit for bit, the

@@ -38,7 +38,7 @@ def _losses(kernels: str, batches) -> np.ndarray:
     return losses.cpu().numpy() / cfg.model.loss_scale
 
 
-def test_optimized_step_follows_the_reference_loss_curve():
+def _batches() -> list:
     rng = np.random.default_rng(11)
     batches = []
     for i in range(STEPS):
@@ -47,6 +47,11 @@ def test_optimized_step_follows_the_reference_loss_curve():
         # model and the tables, and it levels off near the noise's entropy (0.50) instead of 0.
         flip = torch.from_numpy(rng.random(BATCH) < NOISE).to("cuda")
         batches.append(dataclasses.replace(batch, label=((batch.candidate_item_id % 2 == 1) ^ flip).float()))
+    return batches
+
+
+def test_optimized_step_follows_the_reference_loss_curve(deterministic_algorithms):
+    batches = _batches()
     fast, ref = _losses("triton", batches), _losses("pytorch", batches)
     fast_w, ref_w = fast.reshape(-1, WINDOW).mean(1), ref.reshape(-1, WINDOW).mean(1)
     print("window mean BCE, triton:   ", np.round(fast_w, 4))

@@ -16,6 +16,8 @@ exists in memory):
 - tiles, warps and stages are autotuned per (bucket of max_seq_len = next power of two, head dims,
   dtype), from small config lists pruned by the device's shared memory, so a new jagged maximum
   inside a bucket never re-tunes. max_seq_len only sizes the grid and gives 1/N: no host sync.
+  Under ``torch.use_deterministic_algorithms(True)`` the first config that fits is taken instead
+  (no timings) and atomic dQ is refused, so the same inputs give the same bits in every process.
 - SiLU on 16-bit inputs: x*sigmoid(x) = t + t*tanh(t) with t = x/2, one ``tanh.approx`` per score
   instead of exp + reciprocal. The multi-function unit (16 ops/clock/SM) does not overlap the
   tensor cores here (Triton waits on each QK^T before the SiLU), so its time adds to the matmuls'.
@@ -741,12 +743,19 @@ _dq_tuned = _tuned(_hstu_attention_dq, "dq", DQ_CONFIGS)
 
 
 def _launch(kind: str, tuned, plain, rows: int, bh: int, args: tuple, consts: dict) -> None:
-    """Autotuned launch on a GPU; fixed small tiles under the interpreter (its timings mean nothing)."""
+    """Autotuned launch on a GPU; fixed small tiles under the interpreter (its timings mean nothing).
+    Tiles set the order of each sum, and the autotuner picks them by timing, which differs from one
+    process to the next: under ``torch.use_deterministic_algorithms(True)`` the first config of the
+    list that fits the device is taken instead, so a run's results do not depend on timings."""
     tile = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
     if interpreting():
         bm, bn = INTERPRET_BLOCKS[kind]
         grid = (triton.cdiv(rows, bn if kind == "dkdv" else bm), bh)
         plain[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn)
+    elif torch.are_deterministic_algorithms_enabled():
+        config = _pruner(kind)(tuned.configs, {"Q": args[0]}, **consts)[0]
+        grid = (triton.cdiv(rows, config.kwargs[tile]), bh)
+        plain[grid](*args, **consts, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
     else:
         tuned[lambda meta: (triton.cdiv(rows, meta[tile]), bh)](*args, **consts)
 
@@ -865,6 +874,11 @@ def attention_bwd(
     dq_mode = dq_mode or DQ_MODE
     if dq_mode not in DQ_MODES:
         raise ValueError(f"dq_mode={dq_mode!r} is not one of {', '.join(DQ_MODES)}")
+    if dq_mode == "atomic" and torch.are_deterministic_algorithms_enabled():
+        raise RuntimeError(
+            "attention_bwd: dq_mode='atomic' adds with atomics, in no fixed order; "
+            "torch.use_deterministic_algorithms(True) needs dq_mode='separate'"
+        )
     do, q, k, v = (_unit_stride(t) for t in (do, q, k, v))
     if out is None:
         dq_out = None

@@ -5,7 +5,10 @@ a tiny array in L1), so no per-token index tensors are built. Time buckets are c
 reference model's are, in fp32 (the int64 gap converted, divided and square-rooted with correct
 rounding: ``div_rn``, ``sqrt_rn``), so the kernel and reference/position.py agree exactly. The
 backward adds the gradient into the two fp32 tables with atomics (a position row is shared by
-at most B tokens; a time bucket by many, hence the per-block pre-sum there).
+at most B tokens; a time bucket by many, hence the per-block pre-sum there). Atomics add in
+whatever order the blocks run, so under ``torch.use_deterministic_algorithms(True)`` the kernel
+writes each token's gradient and row numbers instead and torch's deterministic ``index_add_``
+(a sort, then a fixed order) sums them.
 
 Dropout (the model's input dropout, fused): row r = row_offset + local row, column group g = c // 8
 of D columns: ``randint4x(seed, r * ceil(D / 8) + g)`` gives n0..n3, column 8g + 2i takes the low
@@ -115,6 +118,9 @@ def _position_time_bwd(
     DX,
     DPT,
     DTT,
+    G_ROWS,
+    POS_ROWS,
+    BUCKET_ROWS,
     N,
     B,
     C,
@@ -131,6 +137,7 @@ def _position_time_bwd(
     drop_scale,
     D: tl.constexpr,
     DROPOUT: tl.constexpr,
+    DETERMINISTIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -138,6 +145,9 @@ def _position_time_bwd(
     rmask = rows < N
     pos, bucket = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds)
     r64 = rows.to(tl.int64)[:, None]
+    if DETERMINISTIC:
+        tl.store(POS_ROWS + rows, pos, mask=rmask)
+        tl.store(BUCKET_ROWS + rows, bucket, mask=rmask)
     # Timestamps are sorted within a sequence, so neighbouring tokens often share a time bucket:
     # such a block adds its row sum with one atomic per column instead of one per row.
     first = tl.min(tl.where(rmask, bucket, NT))
@@ -149,11 +159,14 @@ def _position_time_bwd(
         if DROPOUT:  # the forward's mask, drawn again
             g = tl.where(_keep8(seed, r64 + row_offset, d0, threshold, D, BLOCK_D), g * drop_scale, 0.0)
         tl.store(DX + r64 * s_dx + cols, (g * x_scale).to(DX.dtype.element_ty), mask=mask)
-        tl.atomic_add(DPT + pos[:, None] * D + cols, g, mask=mask, sem="relaxed")
-        if one_bucket:
-            tl.atomic_add(DTT + first * D + cols, tl.sum(g, axis=0)[None, :], mask=cols < D, sem="relaxed")
+        if DETERMINISTIC:
+            tl.store(G_ROWS + r64 * D + cols, g, mask=mask)
         else:
-            tl.atomic_add(DTT + bucket[:, None] * D + cols, g, mask=mask, sem="relaxed")
+            tl.atomic_add(DPT + pos[:, None] * D + cols, g, mask=mask, sem="relaxed")
+            if one_bucket:
+                tl.atomic_add(DTT + first * D + cols, tl.sum(g, axis=0)[None, :], mask=cols < D, sem="relaxed")
+            else:
+                tl.atomic_add(DTT + bucket[:, None] * D + cols, g, mask=mask, sem="relaxed")
 
 
 def _common(seq_offsets: torch.Tensor, d: int, time_bucket_seconds: float) -> tuple:
@@ -240,6 +253,12 @@ def backward(
     dtt = torch.zeros((num_buckets, d), device=grad.device, dtype=torch.float32)
     b, n_search, bits, block_m, block_d = _common(seq_offsets, d, time_bucket_seconds)
     drop_args, active = dropout_args(dropout)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    # Per-token gradients and rows for torch's ordered sums; one-element stand-ins otherwise.
+    token_rows = n if deterministic else 1
+    g_rows = torch.empty((token_rows, d), device=grad.device, dtype=torch.float32)
+    pos_rows = torch.empty(token_rows, device=grad.device, dtype=torch.int64)
+    bucket_rows = torch.empty(token_rows, device=grad.device, dtype=torch.int64)
     if n > 0:
         _position_time_bwd[(triton.cdiv(n, block_m),)](
             grad,
@@ -249,6 +268,9 @@ def backward(
             dx,
             dpt,
             dtt,
+            g_rows,
+            pos_rows,
+            bucket_rows,
             n,
             b,
             num_contextual,
@@ -262,8 +284,12 @@ def backward(
             *drop_args,
             D=d,
             DROPOUT=active,
+            DETERMINISTIC=deterministic,
             BLOCK_M=block_m,
             BLOCK_D=block_d,
             num_warps=4,
         )
+        if deterministic:
+            dpt.index_add_(0, pos_rows, g_rows)
+            dtt.index_add_(0, bucket_rows, g_rows)
     return dx, dpt, dtt
