@@ -27,25 +27,24 @@ exists in memory):
   path, not the speed path.
 
 Portability: nothing Hopper-only (no TMA descriptors, no warp specialization); ``tl.dot`` lowers to
-wgmma on sm_90, tcgen05 MMA on sm_100 (B200) and MFMA on gfx950 (MI350X). The inline PTX runs on
-CUDA only: ``tanh.approx.f32`` needs sm_75+, the packed bf16x2 tanh/mul/sub sm_90+ (all three
-kernels, both SiLU forms, were compiled for sm_100 with Triton's ptxas-blackwell: tcgen05 MMA,
-configs over the shared memory fail to launch and are skipped by the autotuner). ROCm, fp32 and the
-interpreter take
-``tl.sigmoid``. On MI350X (64-wide wavefronts, 160 KB LDS) the config lists should be re-tuned
-(num_warps counts wavefronts; ``waves_per_eu`` / ``matrix_instr_nonkdim`` are the AMD knobs);
-configs over the device's shared memory are pruned automatically. fp32 dQ atomics work on both.
+wgmma on sm_90, tcgen05 MMA on sm_100 (B200) and MFMA on gfx942 / gfx950 (MI300X / MI350X). Every
+choice that depends on the hardware is made from the launch's ``KernelTarget`` (targets.py): the
+inline PTX (``tanh.approx.f32``, sm_75+; the packed bf16x2 forms, sm_90+) only on NVIDIA, AMD and
+fp32 take ``tl.sigmoid``; AMD's dot takes "ieee" precision; the configs a target keeps follow the
+pruning rule in ``_pruner`` (estimated shared memory and registers against the target's), with
+small-memory configs where none of the list passes (MI300X's 64 KB of LDS). CI compiles every
+kernel for all four targets (tests/test_kernel_targets.py); the config lists were tuned on H100 /
+H200 only (on MI350X, ``waves_per_eu`` / ``matrix_instr_nonkdim`` are the knobs to try).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from ..dispatch import interpreting
+from .targets import current_target
 
 DQ_MODES = ("separate", "atomic")
 SILU_FORMS = ("bf16x2", "tanh", "sigmoid")
@@ -677,14 +676,11 @@ def _hstu_attention_dq(
 FWD_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 4)]
 DKDV_CONFIGS = [(64, 128, 8, 3), (64, 128, 8, 4), (64, 128, 8, 2)]
 DQ_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 2)]
+# For targets none of those fits by the rule below (MI300X's 64 KB of LDS): about 52 KB or less.
+SMALL_MEMORY_CONFIGS = {"fwd": [(64, 32, 4, 2)], "dkdv": [(32, 32, 4, 2)], "dq": [(32, 32, 4, 2)]}
 # fp32 is the accuracy path, not the speed path: one small config that fits any GPU's shared memory.
 FP32_CONFIG = (32, 32, 4, 2)
 TUNE_KEY = ["N_BUCKET", "DQK", "DV", "HAS_TARGETS", "SILU"]
-
-
-@functools.lru_cache(maxsize=None)
-def _max_shared_mem(device_index: int) -> int:
-    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
 def _footprint(kind: str, bm: int, bn: int, stages: int, dqk: int, dv: int, atomic: bool) -> tuple[int, int]:
@@ -704,13 +700,19 @@ def _config(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
 
 
 def _pruner(kind: str):
+    """The rule that keeps a target's configs: the estimated shared memory within the target's,
+    and the fp32 accumulators within its registers (a lane's registers x lanes of the block). When
+    no config of the list passes, the small-memory configs that pass are kept instead; when none
+    passes either, the launch is refused here rather than failing on the device."""
+
     def prune(configs, named_args, **meta):
         q = named_args["Q"]
         if q.element_size() == 4:
             return [_config(*FP32_CONFIG)]
-        smem_limit = _max_shared_mem(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        fits, cost = [], {}
-        for c in configs:
+        target = current_target()
+        assert target is not None, "the interpreter runs fixed tiles, not autotune configs"
+
+        def fits(c: triton.Config) -> bool:
             smem, regs = _footprint(
                 kind,
                 c.kwargs["BLOCK_M"],
@@ -720,10 +722,17 @@ def _pruner(kind: str):
                 meta["DV"],
                 meta.get("ATOMIC_DQ", False),
             )
-            cost[c] = smem
-            if smem * q.element_size() <= smem_limit and regs <= 256 * 32 * c.num_warps:
-                fits.append(c)
-        return fits or [min(configs, key=cost.get)]
+            lanes = target.warp_size * c.num_warps
+            return smem * q.element_size() <= target.shared_memory and regs <= target.registers_per_lane * lanes
+
+        small = [_config(*entry) for entry in SMALL_MEMORY_CONFIGS[kind]]
+        kept = [c for c in configs if fits(c)] or [c for c in small if fits(c)]
+        if not kept:
+            raise RuntimeError(
+                f"no {kind} attention config fits {target.name} ({target.shared_memory} bytes of shared memory) "
+                f"at head dims {meta['DQK']}/{meta['DV']}: add one to SMALL_MEMORY_CONFIGS"
+            )
+        return kept
 
     return prune
 
@@ -770,36 +779,36 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def _silu_form(q: torch.Tensor, silu: str | None, kind: str) -> str:
-    """Which SiLU a kernel evaluates (see ``_weights``). Measured on an H200 (notes_attention.md):
-    packed bf16 pays in the dK/dV kernel (fewer FMA-pipe instructions, no spills); the forward and
-    dQ kernels are as fast or faster with fp32 tanh.approx (packed, dQ needs 255 registers and
-    spills). fp32 inputs, ROCm and the interpreter take the portable x * sigmoid(x)."""
-    nvidia = q.is_cuda and torch.version.hip is None and not interpreting()
-    packed = nvidia and q.dtype == torch.bfloat16 and _capability(q.device.index or 0) >= (9, 0)
+def _silu_form(dtype: torch.dtype, silu: str | None, kind: str) -> str:
+    """Which SiLU a kernel evaluates (see ``_weights``), by target. Measured on an H200
+    (notes_attention.md): packed bf16 pays in the dK/dV kernel (fewer FMA-pipe instructions, no
+    spills); the forward and dQ kernels are as fast or faster with fp32 tanh.approx (packed, dQ
+    needs 255 registers and spills). Both are PTX: AMD targets, fp32 inputs and the interpreter
+    take the portable x * sigmoid(x)."""
+    target = current_target()
+    nvidia = target is not None and target.nvidia
+    packed = target is not None and nvidia and dtype == torch.bfloat16 and int(target.arch) >= 90
     if silu is None:
-        if not nvidia or q.dtype == torch.float32:
+        if not nvidia or dtype == torch.float32:
             return "sigmoid"
         return "bf16x2" if packed and kind == "dkdv" else "tanh"
     if silu not in SILU_FORMS or (silu == "bf16x2" and not packed) or (silu == "tanh" and not nvidia):
-        raise ValueError(f"silu={silu!r} is not available for {q.dtype} on {q.device}")
+        where = "the interpreter" if target is None else target.name
+        raise ValueError(f"silu={silu!r} is not available for {dtype} on {where}")
     return silu
 
 
 def _common(q: torch.Tensor, v: torch.Tensor, num_targets, silu: str | None, kind: str) -> dict:
     # fp32: three TF32 products on NVIDIA tensor cores (fp32-level error); plain FMA elsewhere.
-    nvidia = q.is_cuda and torch.version.hip is None and not interpreting()
-    prec = "tf32" if q.dtype != torch.float32 else ("tf32x3" if nvidia else "ieee")
+    # 16-bit inputs are exact in either; AMD's dot takes only "ieee" (or bf16x3 / bf16x6).
+    target = current_target()
+    nvidia = target is not None and target.nvidia
+    prec = ("tf32x3" if q.dtype == torch.float32 else "tf32") if nvidia else "ieee"
     return {
         "DQK": q.shape[2],
         "DV": v.shape[2],
         "HAS_TARGETS": num_targets is not None,
-        "SILU": _silu_form(q, silu, kind),
+        "SILU": _silu_form(q.dtype, silu, kind),
         "PREC": prec,
     }
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .targets import current_target
+
 MAX_WIDTH = 16384  # one row lives in registers; wider rows would spill
 
 
@@ -29,15 +31,21 @@ def persistent_programs(device: torch.device, n_blocks: int, per_sm: int) -> int
     return max(1, min(n_blocks, per_sm * _sm_count(index)))
 
 
-def row_tile(width: int, tile: int, per_thread: int) -> tuple[int, int, int]:
+def warp_lanes() -> int:
+    """Lanes of a warp (32) or of an AMD wavefront (64) on the launch's target."""
+    target = current_target()
+    return 32 if target is None else target.warp_size
+
+
+def row_tile(width: int, tile: int, per_thread: int, lanes: int = 32) -> tuple[int, int, int]:
     """(rows per program, padded width, warps) for a block of about ``tile`` elements held in
     registers, ``per_thread`` elements of each live tensor per thread (backward kernels keep more
-    tensors live, so they take smaller tiles to stay clear of register spills)."""
+    tensors live, so they take smaller tiles to stay clear of register spills); ``lanes`` per warp."""
     if width > MAX_WIDTH:
         raise ValueError(f"row width {width} is over the Triton kernels' limit of {MAX_WIDTH}; use kernels='pytorch'")
     block_d = triton.next_power_of_2(max(width, 16))
     block_m = max(1, min(16, tile // block_d))
-    return block_m, block_d, max(1, min(16, block_m * block_d // (32 * per_thread)))
+    return block_m, block_d, max(1, min(16, block_m * block_d // (lanes * per_thread)))
 
 
 def weight_grad_partials(
@@ -210,7 +218,7 @@ def forward(
     rstd = torch.empty(n, device=x2d.device, dtype=torch.float32)
     if n == 0:
         return y, mean, rstd
-    block_m, block_d, warps = row_tile(d, *tile)
+    block_m, block_d, warps = row_tile(d, *tile, warp_lanes())
     _layer_norm_fwd[(triton.cdiv(n, block_m),)](
         x2d,
         weight,
@@ -246,7 +254,7 @@ def backward(
     """(dx [N, D], dweight or None, dbias or None); weight/bias grads are summed in fp32."""
     n, d = x2d.shape
     dx = torch.empty((n, d), device=x2d.device, dtype=x2d.dtype)
-    block_m, block_d, warps = row_tile(d, tile[0], tile[1])
+    block_m, block_d, warps = row_tile(d, tile[0], tile[1], warp_lanes())
     n_blocks = triton.cdiv(n, block_m)
     progs = persistent_programs(x2d.device, n_blocks, tile[2])
     dw_part, db_part = weight_grad_partials(x2d.device, progs, d, n, weight, bias)

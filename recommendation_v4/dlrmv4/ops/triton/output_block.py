@@ -29,6 +29,7 @@ from dlrmv4.ops.triton.layer_norm import (
     persistent_programs,
     row_tile,
     sum_weight_grads,
+    warp_lanes,
     weight_grad_partials,
 )
 
@@ -236,7 +237,7 @@ def forward(
     keep = torch.empty((t, hd), device=u.device, dtype=torch.uint8) if dropout else None
     if t == 0:
         return y, mean, rstd, keep
-    block_m, block_h, warps = row_tile(hd, *tile)
+    block_m, block_h, warps = row_tile(hd, *tile, warp_lanes())
     _output_block_fwd[(triton.cdiv(t, block_m),)](
         u,
         attn,
@@ -295,7 +296,7 @@ def backward(
     else:
         du = du_out
     da = torch.empty((t, hd), device=u.device, dtype=attn.dtype)
-    block_m, block_h, warps = row_tile(hd, tile[0], tile[1])
+    block_m, block_h, warps = row_tile(hd, tile[0], tile[1], warp_lanes())
     n_blocks = triton.cdiv(t, block_m)
     progs = persistent_programs(u.device, n_blocks, tile[2])
     dw_part, db_part = weight_grad_partials(u.device, progs, hd, t, weight, bias)
@@ -340,7 +341,7 @@ def keep_mask(t: int, hd: int, dropout_p: float, seed: int, device: torch.device
     this one lets tests compare the two)."""
     m = torch.empty((t, 3 * hd), device=device, dtype=torch.uint8)
     if t > 0:
-        block_m, block_h, warps = row_tile(hd, *FWD_TILE)
+        block_m, block_h, warps = row_tile(hd, *FWD_TILE, warp_lanes())
         _output_block_mask[(triton.cdiv(t, block_m),)](
             m, t, hd, dropout_threshold(dropout_p), seed, row_offset, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps
         )

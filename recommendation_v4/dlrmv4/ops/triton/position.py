@@ -254,11 +254,12 @@ def backward(
     b, n_search, bits, block_m, block_d = _common(seq_offsets, d, time_bucket_seconds)
     drop_args, active = dropout_args(dropout)
     deterministic = torch.are_deterministic_algorithms_enabled()
-    # Per-token gradients and rows for torch's ordered sums; one-element stand-ins otherwise.
+    # Per-token gradients and rows for torch's ordered sums; one-element stand-ins otherwise. The
+    # rows start at 0, valid indices even where a launch only compiles (ops/triton/cross_compile.py).
     token_rows = n if deterministic else 1
     g_rows = torch.empty((token_rows, d), device=grad.device, dtype=torch.float32)
-    pos_rows = torch.empty(token_rows, device=grad.device, dtype=torch.int64)
-    bucket_rows = torch.empty(token_rows, device=grad.device, dtype=torch.int64)
+    pos_rows = torch.zeros(token_rows, device=grad.device, dtype=torch.int64)
+    bucket_rows = torch.zeros(token_rows, device=grad.device, dtype=torch.int64)
     if n > 0:
         _position_time_bwd[(triton.cdiv(n, block_m),)](
             grad,

@@ -1,0 +1,154 @@
+"""What each Triton kernel of the model takes on each target: shared memory (LDS on AMD), registers
+and spills, and the occupancy they allow, from kernels compiled on this machine for MI350X
+(gfx950), MI300X (gfx942), B200 (sm_100) and H100/H200 (sm_90); no GPU needed.
+
+Shared memory is the compiled kernel's own metadata. AMD: registers, spills and the occupancy
+(waves per SIMD, of 8) are the ones the ``amdgcn`` assembly states. NVIDIA: registers and spill
+bytes from Triton's own ``ptxas --verbose`` on the kernel's PTX, and the occupancy computed from
+them, the shared memory and the warps (65,536 registers, 228 KB of shared memory, 64 warps and 32
+blocks per SM, registers allocated per warp in units of 256).
+
+    python benchmarks/bench_kernel_resources.py                 # every config each target keeps
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import subprocess
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+from harness import RESULTS, command_line, write_results
+from kernel_targets import DTYPES, compile_model_kernels
+
+from dlrmv4.ops.triton.cross_compile import CompiledVariant
+from dlrmv4.ops.triton.targets import TARGETS, KernelTarget
+
+SM_REGISTERS, SM_SHARED, SM_WARPS, SM_BLOCKS = 65_536, 233_472, 64, 32
+AMD_WAVES_PER_SIMD = 8
+
+
+def _amd(asm: str) -> dict:
+    def value(pattern: str) -> int:
+        found = re.search(pattern, asm)
+        return int(found.group(1)) if found else 0
+
+    waves = value(r"; Occupancy: (\d+)")
+    vgpr_spills, sgpr_spills = value(r"\.vgpr_spill_count:\s+(\d+)"), value(r"\.sgpr_spill_count:\s+(\d+)")
+    return {
+        "registers": value(r"\.vgpr_count:\s+(\d+)") + value(r"\.agpr_count:\s+(\d+)"),
+        "spills": f"{vgpr_spills} VGPRs, {sgpr_spills} SGPRs",
+        "spilled": vgpr_spills > 0,
+        "occupancy": waves / AMD_WAVES_PER_SIMD,
+        "occupancy_text": f"{waves} waves/SIMD",
+    }
+
+
+def _nvidia(variant: CompiledVariant, target: KernelTarget) -> dict:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    arch = f"sm_{target.arch}a"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(variant.binary.asm["ptx"])
+        proc = subprocess.run(
+            [get_ptxas(int(target.arch)).path, "--verbose", f"--gpu-name={arch}", str(ptx), "-o", str(Path(tmp) / "k")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    report = proc.stdout + proc.stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    stores = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    loads = int(re.search(r"(\d+) bytes spill loads", report).group(1))
+    warps = variant.num_warps
+    per_warp = math.ceil(registers * 32 / 256) * 256
+    blocks = min(
+        SM_REGISTERS // (per_warp * warps),
+        SM_SHARED // (variant.shared_memory + 1024),
+        SM_WARPS // warps,
+        SM_BLOCKS,
+    )
+    return {
+        "registers": registers,
+        "spills": f"{stores} B stored, {loads} B loaded",
+        "spilled": stores + loads > 0,
+        "occupancy": blocks * warps / SM_WARPS,
+        "occupancy_text": f"{blocks} blocks x {warps} warps",
+    }
+
+
+def measure(target: KernelTarget) -> list[dict]:
+    rows = []
+    for v in compile_model_kernels(target, "all", DTYPES):
+        facts = _nvidia(v, target) if target.nvidia else _amd(v.binary.asm["amdgcn"])
+        rows.append(
+            {
+                "target": target.name,
+                "gpus": target.gpus,
+                "kernel": v.kernel,
+                "dtype": v.dtype,
+                "constants": {k: str(x) for k, x in v.constants},
+                "config": v.describe(),
+                "shared_memory": v.shared_memory,
+                "shared_memory_limit": target.shared_memory,
+                **facts,
+            }
+        )
+    return rows
+
+
+def _varying(rows: list[dict]) -> dict[str, list[str]]:
+    """Per kernel, the non-tile constants that differ between its rows (what tells them apart)."""
+    values: dict[str, dict[str, set]] = defaultdict(lambda: defaultdict(set))
+    for r in rows:
+        for k, x in r["constants"].items():
+            values[r["kernel"]][k].add(x)
+    return {
+        kernel: sorted(k for k, xs in ks.items() if len(xs) > 1 and not k.startswith("BLOCK"))
+        for kernel, ks in values.items()
+    }
+
+
+def table(rows: list[dict], dtype: str) -> str:
+    varying = _varying(rows)
+    lines = [
+        "| kernel | variant | config | target | shared KB (of) | registers/lane | spills | occupancy |",
+        "|---|---|---|---|---:|---:|---|---|",
+    ]
+    for r in sorted((r for r in rows if r["dtype"] == dtype), key=lambda r: (r["kernel"], r["config"], r["target"])):
+        variant = ", ".join(f"{k}={r['constants'][k]}" for k in varying[r["kernel"]]) or "-"
+        spills = f"**{r['spills']}**" if r["spilled"] else "none"
+        lines.append(
+            f"| {r['kernel']} | {variant} | {r['config']} | {r['target']} | "
+            f"{r['shared_memory'] / 1024:.1f} ({r['shared_memory_limit'] / 1024:.0f}) | {r['registers']} | {spills} | "
+            f"{r['occupancy']:.0%} ({r['occupancy_text']}) |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(RESULTS), help="results folder")
+    args = parser.parse_args()
+    rows = [row for target in TARGETS for row in measure(target)]
+    spilled = sorted({(r["kernel"], r["dtype"], r["target"]) for r in rows if r["spilled"]})
+    text = (
+        f"`{command_line()}`: every kernel variant the model launches (training step and eval, every "
+        "recompute mode and last-layer choice, deterministic too), every config each target keeps, "
+        "compiled on the CPU for each target. The table shows bf16, the benchmark's dtype; "
+        "`kernel_resources.json` holds fp16 and fp32 too.\n\n"
+        + table(rows, "bfloat16")
+        + "\n\nSpills (any dtype): "
+        + ("; ".join(f"{k} {d} on {t}" for k, d, t in spilled) or "none")
+        + "."
+    )
+    print(text)
+    write_results("kernel_resources", {"rows": rows}, text, device="cpu", out=Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

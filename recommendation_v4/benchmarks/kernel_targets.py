@@ -1,0 +1,150 @@
+"""Every Triton kernel the benchmark's model launches, compiled for a GPU target on this machine
+(no GPU needed): the compile test (tests/test_kernel_targets.py) and the resources table
+(bench_kernel_resources.py) share it.
+
+The launches are the model's own: a training step (forward, backward, both optimizers, the
+tables' row-wise Adagrad) and an eval forward of the reference-width model on CPU tensors, for
+each sequence dtype, recompute mode and last-layer choice, and once under deterministic algorithms
+(``ops/triton/cross_compile.py`` turns each launch into a compile for the target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from model_inputs import random_batch
+
+from dlrmv4.config import load_config
+from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
+from dlrmv4.ops.triton.cross_compile import CONFIG_CHOICES, CompiledVariant, compiling_for
+from dlrmv4.ops.triton.targets import TARGETS, KernelTarget, target_named
+from dlrmv4.train.chunks import chunked_logits
+from dlrmv4.train.trainer import build_step
+
+PRESET = "yambda-5b"  # the reference's model widths
+DTYPES = ("bfloat16", "float16", "float32")
+ROWS = 100  # rows of every table (random_batch draws ids below 100)
+LENGTHS = (700, 1, 300, 50)  # histories: several tiles, a one-token one, and sums over 256 ids a row
+# Every kernel of ops/triton/ the model launches; a kernel added there must be launched here too.
+KERNELS = frozenset(
+    {
+        "_hstu_attention_fwd",
+        "_hstu_attention_dkdv",
+        "_hstu_attention_dq",
+        "_candidate_attention_fwd",
+        "_candidate_attention_bwd",
+        "_jagged_concat",
+        "_jagged_take_last",
+        "_layer_norm_fwd",
+        "_layer_norm_bwd",
+        "_output_block_fwd",
+        "_output_block_bwd",
+        "_position_time_fwd",
+        "_position_time_bwd",
+        "_segment_sums",
+        "_long_runs",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelVariant:
+    dtype: str
+    recompute: str = "none"
+    last_layer: str = "candidates"
+    deterministic: bool = False
+
+
+def variants(dtypes: tuple[str, ...] = DTYPES) -> list[ModelVariant]:
+    """The benchmark's dtype (bf16) in every mode; the other dtypes in the default mode."""
+    out = [ModelVariant(d) for d in dtypes]
+    if "bfloat16" in dtypes:
+        out += [ModelVariant("bfloat16", recompute=r) for r in ("cheap", "layer")]
+        out += [ModelVariant("bfloat16", last_layer="all"), ModelVariant("bfloat16", deterministic=True)]
+    return out
+
+
+@contextlib.contextmanager
+def _deterministic(on: bool) -> Iterator[None]:
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def launch_model_kernels(variant: ModelVariant) -> None:
+    """A training step and an eval forward of the reference-width model on CPU tensors."""
+    cfg = load_config(PRESET)
+    cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(
+            cfg.model,
+            kernels="triton",
+            sequence_dtype=variant.dtype,
+            recompute=variant.recompute,
+            last_layer=variant.last_layer,
+        ),
+        embeddings=dataclasses.replace(cfg.embeddings, embedding_backend="plain"),
+        sampler=dataclasses.replace(cfg.sampler, **{f"{name}_rows": ROWS for name in CONTEXTUAL_FEATURES}),
+    )
+    batch = random_batch(LENGTHS, seed=0)
+    with _deterministic(variant.deterministic):
+        step = build_step(cfg, (ROWS, ROWS, ROWS), "cpu", seed=0)
+        step(batch, 0, 0)
+        step.model.eval()
+        with torch.no_grad():
+            chunked_logits(step.model, batch, step.embeddings(batch), 1)
+
+
+def compile_model_kernels(
+    target: KernelTarget, configs: str = "first", dtypes: tuple[str, ...] = DTYPES
+) -> list[CompiledVariant]:
+    """Each distinct kernel variant the model launches, compiled for ``target``."""
+    with compiling_for(target, configs) as compiled:
+        for variant in variants(dtypes):
+            launch_model_kernels(variant)
+    return compiled
+
+
+def describe(variant: CompiledVariant, target: KernelTarget) -> dict:
+    """A variant as JSON: where it was compiled for, its constants, options and shared memory."""
+    plain = (bool, int, float, str, type(None))
+    return {
+        "target": target.name,
+        "kernel": variant.kernel,
+        "dtype": variant.dtype,
+        "constants": {k: v if isinstance(v, plain) else str(v) for k, v in variant.constants},
+        "num_warps": variant.num_warps,
+        "num_stages": variant.num_stages,
+        "shared_memory": variant.shared_memory,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", nargs="+", default=[t.name for t in TARGETS], choices=[t.name for t in TARGETS])
+    parser.add_argument("--configs", default="first", choices=CONFIG_CHOICES, help="an autotuned kernel's configs")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--json", required=True, help="where to write the compiled variants")
+    args = parser.parse_args(argv)
+    rows = []
+    for name in args.targets:
+        target = target_named(name)
+        started = time.perf_counter()
+        compiled = compile_model_kernels(target, args.configs, tuple(args.dtypes))
+        print(f"{name}: {len(compiled)} kernel variants in {time.perf_counter() - started:.1f} s", flush=True)
+        rows += [describe(v, target) for v in compiled]
+    Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
