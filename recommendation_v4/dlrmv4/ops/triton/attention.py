@@ -781,10 +781,10 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 
 def _silu_form(dtype: torch.dtype, silu: str | None, kind: str) -> str:
     """Which SiLU a kernel evaluates (see ``_weights``), by target. Measured on an H200
-    (notes_attention.md): packed bf16 pays in the dK/dV kernel (fewer FMA-pipe instructions, no
-    spills); the forward and dQ kernels are as fast or faster with fp32 tanh.approx (packed, dQ
-    needs 255 registers and spills). Both are PTX: AMD targets, fp32 inputs and the interpreter
-    take the portable x * sigmoid(x)."""
+    (notes_attention.md): packed bf16 pays in the dK/dV kernel (fewer FMA-pipe instructions); the
+    forward and dQ kernels are as fast or faster with fp32 tanh.approx (packed, dQ needs 255
+    registers and spills). results/kernel_resources.md has each form's registers and spills. Both
+    are PTX: AMD targets, fp32 inputs and the interpreter take the portable x * sigmoid(x)."""
     target = current_target()
     nvidia = target is not None and target.nvidia
     packed = target is not None and nvidia and dtype == torch.bfloat16 and int(target.arch) >= 90
