@@ -273,6 +273,12 @@ class TrainConfig:
     checkpoint_every_seconds: float = _field(0.0, "checkpoint every N seconds (0: off)", min=0.0)
     checkpoint_every_window: bool = _field(True, "checkpoint at the end of every train window")
     keep_last_checkpoints: int = _field(2, "complete checkpoints kept on disk", min=1)
+    async_checkpoints: bool = _field(
+        True,
+        "write checkpoints in the background: the step waits only while the state is copied to "
+        "host memory (as much host memory again as the checkpointed state); false: the step "
+        "waits for the whole write",
+    )
     profile_steps: str = _field(
         "",
         "step windows to record with the torch profiler on every rank, 'start-end,...' "

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -14,15 +15,18 @@ import torch
 
 from dlrmv4.config import TrainConfig
 from dlrmv4.errors import UserError
+from dlrmv4.train import checkpoint as checkpoint_module
 from dlrmv4.train.checkpoint import (
     CheckpointCadence,
     CheckpointPosition,
+    CheckpointWriter,
     ModelAndOptimizers,
     latest_checkpoint,
     load_checkpoint,
     resume_point,
     save_checkpoint,
 )
+from dlrmv4.train.distributed import Cluster
 from dlrmv4.train.rng import capture_rng_state, restore_rng_state
 
 
@@ -169,13 +173,17 @@ def _damage_marker(path):
     (path / "COMPLETE").unlink()
 
 
+def _largest_tensor_file(path):
+    return max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)  # a rank writes several
+
+
 def _truncate_tensors(path):
-    (tensor_file,) = path.glob("*.distcp")
+    tensor_file = _largest_tensor_file(path)
     tensor_file.write_bytes(tensor_file.read_bytes()[:-7])
 
 
 def _flip_byte(path):
-    (tensor_file,) = path.glob("*.distcp")
+    tensor_file = _largest_tensor_file(path)
     data = bytearray(tensor_file.read_bytes())
     data[len(data) // 2] ^= 0xFF
     tensor_file.write_bytes(bytes(data))
@@ -224,29 +232,108 @@ def test_checkpoints_none_of_which_is_usable_are_refused(tmp_path, capsys):
     assert resume_point(tmp_path).name == "step-00000003"
 
 
+def _held_writes(monkeypatch):
+    """save_checkpoint behind a gate the test opens, counting the writes in flight."""
+    gate, state = threading.Event(), {"in_flight": 0, "most": 0, "started": 0}
+    real = checkpoint_module.save_checkpoint
+
+    def held(*args, **kwargs):
+        state["started"] += 1
+        state["in_flight"] += 1
+        state["most"] = max(state["most"], state["in_flight"])
+        gate.wait(30)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            state["in_flight"] -= 1
+
+    monkeypatch.setattr(checkpoint_module, "save_checkpoint", held)
+    return gate, state
+
+
+def test_async_checkpoint_holds_the_state_of_its_save(tmp_path, monkeypatch):
+    """The save returns before the write; training that changes the weights and the small state
+    meanwhile does not reach the checkpoint, which is the one a blocking save writes."""
+    gate, _ = _held_writes(monkeypatch)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(64, 32)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    counters = {"seen": [1, 2]}
+    writer = CheckpointWriter(tmp_path / "async", 2, Cluster.single(torch.device("cpu")), asynchronous=True)
+    path = writer.save(_position(1), {"model": net, "counters": counters}, rank_state={"rng": 7})
+    assert not path.exists()  # the write waits behind the gate: the save did not
+    with torch.no_grad():
+        net.weight.fill_(99.0)
+    counters["seen"].append(3)
+    gate.set()
+    assert writer.wait() == path and latest_checkpoint(tmp_path / "async") == path
+    writer.close()
+    blocking = CheckpointWriter(tmp_path / "blocking", 2, Cluster.single(torch.device("cpu")), asynchronous=False)
+    restored = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        restored.weight.copy_(before["weight"])
+        restored.bias.copy_(before["bias"])
+    blocking.save(_position(1), {"model": restored, "counters": {"seen": [1, 2]}}, rank_state={"rng": 7})
+    for run in ("async", "blocking"):
+        fresh = torch.nn.Linear(64, 32)
+        position, state = load_checkpoint(latest_checkpoint(tmp_path / run), {"model": fresh})
+        assert position == _position(1) and state["counters"] == {"seen": [1, 2]}, run
+        assert state["rank_states"] == [{"rng": 7}], run
+        for k, v in fresh.state_dict().items():
+            assert torch.equal(v, before[k]), (run, k)
+
+
+def test_async_checkpoints_write_one_at_a_time(tmp_path, monkeypatch):
+    gate, state = _held_writes(monkeypatch)
+    net = torch.nn.Linear(8, 8)
+    writer = CheckpointWriter(tmp_path, 3, Cluster.single(torch.device("cpu")), asynchronous=True)
+    writer.save(_position(1), {"model": net})
+    second = threading.Thread(target=writer.save, args=(_position(2), {"model": net}))
+    second.start()
+    time.sleep(0.3)
+    assert second.is_alive() and state["started"] == 1  # the second save waits for the first write
+    gate.set()
+    second.join(30)
+    writer.close()
+    assert state["most"] == 1 and state["started"] == 2
+    assert [p.name for p in sorted((tmp_path / "checkpoints").iterdir())] == ["step-00000001", "step-00000002"]
+
+
+def test_async_write_error_surfaces_at_the_next_wait_in_one_line(tmp_path):
+    (tmp_path / "checkpoints").write_text("a file where the checkpoints folder goes")
+    writer = CheckpointWriter(tmp_path, 2, Cluster.single(torch.device("cpu")), asynchronous=True)
+    writer.save(_position(1), {"model": torch.nn.Linear(2, 2)})
+    with pytest.raises(UserError) as err:
+        writer.wait()
+    assert "\n" not in str(err.value) and "checkpoints" in str(err.value)
+    writer.close()
+
+
 # Writes ~24 MB checkpoints in a loop, each tensor filled with its step, until it is killed.
 _WRITER = textwrap.dedent("""
     import sys, torch
-    from dlrmv4.train.checkpoint import CheckpointPosition, save_checkpoint
+    from dlrmv4.train.checkpoint import CheckpointPosition, CheckpointWriter
+    from dlrmv4.train.distributed import Cluster
     net = torch.nn.ModuleList(torch.nn.Linear(1000, 2000) for _ in range(3))
+    writer = CheckpointWriter(sys.argv[1], 2, Cluster.single(torch.device("cpu")), sys.argv[2] == "async")
     print("ready", flush=True)
     for step in range(1, 10_000):
         with torch.no_grad():
             for p in net.parameters():
                 p.fill_(step)
-        save_checkpoint(sys.argv[1], CheckpointPosition(step, step, 0, step, 0), {"model": net, "step": step},
-                        keep_last=2)
+        writer.save(CheckpointPosition(step, step, 0, step, 0), {"model": net, "step": step})
 """)
 
 
 @pytest.mark.slow  # kills writer processes
-def test_kill_during_write_never_leaves_a_partial_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+def test_kill_during_write_never_leaves_a_partial_checkpoint(tmp_path, mode):
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
     temp_dirs_seen = 0
     for attempt in range(5):
         run_dir = tmp_path / f"run{attempt}"
-        child = subprocess.Popen([sys.executable, "-c", _WRITER, str(run_dir)], stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen([sys.executable, "-c", _WRITER, str(run_dir), mode], stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "ready"
         delay = rng.uniform(0.0, 1.5)
         time.sleep(delay)

@@ -13,6 +13,10 @@ Several processes: every rank writes its shards into rank 0's temp directory (DC
 over the gloo control group), rank 0 gathers the per-rank small state (RNG streams) into
 ``state.pkl``, writes the marker and renames; the run directory must be on a file system every
 node sees. DCP reshards on load, so a checkpoint written by N ranks loads on M.
+
+``CheckpointWriter`` writes them asynchronously: the caller waits only while the state is copied to
+host memory; a background thread writes the copy as ``save_checkpoint`` does (same files, same
+atomic rename), so a kill during the write leaves the previous checkpoint whole.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import pickle
 import re
 import shutil
 import sys
+import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -48,6 +56,7 @@ PICKLE_FILE = "state.pkl"
 CHECKPOINT_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _HASH_CHUNK = 1 << 20
+WRITE_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -93,22 +102,30 @@ def _split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     return tensor_state, {k: v for k, v in state.items() if k not in tensor_state}
 
 
+def _io_threads() -> int:
+    """Threads a rank writes (and hashes) its checkpoint files with: one stream does not fill a disk."""
+    return max(1, min(WRITE_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+
+
 def _dcp_quietly(fn: Any, state_dict: dict[str, Any], path: Path, cluster: Cluster | None = None) -> None:
     """Run DCP save/load; without a process group it works in one process (``no_dist`` is implied
     in torch 2.13) but warns on every call, which says nothing new here. With several ranks it is
-    a collective over the cluster's control group."""
+    a collective over the cluster's control group. A save writes ``_io_threads()`` files per rank."""
+    where: dict[str, Any] = {"checkpoint_id": str(path)}
+    if fn is dcp.save:
+        where = {"storage_writer": FileSystemWriter(path, thread_count=_io_threads())}
     if cluster is not None and cluster.world_size > 1:
         # Keep ShardedTensors whole: flattening drops those with no shard on this rank (table-wise
         # plans), and a key missing that way sends DCP down its pre-2.4 key format.
         planner = {"planner": DefaultLoadPlanner(flatten_sharded_tensors=False)} if fn is dcp.load else {}
         with cluster.guard(f"checkpoint {fn.__name__}"):
-            fn(state_dict, checkpoint_id=str(path), process_group=cluster.control, **planner)
+            fn(state_dict, process_group=cluster.control, **where, **planner)
         return
     single = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():
         if single:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        fn(state_dict, checkpoint_id=str(path), no_dist=single)
+        fn(state_dict, no_dist=single, **where)
 
 
 def _sha256(path: Path) -> str:
@@ -208,7 +225,10 @@ def _write_small_files(tmp: Path, position: CheckpointPosition, small_state: dic
     """position.json, state.pkl and, last, the marker over every file in ``tmp``."""
     _write_synced(tmp / POSITION_FILE, json.dumps(dataclasses.asdict(position), indent=1).encode())
     _write_synced(tmp / PICKLE_FILE, pickle.dumps(small_state, protocol=pickle.HIGHEST_PROTOCOL))
-    files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _content_files(tmp)}
+    paths = _content_files(tmp)
+    with ThreadPoolExecutor(_io_threads()) as pool:  # hashlib lets go of the GIL on large reads
+        digests = list(pool.map(_sha256, paths))
+    files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": d} for p, d in zip(paths, digests)}
     _write_synced(tmp / MARKER, json.dumps({"files": files}, indent=1, sort_keys=True).encode())
 
 
@@ -282,6 +302,74 @@ def load_checkpoint(
     if tensor_state:
         _dcp_quietly(dcp.load, tensor_state, path, cluster)
     return position, {**small_state, **tensor_state}
+
+
+class _Staged(Stateful):
+    """A state dict already copied to host memory: DCP writes it as it is; it is never loaded into."""
+
+    def __init__(self, state_dict: dict[str, Any]) -> None:
+        self._state_dict = state_dict
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise TypeError("a staged copy is written, never loaded into")
+
+
+class CheckpointWriter:
+    """Writes a run's checkpoints, asynchronously when ``asynchronous``: ``save`` copies the tensor
+    state to host memory (pinned and reused from one save to the next on a GPU) and snapshots the
+    small state, then a background thread writes them with ``save_checkpoint``, over a control
+    group of its own when there are several ranks (the training's collectives never wait behind
+    it). At most one write is in flight: ``save`` and ``wait`` wait for the previous one, and a
+    write's error surfaces there. Without ``asynchronous``, ``save`` writes before it returns."""
+
+    def __init__(self, run_dir: str | os.PathLike, keep_last: int, cluster: Cluster, asynchronous: bool) -> None:
+        self.run_dir, self.keep_last, self.asynchronous = run_dir, keep_last, asynchronous
+        self.cluster = cluster
+        if asynchronous and cluster.world_size > 1:  # collective: every rank builds its writer
+            self.cluster = dataclasses.replace(cluster, control=dist.new_group(backend="gloo"))
+        self._stager = BlockingAsyncStager(cache_staged_state_dict=torch.cuda.is_available())
+        self._thread = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer") if asynchronous else None
+        )
+        self._pending: Future | None = None
+        self.stage_seconds = 0.0  # the last save's time in the caller
+        self.write_seconds = 0.0  # the last finished write's time in the background
+
+    def save(self, position: CheckpointPosition, state: dict[str, Any], rank_state: Any = None) -> Path:
+        """Write (or start writing) ``state`` as ``save_checkpoint`` does; returns its final path."""
+        started = time.perf_counter()
+        if self._thread is None:
+            path = save_checkpoint(self.run_dir, position, state, self.keep_last, self.cluster, rank_state)
+            self.stage_seconds = time.perf_counter() - started
+            return path
+        self.wait()  # the staging buffer is the previous write's until it is done
+        tensor_state, small_state = _split_state(state)
+        staged = self._stager.stage({key: value.state_dict() for key, value in tensor_state.items()})
+        # The run goes on changing its objects: the write gets copies as they are now.
+        small_state, rank_state = pickle.loads(pickle.dumps((small_state, rank_state)))
+        snapshot = {**{key: _Staged(value) for key, value in staged.items()}, **small_state}
+        self._pending = self._thread.submit(self._write, position, snapshot, rank_state)
+        self.stage_seconds = time.perf_counter() - started
+        return _checkpoints_dir(self.run_dir) / f"step-{position.step:08d}"
+
+    def _write(self, position: CheckpointPosition, state: dict[str, Any], rank_state: Any) -> Path:
+        started = time.perf_counter()
+        path = save_checkpoint(self.run_dir, position, state, self.keep_last, self.cluster, rank_state)
+        self.write_seconds = time.perf_counter() - started
+        return path
+
+    def wait(self) -> Path | None:
+        """Wait for the write in flight, if any; its path (None when there was none)."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        if self._thread is not None:
+            self._thread.shutdown()
 
 
 class CheckpointCadence:

@@ -16,11 +16,11 @@ from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.checkpoint import (
     CheckpointCadence,
     CheckpointPosition,
+    CheckpointWriter,
     ModelAndOptimizers,
     latest_checkpoint,
     load_checkpoint,
     load_small_state,
-    save_checkpoint,
 )
 from dlrmv4.train.distributed import Cluster
 from dlrmv4.train.history import RunHistory
@@ -54,6 +54,8 @@ class Checkpointer:
         self.cfg, self.cluster, self.model, self.optimizer, self.embeddings = cfg, cluster, model, optimizer, embeddings
         self.log = log
         self.cadence = CheckpointCadence(cfg.train)
+        train = cfg.train
+        self.writer = CheckpointWriter(train.run_dir, train.keep_last_checkpoints, cluster, train.async_checkpoints)
 
     def due(self, steps: int, last_of_window: bool) -> bool:
         due = self.cadence.due(steps, time.perf_counter(), last_of_window)
@@ -88,10 +90,25 @@ class Checkpointer:
             "history": history,
             "settings": run_settings(self.cfg),
         }
-        path = save_checkpoint(
-            self.cfg.train.run_dir, position, state, self.cfg.train.keep_last_checkpoints, self.cluster, rank_state=own
-        )
-        self.log(f"checkpoint {path.name} at step {history.steps}")
+        self.wait()
+        path = self.writer.save(position, state, rank_state=own)
+        if self.writer.asynchronous:
+            self.log(
+                f"checkpoint {path.name} at step {history.steps}: writing in the background "
+                f"(the step waited {self.writer.stage_seconds:.1f} s for the copy)"
+            )
+        else:
+            self.log(f"checkpoint {path.name} at step {history.steps}")
+
+    def wait(self) -> None:
+        """Wait for a checkpoint being written in the background, if any."""
+        path = self.writer.wait()
+        if path is not None:
+            self.log(f"checkpoint {path.name} written ({self.writer.write_seconds:.1f} s in the background)")
+
+    def close(self) -> None:
+        self.wait()
+        self.writer.close()
 
     def restore(self) -> Resumed | None:
         """Continue from the newest complete checkpoint of run_dir (None: there is none)."""

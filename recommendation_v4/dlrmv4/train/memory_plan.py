@@ -153,6 +153,7 @@ class MemoryPlan:
     hbm_cap: int | None
     problem: str  # empty when it fits
     knobs: tuple[str, ...]
+    checkpoint_staging: int = 0  # host bytes per process an asynchronous checkpoint copies the state into
 
     @property
     def samples_per_rank(self) -> int:
@@ -240,8 +241,9 @@ class MemoryPlan:
         )
         if t.device_kind == "cuda":
             per_rank = max((sum(u.host_bytes for u in self.tables)), 0)
+            staging = f" + {_gib(self.checkpoint_staging)} GiB of checkpoint staging" if self.checkpoint_staging else ""
             lines.append(
-                f"  host memory per node: {t.gpus_per_node} x ({_gib(per_rank)} GiB of tables + "
+                f"  host memory per node: {t.gpus_per_node} x ({_gib(per_rank)} GiB of tables{staging} + "
                 f"{_gib(PROCESS_HOST_BYTES)} GiB per process) = {_gib(self.host_needed)} GiB of "
                 f"{_gib(t.host_memory)}"
             )
@@ -383,7 +385,8 @@ def make_memory_plan(
         return _attempt(cfg, target, backend, rows, sharding, place, static, step, candidates)
 
     def host_bytes(tried: _Attempt) -> int:
-        return target.gpus_per_node * (sum(u.host_bytes for u in tried.tables) + PROCESS_HOST_BYTES)
+        per_process = sum(u.host_bytes for u in tried.tables) + _checkpoint_staging(cfg, tried.tables)
+        return target.gpus_per_node * (per_process + PROCESS_HOST_BYTES)
 
     def host_fits(tried: _Attempt) -> bool:
         return device_kind != "cuda" or host_bytes(tried) <= host_memory_bytes
@@ -432,6 +435,7 @@ def make_memory_plan(
         tried.hbm_cap if tried.device_fits else None,
         "",
         (),
+        checkpoint_staging=_checkpoint_staging(cfg, tried.tables),
     )
     if fits:
         return plan
@@ -558,12 +562,26 @@ def _table_layout(cfg, target: Target, backend: str, rows: dict[str, int], shard
     )
 
 
-def _dense(cfg: BenchmarkConfig, world_size: int) -> Consumer:
-    """Weights, gradients and Adam's two moments in fp32 (16 B per parameter), + the DDP buckets."""
+def _dense_parameters(cfg: BenchmarkConfig) -> int:
     from dlrmv4.model.hstu import DlrmHSTU
 
     with torch.device("meta"):
-        params = sum(p.numel() for p in DlrmHSTU(cfg.model).parameters())
+        return sum(p.numel() for p in DlrmHSTU(cfg.model).parameters())
+
+
+def _checkpoint_staging(cfg: BenchmarkConfig, tables: tuple[TableUse, ...]) -> int:
+    """Host memory an asynchronous checkpoint copies a process's state into: its tables as planned
+    (a cached table's whole host copy, not its cache) and the dense weights with Adam's two moments
+    (12 B a parameter)."""
+    if not cfg.train.async_checkpoints:
+        return 0
+    table_bytes = sum(u.host_bytes if u.placement.startswith("uvm") else u.device_bytes for u in tables)
+    return table_bytes + 12 * _dense_parameters(cfg)
+
+
+def _dense(cfg: BenchmarkConfig, world_size: int) -> Consumer:
+    """Weights, gradients and Adam's two moments in fp32 (16 B per parameter), + the DDP buckets."""
+    params = _dense_parameters(cfg)
     per = 16 + (4 if world_size > 1 else 0)
     what = "weights, gradients, Adam" + (", DDP buckets" if world_size > 1 else "")
     return Consumer(f"dense model: {params:,} parameters ({what})", params * per)
@@ -640,12 +658,17 @@ def _diagnose(
     in_host = [u.name for u in plan.tables if u.host_bytes]
     if tried.device_fits and not host_ok:
         per_rank = sum(u.host_bytes for u in plan.tables)
+        consumers = {"tables in host memory": per_rank, "checkpoint staging": plan.checkpoint_staging}
+        largest = max(consumers, key=lambda name: consumers[name])
+        where = f" with {', '.join(in_host)} in host memory" if in_host else ""
+        staging = ["blocking checkpoints, which need no staging copy (--async-checkpoints false)"]
         return (
-            f"{plan.dataset} fits the GPUs with {', '.join(in_host)} in host memory, but that needs "
-            f"{_gib(plan.host_needed)} GiB of host memory per node of {_gib(t.host_memory)} GiB (the largest "
-            f"consumer: those tables, {_gib(per_rank)} GiB per process x {t.gpus_per_node} per node)",
+            f"{plan.dataset} fits the GPUs{where}, but that needs {_gib(plan.host_needed)} GiB of host "
+            f"memory per node of {_gib(t.host_memory)} GiB (the largest consumer: {largest}, "
+            f"{_gib(consumers[largest])} GiB per process x {t.gpus_per_node} per node)",
             _more_gpus(cfg, plan, table_counts, suggest)
-            + ["fewer processes per node (--plan-gpus-per-node) or more host memory (--plan-host-memory-gib)"],
+            + ["fewer processes per node (--plan-gpus-per-node) or more host memory (--plan-host-memory-gib)"]
+            + (staging if plan.checkpoint_staging else []),
         )
     c = plan.candidate
     big = plan.largest_consumer()

@@ -38,6 +38,7 @@ RESUMABLE_FIELDS = frozenset(
         "train.checkpoint_every_seconds",
         "train.checkpoint_every_window",
         "train.keep_last_checkpoints",
+        "train.async_checkpoints",
         "train.profile_steps",
         "train.allow_changed_settings",
         "mlperf.log_file",

@@ -192,6 +192,7 @@ class Trainer:
         )
         try:
             self._stream(history, loader)
+            self.checkpointer.close()  # the last checkpoint is on disk before the run reports
         except TrainingDivergedError:
             self.runlog.run_stop(history.samples, self.train_samples, "aborted")
             raise
