@@ -9,8 +9,11 @@ Measured (files in benchmarks/results/, each naming its device and commit):
 - the eval rate: ``train_<gpu>.json`` (the holdout scored by ``python -m dlrmv4 train``, samples/s per GPU);
 - the set-up inside the timed region: ``stu.json``'s cold start (a fresh process with an empty
   Triton cache to the end of its first step: compilation and autotuning happen after RUN_START);
-- a checkpoint's write speed: ``train_<gpu>.json`` (seconds per GiB of tables), applied to a rank's
-  share of the 559 GiB of tables once per window reached (the trainer's default cadence).
+- a checkpoint per window reached (the trainer's default cadence) of a rank's share of the 559 GiB
+  of tables, asynchronous (the default): ``checkpoint_<gpu>.json`` gives the seconds per GiB the
+  step waits for the copy to host memory (the first save longer: it pins the buffer) and one
+  writer's rate; a node's ranks share its disk, and a window whose writes outlast it makes the next
+  save wait for the rest. Without that file, blocking saves at ``train_<gpu>.json``'s rate.
 
 The embedding all-to-all: per step each rank receives the rows its samples look up, 1,024 x (mean
 tokens x 3 item-side tables + 8 contextual) rows of D = 512 in fp16 (the reference's qcomm), of the
@@ -137,6 +140,7 @@ def project(
     schedule = EvalSchedule(REFERENCE_TRAIN_SAMPLES, GLOBAL_BATCH, EVAL_EVERY)
     evals = len(range(schedule.first, SAMPLES_TO_TARGET + schedule.interval, schedule.interval))
     gib_per_s = train["table_gib"] * train["checkpoints"] / train["checkpoint_seconds"]
+    saves = checkpoint_saves(gpu)
     windows = SAMPLES_TO_TARGET / SAMPLES_PER_WINDOW
     mean_tokens = rehearsal["rehearsal"]["mean_tokens"]
     rows = []
@@ -152,8 +156,8 @@ def project(
         exchange_s = steps * per_gpu * exchange_s_per_sample
         eval_s = evals * REFERENCE_EVAL_SAMPLES / (world * train["eval_samples_per_s"])
         setup_s = stu["cold_start_s"]
-        checkpoint_s = windows * (TABLE_GIB / world) / gib_per_s
         upper = train_s + exchange_s + comm_s + eval_s + setup_s
+        checkpoint_s = checkpoint_seconds(saves, gib_per_s, world, windows, upper / windows)
         lower = train_s + exchange_s + eval_s + setup_s
         rows.append(
             {
@@ -178,6 +182,7 @@ def project(
         "evals": evals,
         "eval_rate_per_gpu": train["eval_samples_per_s"],
         "checkpoint_gib_per_s": gib_per_s,
+        "checkpoint_saves": saves,
         "windows": windows,
         "nvlink_gbs": nvlink_gbs,
         "alltoall_source": alltoall_source,
@@ -191,6 +196,38 @@ def project(
     }
 
 
+def checkpoint_saves(gpu: str) -> dict | None:
+    """From ``checkpoint_<gpu>.json``: seconds per GiB the step waits at the first asynchronous save
+    and at the later ones (the pinned buffer reused), and one writer's GB/s at the later ones (the
+    disk, not the page cache, sets it once the run has written a few); None without the file."""
+    path = RESULTS / f"checkpoint_{gpu}.json"
+    if not path.exists():
+        return None
+    measured = json.loads(path.read_text())
+    runs = [r for r in measured["rows"] if r["mode"] == "asynchronous"]
+    first, later = runs[0], runs[1:] or runs
+    gib = first["bytes"] / 2**30
+    return {
+        "first_s_per_gib": first["step_waited_s"] / gib,
+        "later_s_per_gib": statistics.mean(r["step_waited_s"] for r in later) / gib,
+        "write_gbps": statistics.mean(r["write_gbps"] for r in later),
+        "source": f"checkpoint_{gpu}, {measured['machine']['gpu']}, commit {measured['commit']}",
+    }
+
+
+def checkpoint_seconds(
+    saves: dict | None, blocking_gib_per_s: float, world: int, windows: float, window_s: float
+) -> float:
+    """The time checkpoints add to the run: what the step waits for each save's copy, and the rest
+    of a node's writes when they outlast a window (the next save waits for them)."""
+    rank_gib = TABLE_GIB / world
+    if saves is None:
+        return windows * rank_gib / blocking_gib_per_s
+    node_write_s = rank_gib * min(world, GPUS_PER_NODE) * 2**30 / (saves["write_gbps"] * 1e9)
+    waits = rank_gib * (saves["first_s_per_gib"] + (windows - 1) * saves["later_s_per_gib"])
+    return waits + windows * max(0.0, node_write_s - window_s)
+
+
 def table(p: dict) -> str:
     lines = [
         f"Projected time to AUC 0.75 ({SAMPLES_TO_TARGET / 1e6:.1f} M samples at GBS {GLOBAL_BATCH:,}: "
@@ -200,7 +237,7 @@ def table(p: dict) -> str:
         f"{p['nvlink_gbs']:,.0f} GB/s per GPU and direction in a node ({intra_node_source(p)}), "
         f"{p['network_gbs']:g} GB/s across nodes (modelled) "
         f"(fp16 rows, mean {p['mean_tokens']:,.0f} tokens, {history_rows(p)}); {exchange_source(p)}. "
-        f"Reference: {p['reference_minutes'] // 60} h {p['reference_minutes'] % 60} min on 8 MI350X.",
+        f"{checkpoint_source(p)} Reference: {p['reference_minutes'] // 60} h {p['reference_minutes'] % 60} min on 8 MI350X.",
         "",
         "| GPUs | per GPU batch | per GPU samples/s | train min | exchange work min | all-to-all min | eval min | "
         "set-up min | total min, all-to-all overlapped | not overlapped | + a checkpoint per window | "
@@ -216,6 +253,17 @@ def table(p: dict) -> str:
             f"{p['reference_minutes'] / r['total_min_not_overlapped']:.2f}x |"
         )
     return "\n".join(lines)
+
+
+def checkpoint_source(p: dict) -> str:
+    saves = p.get("checkpoint_saves")
+    if not saves:
+        return f"Checkpoints blocking at {p['checkpoint_gib_per_s']:.2f} GiB/s (train)."
+    return (
+        f"Checkpoints asynchronous: the step waits {saves['later_s_per_gib'] * 1e3:.0f} ms per GiB of a rank's "
+        f"tables ({saves['first_s_per_gib']:.2f} s per GiB at the first save, which pins the buffer), a node's "
+        f"ranks write at {saves['write_gbps']:.2f} GB/s together (measured: {saves['source']})."
+    )
 
 
 def history_rows(p: dict) -> str:
