@@ -237,6 +237,19 @@ def test_workers_started_by_a_fork_server_give_the_same_batches(store):
     assert anchors_of(served) == anchors_of(forked)
 
 
+def test_persistent_workers_serve_every_iteration_without_restarting(store):
+    """The holdout loader is iterated at every eval: its workers stay, and every pass gives the
+    same batches as a fresh loader."""
+    windows = [store.num_windows - 1]
+    loader = make_window_loader(store, windows, config(workers=2), persistent_workers=True)
+    first = anchors_of(loader)
+    workers = [w.pid for w in loader._iterator._workers]
+    assert anchors_of(loader) == first == anchors_of(make_window_loader(store, windows, config(workers=2)))
+    assert [w.pid for w in loader._iterator._workers] == workers and all(
+        w.is_alive() for w in loader._iterator._workers
+    )
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_an_item_id_beyond_the_stores_items_is_one_line_naming_the_store(tmp_path, workers):
     """A damaged item column (an id past the item tables) stops the loader with one line naming the

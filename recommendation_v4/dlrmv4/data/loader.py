@@ -203,13 +203,16 @@ def _worker_message(message: str) -> str:
 
 def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfig, start_batch: int = 0,
                        drop_last: bool = False, rank: int = 0, world_size: int = 1,
-                       worker_start: str | None = None, dedup_ids: bool = False) -> DataLoader:
+                       worker_start: str | None = None, dedup_ids: bool = False,
+                       persistent_workers: bool = False) -> DataLoader:
     """A DataLoader over ``windows`` (in the given order) that starts at batch ``start_batch`` (resume)
     and yields rank ``rank``'s slice of every batch. ``worker_start``: how its worker processes start
     (a multiprocessing start method; None: the platform's, fork on Linux). A process holding pinned
     host memory passes "forkserver": Linux copies pinned pages into a forked child at once, so forked
     workers of a rank with tables in host memory would each copy them. ``dedup_ids``: the workers
-    also pack each history feature's distinct ids for the lookup (``JaggedBatch.to_torch``)."""
+    also pack each history feature's distinct ids for the lookup (``JaggedBatch.to_torch``).
+    ``persistent_workers``: the workers outlive an iteration, so a loader iterated again (the
+    holdout, scored at every eval) starts no new processes."""
     dataset = WindowDataset(store, windows, cfg.sampler, batch_size=cfg.loader.batch_size,
                             shuffle=cfg.loader.shuffle_within_window, seed=cfg.seed, drop_last=drop_last,
                             start_batch=start_batch, rank=rank, world_size=world_size,
@@ -220,4 +223,5 @@ def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfi
     return WindowLoader(dataset, batch_size=None, num_workers=workers, generator=torch.Generator().manual_seed(cfg.seed),
                       prefetch_factor=cfg.loader.prefetch_batches if workers else None,
                       pin_memory=torch.cuda.is_available(),
-                      multiprocessing_context=worker_start if workers else None)
+                      multiprocessing_context=worker_start if workers else None,
+                      persistent_workers=persistent_workers and workers > 0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.utils.data import DataLoader
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.loader import WindowDataset, make_window_loader, share_size
@@ -44,6 +45,8 @@ class Evaluator:
         self.worker_start = worker_start  # how the eval loader's workers start (make_window_loader)
         self.dedup_ids = dedup_ids  # whether they pack the distinct ids for the lookup
         self.schedule = EvalSchedule(train_samples, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
+        # Built at the first holdout eval; its workers stay for the next ones.
+        self._holdout_loader: DataLoader | None = None
 
     def holdout_due(self, samples: int) -> bool:
         """Holdout mode: an eval of the holdout window is due after this many samples."""
@@ -78,15 +81,21 @@ class Evaluator:
         self.model.eval()
         acc = AucAccumulator(self.cluster.device)
         rank, world = self.cluster.rank, self.cluster.world_size
-        loader = make_window_loader(
-            self.store,
-            [window],
-            self.cfg,
-            rank=rank,
-            world_size=world,
-            worker_start=self.worker_start,
-            dedup_ids=self.dedup_ids,
-        )
+        loader = self._holdout_loader if window == self.holdout else None
+        if loader is None:
+            # The holdout is scored again and again: its loader keeps its workers between evals.
+            loader = make_window_loader(
+                self.store,
+                [window],
+                self.cfg,
+                rank=rank,
+                world_size=world,
+                worker_start=self.worker_start,
+                dedup_ids=self.dedup_ids,
+                persistent_workers=window == self.holdout,
+            )
+            if window == self.holdout:
+                self._holdout_loader = loader
         assert isinstance(loader.dataset, WindowDataset)
         plan = loader.dataset.plan
         slicing = self.cfg.loader.rank_slicing

@@ -135,8 +135,10 @@ class Trainer:
                 )
             )
         self.step = TrainStep(model, embeddings, cfg.train, self.finite, train_model)
-        # Loader workers forked from a rank with tables in pinned host memory would copy them all.
-        self.worker_start = "forkserver" if embeddings.holds_pinned_host_memory else None
+        # Loader workers forked from a rank with tables in pinned host memory would copy them all;
+        # so would the evals' workers, forked after an asynchronous checkpoint pinned its staging copy.
+        staging_pinned = cfg.train.async_checkpoints and self.device.type == "cuda"
+        self.worker_start = "forkserver" if embeddings.holds_pinned_host_memory or staging_pinned else None
         self.dedup_ids = looks_up_distinct_ids(cfg, embeddings.backend)  # the loader packs them
         self.evaluator = Evaluator(
             cfg,
