@@ -90,6 +90,8 @@ def overrides(args: argparse.Namespace) -> list[str]:
         args.sparse_pipeline,
         "--dedup-ids",
         args.dedup_ids,
+        "--async-checkpoints",
+        args.async_checkpoints,
     ]
     for name in CONTEXTUAL_FEATURES:
         if name != "uid":
@@ -289,6 +291,12 @@ def main() -> None:
         help="TorchRec: each distinct history id of a rank's batch looked up once (embeddings.dedup_ids)",
     )
     parser.add_argument(
+        "--async-checkpoints",
+        default="true",
+        choices=("true", "false"),
+        help="checkpoints written in the background (train.async_checkpoints)",
+    )
+    parser.add_argument(
         "--warmup-samples",
         type=int,
         default=10_240,
@@ -390,6 +398,7 @@ def main() -> None:
         "mfu_executed": bare["stu_tflops_executed"] * mfu_scale / peak,
         "mfu_yardstick_datasheet": bare["stu_tflops"] * mfu_scale / DATASHEET_BF16_TFLOPS,
         "checkpoint_every": args.checkpoint_every,
+        "async_checkpoints": args.async_checkpoints == "true",
         "checkpoints": checkpoints,
         "table_gib": table_gib,
         "window_rates": windows,
@@ -399,6 +408,12 @@ def main() -> None:
     if not args.smoke:
         name = "train" + (f"_{args.label}" if args.label else "")
         write_results(name, result, text, device=device)
+
+
+def checkpoint_mode(r: dict) -> str:
+    if "async_checkpoints" not in r:
+        return "blocking"
+    return "written in the background" if r["async_checkpoints"] else "blocking"
 
 
 def table(r: dict) -> str:
@@ -413,7 +428,7 @@ def table(r: dict) -> str:
             f"{r['batch_size']}, {r['backend']} embeddings (contextual tables {r['table_rows']:,} rows each), "
             f"{r['workers']} loader workers, recompute {r['recompute']}, last layer {r['last_layer']}, {r['steps']} steps, "
             f"{r['evals']} evals of {r['eval_samples']:,} samples, a checkpoint every "
-            f"{r.get('checkpoint_every', '-')} steps; matmul peak measured in the same run "
+            f"{r.get('checkpoint_every', '-')} steps ({checkpoint_mode(r)}); matmul peak measured in the same run "
             f"{r['matmul_peak_tflops']:.0f} TFLOP/s.",
             "",
             "| measure | value |",
