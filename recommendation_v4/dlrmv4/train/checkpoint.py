@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +110,23 @@ def _io_threads() -> int:
     return max(1, min(WRITE_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
 
 
+@contextlib.contextmanager
+def _quiet_writer_threads() -> Iterator[None]:
+    """DCP's file-writer threads hand their error to the save, which raises it (one line, through
+    ``write_errors_in_one_line``); Python would also print each thread's traceback first."""
+    previous = threading.excepthook
+
+    def hook(args: Any) -> None:
+        if args.thread is None or "_write_files_from_queue" not in args.thread.name:
+            previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
+
+
 def _dcp_quietly(fn: Any, state_dict: dict[str, Any], path: Path, cluster: Cluster | None = None) -> None:
     """Run DCP save/load; without a process group it works in one process (``no_dist`` is implied
     in torch 2.13) but warns on every call, which says nothing new here. With several ranks it is
@@ -120,11 +138,11 @@ def _dcp_quietly(fn: Any, state_dict: dict[str, Any], path: Path, cluster: Clust
         # Keep ShardedTensors whole: flattening drops those with no shard on this rank (table-wise
         # plans), and a key missing that way sends DCP down its pre-2.4 key format.
         planner = {"planner": DefaultLoadPlanner(flatten_sharded_tensors=False)} if fn is dcp.load else {}
-        with cluster.guard(f"checkpoint {fn.__name__}"):
+        with cluster.guard(f"checkpoint {fn.__name__}"), _quiet_writer_threads():
             fn(state_dict, process_group=cluster.control, **where, **planner)
         return
     single = not (dist.is_available() and dist.is_initialized())
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _quiet_writer_threads():
         if single:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         fn(state_dict, no_dist=single, **where)

@@ -136,9 +136,11 @@ class Trainer:
             )
         self.step = TrainStep(model, embeddings, cfg.train, self.finite, train_model)
         # Loader workers forked from a rank with tables in pinned host memory would copy them all;
-        # so would the evals' workers, forked after an asynchronous checkpoint pinned its staging copy.
+        # so would the evals' workers, forked after an asynchronous checkpoint pinned its staging
+        # copy (the training loader's start before any checkpoint, so they may fork).
+        self.worker_start = "forkserver" if embeddings.holds_pinned_host_memory else None
         staging_pinned = cfg.train.async_checkpoints and self.device.type == "cuda"
-        self.worker_start = "forkserver" if embeddings.holds_pinned_host_memory or staging_pinned else None
+        eval_worker_start = "forkserver" if staging_pinned else self.worker_start
         self.dedup_ids = looks_up_distinct_ids(cfg, embeddings.backend)  # the loader packs them
         self.evaluator = Evaluator(
             cfg,
@@ -150,7 +152,7 @@ class Trainer:
             self.runlog,
             self.train_samples,
             self.holdout,
-            self.worker_start,
+            eval_worker_start,
             self.dedup_ids,
         )
         self.checkpointer = Checkpointer(cfg, cluster, model, self.step.optimizer, embeddings, self.log)
