@@ -20,6 +20,8 @@ bare step needs); the components each own one concern: ``Evaluator`` (evals), ``
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -196,7 +198,6 @@ class Trainer:
         )
         try:
             self._stream(history, loader)
-            self.checkpointer.close()  # the last checkpoint is on disk before the run reports
         except TrainingDivergedError:
             self.runlog.run_stop(history.samples, self.train_samples, "aborted")
             raise
@@ -204,6 +205,13 @@ class Trainer:
             self._trace_written(self.profiler.close())
             self.progress.close()
             self.progress = None
+            # The checkpoint being written (of a state before any failure) is finished before the
+            # run ends, however it ends; when it ends by an error, that error is the one reported.
+            if sys.exc_info()[0] is None:
+                self.checkpointer.close()
+            else:
+                with contextlib.suppress(Exception):
+                    self.checkpointer.close()
         return history
 
     def _resume_or_start(self) -> RunHistory:
