@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dlrmv4.config import TrainConfig
+from dlrmv4.data.store import usable_cores
 from dlrmv4.errors import UserError
 from dlrmv4.files import atomic_directory, remove_dead_temps, write_errors_in_one_line
 from dlrmv4.train.distributed import Cluster
@@ -107,7 +108,7 @@ def _split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
 
 def _io_threads() -> int:
     """Threads a rank writes (and hashes) its checkpoint files with: one stream does not fill a disk."""
-    return max(1, min(WRITE_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+    return max(1, min(WRITE_THREADS, usable_cores()))
 
 
 @contextlib.contextmanager

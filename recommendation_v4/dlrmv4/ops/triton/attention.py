@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import interpreting
-from .targets import current_target
+from .targets import KernelTarget, current_target
 
 DQ_MODES = ("separate", "atomic")
 SILU_FORMS = ("bf16x2", "tanh", "sigmoid")
@@ -779,13 +779,13 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _silu_form(dtype: torch.dtype, silu: str | None, kind: str) -> str:
+def _silu_form(target: KernelTarget | None, dtype: torch.dtype, silu: str | None, kind: str) -> str:
     """Which SiLU a kernel evaluates (see ``_weights``), by target. Measured on an H200
     (notes_attention.md): packed bf16 pays in the dK/dV kernel (fewer FMA-pipe instructions); the
     forward and dQ kernels are as fast or faster with fp32 tanh.approx (packed, dQ needs 255
     registers and spills). results/kernel_resources.md has each form's registers and spills. Both
-    are PTX: AMD targets, fp32 inputs and the interpreter take the portable x * sigmoid(x)."""
-    target = current_target()
+    are PTX: AMD targets, fp32 inputs and the interpreter (``target`` None) take the portable
+    x * sigmoid(x)."""
     nvidia = target is not None and target.nvidia
     packed = target is not None and nvidia and dtype == torch.bfloat16 and int(target.arch) >= 90
     if silu is None:
@@ -808,7 +808,7 @@ def _common(q: torch.Tensor, v: torch.Tensor, num_targets, silu: str | None, kin
         "DQK": q.shape[2],
         "DV": v.shape[2],
         "HAS_TARGETS": num_targets is not None,
-        "SILU": _silu_form(q.dtype, silu, kind),
+        "SILU": _silu_form(target, q.dtype, silu, kind),
         "PREC": prec,
     }
 
