@@ -209,12 +209,24 @@ def sweep(batch_tokens: int, dim: int, dtype: torch.dtype, device: torch.device,
     u = uvqk[:, :dim]
     e, n = x.element_size(), batch_tokens * dim
     _, mean, rstd = tln.forward(x, w, b, 1e-6, False)
-    _, omean, orstd = tob.forward(u, attn, w, b, 1e-6, 0.1, 7, True)
+    _, omean, orstd, okeep = tob.forward(u, attn, w, b, 1e-6, 0.1, 7, True)
     fwd_tiles = [(2048, 8), (4096, 8), (4096, 16), (8192, 16)]
-    bwd_tiles = [(1024, 4, 4), (1024, 4, 8), (2048, 8, 4), (2048, 8, 8), (4096, 16, 2)]
+    bwd_tiles = [(512, 4, 16), (1024, 4, 8), (1024, 8, 16), (2048, 8, 8), (2048, 16, 16), (4096, 16, 4)]
     runs = [("layer_norm fwd", t, 2 * n * e, lambda t=t: tln.forward(x, w, b, 1e-6, False, tile=t)) for t in fwd_tiles]
     runs += [
         ("layer_norm bwd", t, 3 * n * e, lambda t=t: tln.backward(x, w, b, dy, mean, rstd, False, tile=t))
+        for t in bwd_tiles
+    ]
+    # The preprocessor's SwishLayerNorm runs at half the width.
+    xs, dys, ws, bs = x[:, : dim // 2].contiguous(), dy[:, : dim // 2].contiguous(), w[: dim // 2], b[: dim // 2]
+    _, smean, srstd = tln.forward(xs, ws, bs, 1e-6, True)
+    runs += [
+        (
+            "swish_layer_norm bwd",
+            t,
+            3 * n * e // 2,
+            lambda t=t: tln.backward(xs, ws, bs, dys, smean, srstd, True, tile=t),
+        )
         for t in bwd_tiles
     ]
     for p in (0.1, 0.0):
@@ -232,7 +244,7 @@ def sweep(batch_tokens: int, dim: int, dtype: torch.dtype, device: torch.device,
                 f"output_block bwd p={p}",
                 t,
                 5 * n * e,
-                lambda t=t, p=p: tob.backward(u, attn, w, b, dy3, omean, orstd, p, 7, True, tile=t),
+                lambda t=t, p=p: tob.backward(u, attn, w, b, dy3, omean, orstd, okeep if p else None, p, tile=t),
             )
             for t in (bwd_tiles if p else [tob.BWD_TILE])
         ]
@@ -244,7 +256,7 @@ def sweep(batch_tokens: int, dim: int, dtype: torch.dtype, device: torch.device,
             print(f"{name} {t}: failed: {' '.join(str(exc).split())[:200]}")
             continue
         print(f"{name} {t}: {ms:.3f} ms", flush=True)
-        default = t in ((tln.FWD_TILE, tln.BWD_TILE) if name.startswith("layer") else (tob.FWD_TILE, tob.BWD_TILE))
+        default = t in ((tob.FWD_TILE, tob.BWD_TILE) if name.startswith("output") else (tln.FWD_TILE, tln.BWD_TILE))
         rows.append(
             {
                 "kernel": name,

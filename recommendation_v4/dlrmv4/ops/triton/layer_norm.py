@@ -6,29 +6,14 @@ Statistics are fp32 and saved (8 bytes a row), so the backward re-reads only x a
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from .occupancy import persistent_grid
 from .targets import current_target
 
 MAX_WIDTH = 16384  # one row lives in registers; wider rows would spill
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def persistent_programs(device: torch.device, n_blocks: int, per_sm: int) -> int:
-    """Programs for a grid-stride backward: ``per_sm`` per multiprocessor fills the chip while
-    the per-program weight-gradient partials stay small."""
-    if device.type != "cuda":
-        return max(1, min(n_blocks, 4))  # the interpreter: few programs run faster
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(1, min(n_blocks, per_sm * _sm_count(index)))
 
 
 def warp_lanes() -> int:
@@ -98,7 +83,9 @@ def normalize_rows(x, W, B, cols, mask, cmask, D, eps, HAS_W: tl.constexpr, HAS_
     return y, mean, rstd
 
 
-@triton.jit
+# Row counts and the loop's trip count change with every batch: left unspecialised, so a count that
+# happens to divide by 16 does not compile a variant of its own in the middle of training.
+@triton.jit(do_not_specialize=["N"])
 def _layer_norm_fwd(
     X,
     W,
@@ -132,7 +119,7 @@ def _layer_norm_fwd(
     tl.store(Rstd + rows, rstd, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "n_iters", "n_progs"])
 def _layer_norm_bwd(
     X,
     W,
@@ -199,8 +186,9 @@ def _layer_norm_bwd(
 
 
 # Launch shapes (elements per program, per thread[, programs per SM]): the fastest of
-# benchmarks/bench_ops.py --sweep on an H200 at [91k, 512] bf16 (results/ops.md).
-FWD_TILE, BWD_TILE = (4096, 16), (1024, 4, 8)
+# benchmarks/bench_ops.py --sweep --batch 256 on an H200 at [728k, 512] bf16 (results/ops.md); the
+# programs per SM are a cap: a persistent grid takes no more than the SMs hold (occupancy.py).
+FWD_TILE, BWD_TILE = (4096, 16), (1024, 8, 16)
 
 
 def forward(
@@ -256,10 +244,18 @@ def backward(
     dx = torch.empty((n, d), device=x2d.device, dtype=x2d.dtype)
     block_m, block_d, warps = row_tile(d, tile[0], tile[1], warp_lanes())
     n_blocks = triton.cdiv(n, block_m)
-    progs = persistent_programs(x2d.device, n_blocks, tile[2])
-    dw_part, db_part = weight_grad_partials(x2d.device, progs, d, n, weight, bias)
-    if n > 0:
-        _layer_norm_bwd[(progs,)](
+    meta = dict(
+        HAS_W=weight is not None,
+        HAS_B=bias is not None,
+        SWISH=swish,
+        BLOCK_M=block_m,
+        BLOCK_D=block_d,
+        num_warps=warps,
+    )
+
+    def args(progs: int, dw_part: torch.Tensor | None, db_part: torch.Tensor | None) -> tuple:
+        strides = (x2d.stride(0), dy.stride(0), dx.stride(0))
+        return (
             x2d,
             weight,
             bias,
@@ -271,17 +267,21 @@ def backward(
             rstd,
             n,
             d,
-            x2d.stride(0),
-            dy.stride(0),
-            dx.stride(0),
+            *strides,
             triton.cdiv(n_blocks, progs),
             progs,
-            HAS_W=weight is not None,
-            HAS_B=bias is not None,
-            SWISH=swish,
-            BLOCK_M=block_m,
-            BLOCK_D=block_d,
-            num_warps=warps,
         )
+
+    def partials(progs: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return weight_grad_partials(x2d.device, progs, d, n, weight, bias)
+
+    progs = 1
+    if n > 0:
+        progs = persistent_grid(
+            _layer_norm_bwd, x2d.device, x2d.dtype, n_blocks, tile[2], meta, lambda p: args(p, *partials(p))
+        )
+    dw_part, db_part = partials(progs)
+    if n > 0:
+        _layer_norm_bwd[(progs,)](*args(progs, dw_part, db_part), **meta)
     dw, db = sum_weight_grads(dw_part, db_part, weight, bias)
     return dx, dw, db

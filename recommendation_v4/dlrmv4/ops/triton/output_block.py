@@ -26,12 +26,12 @@ import triton.language as tl
 from dlrmv4.ops.reference.philox import dropout_threshold
 from dlrmv4.ops.triton.layer_norm import (
     normalize_rows,
-    persistent_programs,
     row_tile,
     sum_weight_grads,
     warp_lanes,
     weight_grad_partials,
 )
+from dlrmv4.ops.triton.occupancy import persistent_grid
 
 
 @triton.jit
@@ -55,9 +55,9 @@ def _keep(seed, rows, HD, threshold, BLOCK_H: tl.constexpr):
     return split16(r0, threshold), split16(r1, threshold), split16(r2, threshold)
 
 
-# Kernels take the seed and row offset unspecialised: they change every step (chunk), and each new
-# value's divisibility by 16 would otherwise be compiled as a variant of its own.
-@triton.jit(do_not_specialize=["seed", "row_offset"])
+# Kernels take the seed, row offset, row count and trip count unspecialised: they change every step
+# (chunk), and each new value's divisibility by 16 would otherwise be compiled as a variant of its own.
+@triton.jit(do_not_specialize=["seed", "row_offset", "T"])
 def _output_block_fwd(
     U,
     A,
@@ -111,7 +111,7 @@ def _output_block_fwd(
     tl.store(Rstd + rows, rstd, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "n_iters", "n_progs"])
 def _output_block_bwd(
     U,
     A,
@@ -209,8 +209,9 @@ def _dropout_args(dropout_p: float, training: bool) -> tuple[bool, float]:
 
 
 # Launch shapes (elements per program, per thread[, programs per SM]): the fastest of
-# benchmarks/bench_ops.py --sweep on an H200 at [91k, 512] bf16 (results/ops.md).
-FWD_TILE, BWD_TILE = (2048, 8), (1024, 4, 8)
+# benchmarks/bench_ops.py --sweep --batch 256 on an H200 at [728k, 512] bf16 (results/ops.md); the
+# programs per SM are a cap: a persistent grid takes no more than the SMs hold (occupancy.py).
+FWD_TILE, BWD_TILE = (2048, 8), (2048, 16, 16)
 
 
 def forward(
@@ -298,39 +299,31 @@ def backward(
     da = torch.empty((t, hd), device=u.device, dtype=attn.dtype)
     block_m, block_h, warps = row_tile(hd, tile[0], tile[1], warp_lanes())
     n_blocks = triton.cdiv(t, block_m)
-    progs = persistent_programs(u.device, n_blocks, tile[2])
-    dw_part, db_part = weight_grad_partials(u.device, progs, hd, t, weight, bias)
+    meta = dict(
+        HAS_W=weight is not None,
+        HAS_B=bias is not None,
+        DROPOUT=keep is not None,
+        BLOCK_M=block_m,
+        BLOCK_H=block_h,
+        num_warps=warps,
+    )
+
+    def args(progs: int, dw_part: torch.Tensor | None, db_part: torch.Tensor | None) -> tuple:
+        strides = (u.stride(0), attn.stride(0), dy.stride(0), du.stride(0), da.stride(0))
+        pointers = (u, attn, weight, bias, dy, du, da, dw_part, db_part, mean, rstd, keep)
+        return (*pointers, t, hd, *strides, scale, triton.cdiv(n_blocks, progs), progs)
+
+    def partials(progs: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return weight_grad_partials(u.device, progs, hd, t, weight, bias)
+
+    progs = 1
     if t > 0:
-        _output_block_bwd[(progs,)](
-            u,
-            attn,
-            weight,
-            bias,
-            dy,
-            du,
-            da,
-            dw_part,
-            db_part,
-            mean,
-            rstd,
-            keep,
-            t,
-            hd,
-            u.stride(0),
-            attn.stride(0),
-            dy.stride(0),
-            du.stride(0),
-            da.stride(0),
-            scale,
-            triton.cdiv(n_blocks, progs),
-            progs,
-            HAS_W=weight is not None,
-            HAS_B=bias is not None,
-            DROPOUT=keep is not None,
-            BLOCK_M=block_m,
-            BLOCK_H=block_h,
-            num_warps=warps,
+        progs = persistent_grid(
+            _output_block_bwd, u.device, u.dtype, n_blocks, tile[2], meta, lambda p: args(p, *partials(p))
         )
+    dw_part, db_part = partials(progs)
+    if t > 0:
+        _output_block_bwd[(progs,)](*args(progs, dw_part, db_part), **meta)
     dw, db = sum_weight_grads(dw_part, db_part, weight, bias)
     return du, da, dw, db
 
