@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .occupancy import persistent_grid
+from .occupancy import launch_persistent
 from .targets import current_target
 
 MAX_WIDTH = 16384  # one row lives in registers; wider rows would spill
@@ -254,34 +254,15 @@ def backward(
     )
 
     def args(progs: int, dw_part: torch.Tensor | None, db_part: torch.Tensor | None) -> tuple:
+        pointers = (x2d, weight, bias, dy, dx, dw_part, db_part, mean, rstd)
         strides = (x2d.stride(0), dy.stride(0), dx.stride(0))
-        return (
-            x2d,
-            weight,
-            bias,
-            dy,
-            dx,
-            dw_part,
-            db_part,
-            mean,
-            rstd,
-            n,
-            d,
-            *strides,
-            triton.cdiv(n_blocks, progs),
-            progs,
-        )
+        return (*pointers, n, d, *strides, triton.cdiv(n_blocks, progs), progs)
 
     def partials(progs: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return weight_grad_partials(x2d.device, progs, d, n, weight, bias)
 
-    progs = 1
-    if n > 0:
-        progs = persistent_grid(
-            _layer_norm_bwd, x2d.device, x2d.dtype, n_blocks, tile[2], meta, lambda p: args(p, *partials(p))
-        )
-    dw_part, db_part = partials(progs)
-    if n > 0:
-        _layer_norm_bwd[(progs,)](*args(progs, dw_part, db_part), **meta)
+    dw_part, db_part = launch_persistent(
+        _layer_norm_bwd, x2d.device, x2d.dtype, n_blocks, tile[2], meta, partials, args
+    )
     dw, db = sum_weight_grads(dw_part, db_part, weight, bias)
     return dx, dw, db

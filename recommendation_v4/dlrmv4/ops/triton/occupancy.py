@@ -72,3 +72,28 @@ def persistent_grid(
             compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps, sm_registers, sm_shared, sm_warps
         )
     return max(1, min(n_blocks, min(per_sm, _resident[key]) * sms))
+
+
+def launch_persistent(
+    kernel: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    n_blocks: int,
+    per_sm: int,
+    meta: dict[str, Any],
+    partials: Callable[[int], tuple],
+    launch_args: Callable[..., tuple],
+) -> tuple:
+    """Launches ``kernel`` on a grid-stride grid over ``n_blocks`` row blocks (``persistent_grid``)
+    and returns the per-program partial buffers it filled: ``partials(programs)`` allocates them,
+    ``launch_args(programs, *buffers)`` gives the launch's arguments. Nothing is launched when
+    there are no row blocks (the buffers come back as ``partials`` made them)."""
+    programs = 1
+    if n_blocks > 0:
+        programs = persistent_grid(
+            kernel, device, dtype, n_blocks, per_sm, meta, lambda p: launch_args(p, *partials(p))
+        )
+    buffers = partials(programs)
+    if n_blocks > 0:
+        kernel[(programs,)](*launch_args(programs, *buffers), **meta)
+    return buffers

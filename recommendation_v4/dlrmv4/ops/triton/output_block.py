@@ -31,7 +31,7 @@ from dlrmv4.ops.triton.layer_norm import (
     warp_lanes,
     weight_grad_partials,
 )
-from dlrmv4.ops.triton.occupancy import persistent_grid
+from dlrmv4.ops.triton.occupancy import launch_persistent
 
 
 @triton.jit
@@ -316,14 +316,7 @@ def backward(
     def partials(progs: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return weight_grad_partials(u.device, progs, hd, t, weight, bias)
 
-    progs = 1
-    if t > 0:
-        progs = persistent_grid(
-            _output_block_bwd, u.device, u.dtype, n_blocks, tile[2], meta, lambda p: args(p, *partials(p))
-        )
-    dw_part, db_part = partials(progs)
-    if t > 0:
-        _output_block_bwd[(progs,)](*args(progs, dw_part, db_part), **meta)
+    dw_part, db_part = launch_persistent(_output_block_bwd, u.device, u.dtype, n_blocks, tile[2], meta, partials, args)
     dw, db = sum_weight_grads(dw_part, db_part, weight, bias)
     return du, da, dw, db
 
