@@ -12,7 +12,7 @@ import secrets
 import pytest
 import torch
 
-from dlrmv4.ops.layer_norm import layer_norm, swish_layer_norm
+from dlrmv4.ops.layer_norm import layer_norm, layer_norm_and_input, swish_layer_norm
 
 # ‖out − ref‖ / ‖ref‖ against a float64 reference: fp32 arithmetic lands near 1e-7.
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -129,3 +129,30 @@ def test_auto_uses_reference_on_cpu_and_checks_shapes(gen):
     assert torch.equal(layer_norm(x, None, None, 1e-5), layer_norm(x, None, None, 1e-5, kernels="pytorch"))
     with pytest.raises(ValueError, match="weight has shape"):
         layer_norm(x, torch.ones(7), None, 1e-5)
+
+
+@pytest.mark.parametrize("rows", [None, [4, 0, 9, 4]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_layer_norm_and_input(rows, dtype, gen, poison):
+    """(LayerNorm(x), x or x[rows]) with the residual's gradient added inside the norm's backward
+    (or into the rows): the same values and gradients as the norm and the gather apart, float64."""
+    x = randn((11, 40), gen, dtype, scale=2.0, shift=0.5).requires_grad_()
+    w = randn(40, gen, shift=1.0).requires_grad_()
+    b = randn(40, gen).requires_grad_()
+    index = None if rows is None else torch.tensor(rows)
+    n, residual = layer_norm_and_input(x, w, b, 1e-5, rows=index, kernels="triton")
+    dn, dr = randn(n.shape, gen, dtype), randn(residual.shape, gen, dtype)
+    grads = torch.autograd.grad([n, residual], [x, w, b], [dn, dr])
+    x64, w64, b64 = leaf64(x), leaf64(w), leaf64(b)
+    n64 = layer_norm(x64, w64, b64, 1e-5, kernels="pytorch")
+    r64 = x64 if index is None else x64.index_select(0, index)
+    refs = torch.autograd.grad([n64, r64], [x64, w64, b64], [dn.double(), dr.double()])
+    assert_close(n, n64, dtype, "n")
+    assert torch.equal(residual, x if index is None else x.index_select(0, index))
+    for got, want, what in zip(grads, refs, ("dx", "dweight", "dbias")):
+        assert_close(got, want, dtype if what == "dx" else torch.float32, what)
+    # Only the norm used: the residual's gradient is absent and dx is the norm's alone.
+    n, _ = layer_norm_and_input(x, w, b, 1e-5, rows=index, kernels="triton")
+    (dx,) = torch.autograd.grad(n, [x], dn)
+    (dx64,) = torch.autograd.grad(layer_norm(x64, w64, b64, 1e-5, kernels="pytorch"), [x64], dn.double())
+    assert_close(dx, dx64, dtype, "dx, norm only")

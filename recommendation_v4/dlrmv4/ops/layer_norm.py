@@ -2,6 +2,11 @@
 
 Statistics in fp32, output in x's dtype; weight and bias may be None. ``kernels`` picks the
 Triton kernel or the PyTorch reference (see ``dispatch.resolve``).
+
+``layer_norm_and_input`` also hands back x itself (or some of its rows), for a residual that adds
+x back after the layer: x then has one use, and the backward adds the residual's gradient inside
+the norm's backward (or into the rows it took) instead of autograd summing two [N, D] gradients
+in a pass of their own.
 """
 
 from __future__ import annotations
@@ -31,6 +36,54 @@ class _LayerNormFn(torch.autograd.Function):
         x2d, weight, bias, mean, rstd = ctx.saved_tensors
         dx, dw, db = tri.backward(x2d, weight, bias, tri.rows_2d(dy), mean, rstd, ctx.swish)
         return dx.view(dy.shape), dw, db, None, None
+
+
+class _LayerNormAndInputFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rows):
+        from dlrmv4.ops.triton import layer_norm as tri
+
+        x2d = tri.rows_2d(x)
+        y, mean, rstd = tri.forward(x2d, weight, bias, eps, False)
+        ctx.save_for_backward(x2d, weight, bias, mean, rstd, rows)
+        ctx.all_rows = rows is None
+        # x itself comes back as a view (autograd routes its gradient to this function's backward).
+        return y, (x if rows is None else x.index_select(0, rows))
+
+    @staticmethod
+    def backward(ctx, dy, d_input):
+        from dlrmv4.ops.triton import layer_norm as tri
+
+        x2d, weight, bias, mean, rstd, rows = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(x2d)
+        if ctx.all_rows:
+            residual = tri.rows_2d(d_input) if d_input is not None else None
+            dx, dw, db = tri.backward(x2d, weight, bias, tri.rows_2d(dy), mean, rstd, False, residual_grad=residual)
+        else:
+            dx, dw, db = tri.backward(x2d, weight, bias, tri.rows_2d(dy), mean, rstd, False)
+            if d_input is not None:
+                dx.index_add_(0, rows, d_input.to(dx.dtype))
+        return dx, dw, db, None, None
+
+
+def layer_norm_and_input(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    rows: torch.Tensor | None = None,
+    kernels: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LayerNorm(x), x) for x [N, D], or (LayerNorm(x), x[rows]) with ``rows`` (int64 [R]): the
+    norm and the residual a layer adds back (see the module docstring)."""
+    _check(x, weight, bias)
+    if x.dim() != 2:
+        raise ValueError(f"layer_norm_and_input: x must be [N, D], got {tuple(x.shape)}")
+    if resolve(kernels, x.device) == "pytorch":
+        n = ref.layer_norm(x, weight, bias, eps)
+        return n, (x if rows is None else x.index_select(0, rows))
+    return _LayerNormAndInputFn.apply(x, weight, bias, eps, rows)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:

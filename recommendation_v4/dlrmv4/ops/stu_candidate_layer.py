@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dlrmv4.ops.candidate_attention import candidate_attention
-from dlrmv4.ops.layer_norm import layer_norm
+from dlrmv4.ops.layer_norm import layer_norm_and_input
 from dlrmv4.ops.reference.output_block import keep_mask_of_rows, output_block
 from dlrmv4.ops.reference.philox import check_dropout
 from dlrmv4.ops.stu_layer import RECOMPUTE_MODES
@@ -36,6 +36,33 @@ def _uq_vk(weight: torch.Tensor, num_heads: int, qk_dim: int, v_dim: int) -> tup
     hv, hqk = num_heads * v_dim, num_heads * qk_dim
     u, v, q, k = torch.split(weight, [hv, hv, hqk, hqk], dim=0)
     return torch.cat([u, q]), torch.cat([v, k])
+
+
+class _ProjectionFn(torch.autograd.Function):
+    """[v | k] = n W_vk^T + b_vk for every row and [u | q] = n_c W_uq^T + b_uq for the rows ``rows``
+    of one normalised input. The backward adds the rows' gradient into n's in place: no [N, D]
+    of zeros for the gathered rows and no second [N, D] gradient for autograd to sum."""
+
+    @staticmethod
+    def forward(ctx, n, rows, w_vk, b_vk, w_uq, b_uq):
+        n_rows = n.index_select(0, rows)
+        vk = F.linear(n, w_vk, b_vk)  # under autocast, in its dtype
+        uq = F.linear(n_rows, w_uq, b_uq)
+        dt = vk.dtype
+        ctx.save_for_backward(n, rows, n_rows, w_vk.to(dt), w_uq.to(dt))
+        ctx.dtypes = (w_vk.dtype, b_vk.dtype, w_uq.dtype, b_uq.dtype)
+        return vk, uq
+
+    @staticmethod
+    def backward(ctx, dvk, duq):
+        n, rows, n_rows, w_vk, w_uq = ctx.saved_tensors
+        dvk = dvk if dvk is not None else torch.zeros(n.shape[0], w_vk.shape[0], dtype=w_vk.dtype, device=n.device)
+        duq = duq if duq is not None else torch.zeros(rows.shape[0], w_uq.shape[0], dtype=w_uq.dtype, device=n.device)
+        dvk, duq = dvk.to(w_vk.dtype), duq.to(w_uq.dtype)
+        dn = dvk.mm(w_vk)
+        dn.index_add_(0, rows, duq.mm(w_uq))
+        grads = (dvk.t().mm(n.to(dvk.dtype)), dvk.sum(0), duq.t().mm(n_rows.to(duq.dtype)), duq.sum(0))
+        return dn.to(n.dtype), None, *(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
 
 
 def stu_candidate_layer(
@@ -74,11 +101,12 @@ def stu_candidate_layer(
 
     def layer(x: torch.Tensor) -> torch.Tensor:
         last = seq_offsets[1:].to(torch.int64) - 1
-        n = layer_norm(x, norm_weight, norm_bias, norm_eps, kernels=kernels)
+        # The norm hands back the candidate rows of x (the residual); both gathers add their rows'
+        # gradients into the full one in place.
+        n, x_last = layer_norm_and_input(x, norm_weight, norm_bias, norm_eps, rows=last, kernels=kernels)
         w_uq, w_vk = _uq_vk(uvqk_weight, num_heads, qk_dim, v_dim)
         b_uq, b_vk = _uq_vk(uvqk_bias, num_heads, qk_dim, v_dim)
-        vk = F.linear(n, w_vk, b_vk)
-        uq = F.linear(n.index_select(0, last), w_uq, b_uq)
+        vk, uq = _ProjectionFn.apply(n, last, w_vk, b_vk, w_uq, b_uq)
         u, q = uq[:, :hv], uq[:, hv:].unflatten(1, (num_heads, qk_dim))
         attn = candidate_attention(
             q,
@@ -93,7 +121,7 @@ def stu_candidate_layer(
         ).flatten(1)
         keep = keep_mask_of_rows(last + row_offset, hv, dropout_p, seed) if training and dropout_p > 0 else None
         y = output_block(u, attn, attn_norm_weight, attn_norm_bias, attn_eps, dropout_p, training, keep)
-        return torch.addmm(x.index_select(0, last), y, out_weight.t())
+        return torch.addmm(x_last, y, out_weight.t())
 
     grads = torch.is_grad_enabled() and (x.requires_grad or uvqk_weight.requires_grad)
     if recompute == "none" or not grads:

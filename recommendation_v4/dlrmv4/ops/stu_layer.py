@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dlrmv4.ops.dispatch import resolve
-from dlrmv4.ops.layer_norm import layer_norm
+from dlrmv4.ops.layer_norm import layer_norm, layer_norm_and_input
 from dlrmv4.ops.reference.stu_mixing import split_uvqk
 from dlrmv4.ops.stu_mixing import stu_mixing
 
@@ -121,8 +121,10 @@ class _CheapRecomputeFn(torch.autograd.Function):
         d_uvqk_bias = grad.sum(0, dtype=torch.float32)
         dn = grad.mm(w_uvqk)
         del grad, n
-        dx, d_norm_w, d_norm_b = tln.backward(x, norm_weight, norm_bias, dn, mean, rstd, swish=False)
-        dx += dout  # the residual
+        # The residual's gradient (dout) is added inside the norm's backward.
+        dx, d_norm_w, d_norm_b = tln.backward(
+            x, norm_weight, norm_bias, dn, mean, rstd, swish=False, residual_grad=dout
+        )
         return (
             dx,
             d_norm_w,
@@ -173,7 +175,7 @@ def stu_layer(
     def project(x: torch.Tensor) -> torch.Tensor:
         return F.linear(layer_norm(x, norm_weight, norm_bias, norm_eps, kernels=kernels), uvqk_weight, uvqk_bias)
 
-    def mix_and_project(x: torch.Tensor, uvqk: torch.Tensor) -> torch.Tensor:
+    def mix_and_project(residual: torch.Tensor, uvqk: torch.Tensor) -> torch.Tensor:
         y = stu_mixing(
             uvqk,
             seq_offsets,
@@ -192,10 +194,12 @@ def stu_layer(
             row_offset=row_offset,
         )
         # x + y W_out^T in one GEMM: the residual is the GEMM's C operand, not a separate pass.
-        return torch.addmm(x, y, out_weight.t())
+        return torch.addmm(residual, y, out_weight.t())
 
     def whole(x: torch.Tensor) -> torch.Tensor:
-        return mix_and_project(x, project(x))
+        # The norm hands x back for the residual, so x's two gradients meet inside its backward.
+        n, residual = layer_norm_and_input(x, norm_weight, norm_bias, norm_eps, kernels=kernels)
+        return mix_and_project(residual, F.linear(n, uvqk_weight, uvqk_bias))
 
     grads = torch.is_grad_enabled() and (x.requires_grad or uvqk_weight.requires_grad)
     if recompute == "none" or not grads:

@@ -125,6 +125,7 @@ def _layer_norm_bwd(
     W,
     B,
     DY,
+    DR,
     DX,
     DWp,
     DBp,
@@ -134,11 +135,13 @@ def _layer_norm_bwd(
     D,
     stride_x,
     stride_dy,
+    stride_dr,
     stride_dx,
     n_iters,
     n_progs,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
+    HAS_DR: tl.constexpr,
     SWISH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -175,6 +178,8 @@ def _layer_norm_bwd(
         dx = (dxhat - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
         if SWISH:
             dx = dx + g * s
+        if HAS_DR:  # the gradient x gets by another path (a residual), added here instead of in a pass of its own
+            dx += tl.load(DR + r64 * stride_dr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         dw_acc += dz * xhat
         db_acc += dz
@@ -238,8 +243,10 @@ def backward(
     rstd: torch.Tensor,
     swish: bool,
     tile: tuple[int, int, int] = BWD_TILE,
+    residual_grad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(dx [N, D], dweight or None, dbias or None); weight/bias grads are summed in fp32."""
+    """(dx [N, D], dweight or None, dbias or None); weight/bias grads are summed in fp32.
+    ``residual_grad`` ([N, D], unit column stride): a gradient of x from elsewhere, added into dx."""
     n, d = x2d.shape
     dx = torch.empty((n, d), device=x2d.device, dtype=x2d.dtype)
     block_m, block_d, warps = row_tile(d, tile[0], tile[1], warp_lanes())
@@ -247,15 +254,17 @@ def backward(
     meta = dict(
         HAS_W=weight is not None,
         HAS_B=bias is not None,
+        HAS_DR=residual_grad is not None,
         SWISH=swish,
         BLOCK_M=block_m,
         BLOCK_D=block_d,
         num_warps=warps,
     )
+    dr_stride = residual_grad.stride(0) if residual_grad is not None else 0
 
     def args(progs: int, dw_part: torch.Tensor | None, db_part: torch.Tensor | None) -> tuple:
-        pointers = (x2d, weight, bias, dy, dx, dw_part, db_part, mean, rstd)
-        strides = (x2d.stride(0), dy.stride(0), dx.stride(0))
+        pointers = (x2d, weight, bias, dy, residual_grad, dx, dw_part, db_part, mean, rstd)
+        strides = (x2d.stride(0), dy.stride(0), dr_stride, dx.stride(0))
         return (*pointers, n, d, *strides, triton.cdiv(n_blocks, progs), progs)
 
     def partials(progs: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
