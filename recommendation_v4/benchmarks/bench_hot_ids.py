@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from harness import RESULTS, command_line, device_name, git_commit, sync, write_results
 
-from dlrmv4.train.distributed import exit_process
+from dlrmv4.distributed import exit_process
 
 
 def config(args: argparse.Namespace, qcomm: str, world: int):
@@ -66,8 +66,8 @@ def worker(args: argparse.Namespace) -> None:
     from length_mix import jagged_lengths
 
     from dlrmv4.config import DistributedConfig
+    from dlrmv4.distributed import start_cluster
     from dlrmv4.model.embeddings import make_embeddings, table_specs
-    from dlrmv4.train.distributed import start_cluster
     from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS, plan_for_run
 
     world = int(os.environ["WORLD_SIZE"])

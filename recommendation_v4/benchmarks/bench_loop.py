@@ -30,7 +30,7 @@ from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_arg
 from dlrmv4.data.loader import make_window_loader
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
-from dlrmv4.train.distributed import Cluster
+from dlrmv4.distributed import Cluster
 from dlrmv4.train.run import clear_run_dir, seed_everything
 from dlrmv4.train.trainer import Trainer, build_trainer
 

@@ -33,7 +33,7 @@ import torch
 from harness import cpu_model, device_name, save_labelled_row
 
 from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args
-from dlrmv4.train.distributed import exit_process
+from dlrmv4.distributed import exit_process
 
 
 def _replace(cfg: BenchmarkConfig, overrides: dict) -> BenchmarkConfig:
@@ -77,8 +77,8 @@ def worker(args: argparse.Namespace) -> None:
     from dlrmv4.data.loader import make_window_loader
     from dlrmv4.data.paths import store_dir
     from dlrmv4.data.store import open_store
+    from dlrmv4.distributed import start_cluster
     from dlrmv4.model.embeddings import store_table_counts
-    from dlrmv4.train.distributed import start_cluster
     from dlrmv4.train.memory_plan import plan_for_run
     from dlrmv4.train.prefetch import with_next
     from dlrmv4.train.run import seed_everything

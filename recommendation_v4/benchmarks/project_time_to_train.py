@@ -45,7 +45,7 @@ import statistics
 
 from harness import RESULTS, command_line, write_results
 
-from dlrmv4.mlperf.rules import REFERENCE_EVAL_SAMPLES, REFERENCE_TRAIN_SAMPLES
+from dlrmv4.reference_counts import REFERENCE_EVAL_SAMPLES, REFERENCE_TRAIN_SAMPLES
 from dlrmv4.train.schedule import EvalSchedule
 
 GLOBAL_BATCH = 8_192

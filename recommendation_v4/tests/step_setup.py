@@ -11,7 +11,7 @@ import torch.distributed as dist
 from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.data.loader import BatchSlice, rank_share
-from dlrmv4.train.distributed import Cluster
+from dlrmv4.distributed import Cluster
 
 
 def small_table_config(

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dlrmv4.config import TrainConfig
+from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.train import checkpoint as checkpoint_module
 from dlrmv4.train.checkpoint import (
@@ -26,7 +27,6 @@ from dlrmv4.train.checkpoint import (
     resume_point,
     save_checkpoint,
 )
-from dlrmv4.train.distributed import Cluster
 from dlrmv4.train.rng import capture_rng_state, restore_rng_state
 
 
@@ -313,7 +313,7 @@ def test_async_write_error_surfaces_at_the_next_wait_in_one_line(tmp_path):
 _WRITER = textwrap.dedent("""
     import sys, torch
     from dlrmv4.train.checkpoint import CheckpointPosition, CheckpointWriter
-    from dlrmv4.train.distributed import Cluster
+    from dlrmv4.distributed import Cluster
     net = torch.nn.ModuleList(torch.nn.Linear(1000, 2000) for _ in range(3))
     writer = CheckpointWriter(sys.argv[1], 2, Cluster.single(torch.device("cpu")), sys.argv[2] == "async")
     print("ready", flush=True)

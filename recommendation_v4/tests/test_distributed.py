@@ -281,7 +281,7 @@ def test_run_and_time_launches_torchrun_with_gpus_per_node(data_path, tmp_path):
 BLOCKED_RANK = """
 import sys, time
 from dlrmv4.config import DistributedConfig
-from dlrmv4.train.distributed import start_cluster
+from dlrmv4.distributed import start_cluster
 cluster = start_cluster(DistributedConfig(timeout_seconds=120.0))
 cluster.barrier()
 if cluster.rank == 1:

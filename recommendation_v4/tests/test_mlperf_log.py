@@ -10,14 +10,9 @@ import pytest
 
 from dlrmv4.config import load_config
 from dlrmv4.errors import UserError
-from dlrmv4.mlperf.rules import (
-    REFERENCE_EVAL_SAMPLES,
-    REFERENCE_TRAIN_SAMPLES,
-    check_closed_division,
-    run_checker,
-    write_dataset_rules,
-)
+from dlrmv4.mlperf.rules import check_closed_division, run_checker, write_dataset_rules
 from dlrmv4.mlperf.runlog import RunFacts, RunLog
+from dlrmv4.reference_counts import REFERENCE_EVAL_SAMPLES, REFERENCE_TRAIN_SAMPLES
 from dlrmv4.train.schedule import EvalSchedule
 
 

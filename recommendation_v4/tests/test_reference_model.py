@@ -16,6 +16,7 @@ from step_setup import small_table_config
 from test_model import SMALL
 
 from dlrmv4.config import ModelConfig, load_config
+from dlrmv4.distributed import Cluster
 from dlrmv4.model.embeddings import init_rows, make_embeddings, table_specs
 from dlrmv4.model.embeddings.wire import through_wire
 from dlrmv4.model.heads import time_features
@@ -23,7 +24,6 @@ from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.model.layers import LayerNorm
 from dlrmv4.ops.jagged import concat_sequence_timestamps
 from dlrmv4.ops.reference.position import positions_and_buckets
-from dlrmv4.train.distributed import Cluster
 
 # Yambda-5B's tables and the half-width sqrt(1 / rows) of their uniform init (the reference's
 # TorchRec default; the "about 1.9e-4" is the item table's standard deviation b / sqrt(3)).

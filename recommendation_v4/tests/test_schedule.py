@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dlrmv4.reference_counts import REFERENCE_TRAIN_SAMPLES
 from dlrmv4.train.schedule import (
-    REFERENCE_TRAIN_SAMPLES,
     EvalSchedule,
     eval_interval,
     eval_points,

@@ -32,11 +32,9 @@ from pathlib import Path
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.errors import UserError
-from dlrmv4.train.schedule import REFERENCE_TRAIN_SAMPLES  # the pinned train count, declared once
+from dlrmv4.reference_counts import REFERENCE_EVAL_SAMPLES, REFERENCE_MAX_SEQ_LEN, REFERENCE_TRAIN_SAMPLES
 
 RULESET = "6.1.0"
-REFERENCE_EVAL_SAMPLES = 2_058_204
-REFERENCE_MAX_SEQ_LEN = 4_096
 
 CHECKS = """\
 - BEGIN:

@@ -24,12 +24,12 @@ from torch import nn
 from dlrmv4.config import ModelConfig
 from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.data.hashing import NUM_CONTEXTUAL
+from dlrmv4.model.dtypes import DTYPES
 from dlrmv4.model.embeddings import SequenceEmbeddings
 from dlrmv4.model.heads import ItemTower, LogitHead, Postprocessor
 from dlrmv4.model.preprocessor import Preprocessor
 from dlrmv4.model.stu import STUStack
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SEED_LIMIT = 2**31 - 1
 
 

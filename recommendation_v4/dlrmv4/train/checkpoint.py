@@ -50,9 +50,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from dlrmv4.config import TrainConfig
 from dlrmv4.data.store import usable_cores
+from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.files import atomic_directory, remove_dead_temps, write_errors_in_one_line
-from dlrmv4.train.distributed import Cluster
 
 MARKER = "COMPLETE"
 POSITION_FILE = "position.json"

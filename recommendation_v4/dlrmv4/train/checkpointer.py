@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from dlrmv4.config import BenchmarkConfig
+from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.checkpoint import (
@@ -22,7 +23,6 @@ from dlrmv4.train.checkpoint import (
     load_checkpoint,
     load_small_state,
 )
-from dlrmv4.train.distributed import Cluster
 from dlrmv4.train.history import RunHistory
 from dlrmv4.train.resume_contract import changed_settings, run_settings
 from dlrmv4.train.rng import capture_rng_state, restore_rng_state, resume_seed

@@ -30,6 +30,7 @@ import torch
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
 from dlrmv4.errors import UserError
+from dlrmv4.model.dtypes import DTYPES
 from dlrmv4.model.embeddings.sharding import (
     DEFAULT_SHARDING,
     PLACEMENTS,
@@ -41,11 +42,11 @@ from dlrmv4.model.embeddings.sharding import (
     target_plan,
 )
 from dlrmv4.model.embeddings.tables import TABLE_NAMES
+from dlrmv4.ops.stu_layer import RECOMPUTE_MODES
 from dlrmv4.train.activation_memory import DTYPE_BYTES, ActivationShape, ChunkActivations, chunk_activations
 
 GIB = 1 << 30
 MIB = 1 << 20
-RECOMPUTE_MODES = ("none", "cheap", "layer")
 # Relative step time of each recompute mode: the reference model's whole step at batch 256 on an
 # H100 (benchmarks/results/end_to_end_recompute.md: 1,665 / 1,514 / 1,388 samples/s).
 RECOMPUTE_COST = {"none": 1.0, "cheap": 1.10, "layer": 1.20}
@@ -510,8 +511,7 @@ def _attempt(cfg, target, backend, rows, sharding, placement, static, step, cand
 
 
 def _planner_plan(cfg, target: Target, rows, sharding, placement, hbm_cap: int | None):
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    out = dtype[cfg.model.sequence_dtype] if target.device_kind == "cuda" else torch.float32
+    out = DTYPES[cfg.model.sequence_dtype] if target.device_kind == "cuda" else torch.float32
     return target_plan(
         rows,
         cfg.model.embedding_dim,

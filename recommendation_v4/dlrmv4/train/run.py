@@ -17,14 +17,7 @@ from dlrmv4.data.store import open_store
 from dlrmv4.data.store_settings import check_store_settings
 from dlrmv4.data.verify import check_verified
 from dlrmv4.data.windows import sample_counts
-from dlrmv4.errors import UserError
-from dlrmv4.files import check_writable
-from dlrmv4.mlperf.rules import check_closed_division
-from dlrmv4.mlperf.runlog import RunLog
-from dlrmv4.model.embeddings import store_table_counts
-from dlrmv4.model.embeddings.sharding import check_sharding_options, describe_plan, plan_rows
-from dlrmv4.train.checkpoint import CHECKPOINT_DIR, resume_point
-from dlrmv4.train.distributed import (
+from dlrmv4.distributed import (
     Cluster,
     RankLostError,
     is_comm_failure,
@@ -32,6 +25,13 @@ from dlrmv4.train.distributed import (
     own_failure_line,
     start_cluster,
 )
+from dlrmv4.errors import UserError
+from dlrmv4.files import check_writable
+from dlrmv4.mlperf.rules import check_closed_division
+from dlrmv4.mlperf.runlog import RunLog
+from dlrmv4.model.embeddings import store_table_counts
+from dlrmv4.model.embeddings.sharding import check_sharding_options, describe_plan, plan_rows
+from dlrmv4.train.checkpoint import CHECKPOINT_DIR, resume_point
 from dlrmv4.train.history import RunHistory
 from dlrmv4.train.memory_plan import plan_for_run
 from dlrmv4.train.report import AUC_PLOT, REPORT_FILE, THROUGHPUT_PLOT, parameter_digest, write_report

@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterator
 
-REFERENCE_TRAIN_SAMPLES = 2_290_835_423
+from dlrmv4.reference_counts import REFERENCE_TRAIN_SAMPLES
+
 # floor((FIRST_EVAL_PER_GBS * GBS + FIRST_EVAL_CONSTANT) / FIRST_EVAL_DIVISOR): the reference fit.
 FIRST_EVAL_PER_GBS = 4480
 FIRST_EVAL_CONSTANT = 135_331_840

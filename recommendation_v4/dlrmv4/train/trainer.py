@@ -33,6 +33,7 @@ from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.loader import WindowDataset, make_window_loader
 from dlrmv4.data.store import Store
 from dlrmv4.data.windows import sample_counts, split_windows
+from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.mlperf.runlog import RunFacts, RunLog
 from dlrmv4.model.embeddings import (
@@ -44,7 +45,6 @@ from dlrmv4.model.embeddings import (
 )
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.checkpointer import Checkpointer
-from dlrmv4.train.distributed import Cluster
 from dlrmv4.train.evaluator import Evaluator
 from dlrmv4.train.history import RunHistory, TrainClock
 from dlrmv4.train.optim import FiniteMonitor, TrainingDivergedError

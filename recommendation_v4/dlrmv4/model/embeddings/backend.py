@@ -7,12 +7,13 @@ import torch
 import torch.distributed as dist
 
 from dlrmv4.config import BenchmarkConfig
+from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
+from dlrmv4.model.dtypes import DTYPES
 from dlrmv4.model.embeddings.plain import PlainEmbeddings
 from dlrmv4.model.embeddings.tables import SparseEmbeddings, TableSpec
 from dlrmv4.model.embeddings.torchrec_tables import TorchRecEmbeddings
 from dlrmv4.model.embeddings.wire import WIRE_DTYPES
-from dlrmv4.train.distributed import Cluster
 
 
 def torchrec_works(device: torch.device) -> bool:
@@ -70,9 +71,6 @@ def make_embeddings(
 ) -> SparseEmbeddings:
     """The tables on the configured backend. With TorchRec, ``dense`` (the dense model) goes under the
     same DistributedModelParallel, which makes it data parallel (``dense_parallel``)."""
-    # Imported here: the model (hstu.py) imports this package for SequenceEmbeddings.
-    from dlrmv4.model.hstu import DTYPES
-
     device = torch.device(device)
     cluster = cluster or Cluster.single(device)
     args = (

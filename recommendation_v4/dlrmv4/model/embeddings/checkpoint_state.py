@@ -8,16 +8,34 @@ on any number of ranks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
-from dlrmv4.train.distributed import Cluster
 
-if TYPE_CHECKING:  # the tables import this module
-    from dlrmv4.model.embeddings.tables import SparseEmbeddings
+
+class _Spec(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def rows(self) -> int: ...
+
+
+class SparseEmbeddings(Protocol):
+    """What this module reads of a backend's tables (``tables.SparseEmbeddings``, which imports this
+    module, has all of it): the layout, the cluster and the live storage."""
+
+    cluster: Cluster
+    dim: int
+
+    @property
+    def specs(self) -> Sequence[_Spec]: ...
+
+    def live_tables(self) -> dict[str, dict[str, Any]]: ...
 
 
 class TableState(Stateful):

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from dlrmv4.distributed import Cluster
 from dlrmv4.model.embeddings.tables import TableSpec
-from dlrmv4.train.distributed import Cluster
 
 
 def exchange_gradients(

@@ -16,12 +16,12 @@ from torch import nn
 
 from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.data.sparse_features import feature_ids
+from dlrmv4.distributed import Cluster
 from dlrmv4.model.embeddings.exchange import exchange_gradients
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
 from dlrmv4.model.embeddings.sparse_optimizer import rowwise_adagrad_step_
 from dlrmv4.model.embeddings.tables import SparseEmbeddings, TableSpec, assemble_embeddings, init_rows, table_features
 from dlrmv4.model.embeddings.wire import through_wire
-from dlrmv4.train.distributed import Cluster
 
 
 class _TableLookup(torch.autograd.Function):

@@ -24,10 +24,10 @@ from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, table_rows
 from dlrmv4.data.sparse_features import SHARED_IDS, feature_ids
+from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings.checkpoint_state import TableState, gather_full_tables, load_full_tables
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
-from dlrmv4.train.distributed import Cluster
 
 # One table per shared id: the history and the candidate look up the same rows.
 SHARED_TABLES = SHARED_IDS

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dlrmv4.config import EmbeddingConfig
 from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.data.sparse_features import SPARSE_KEYS, expand_history_rows, lookup_size, sparse_features
+from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings import torchrec_permute
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
@@ -39,7 +40,6 @@ from dlrmv4.model.embeddings.tables import (
     init_rows,
     table_features,
 )
-from dlrmv4.train.distributed import Cluster
 
 
 @dataclass
