@@ -107,7 +107,7 @@ def main() -> None:
         writer = CheckpointWriter(run_dir, 1, cluster, asynchronous)
         for step in (1, 2):  # the second save reuses the pinned staging buffer
             started = time.perf_counter()
-            writer.save(CheckpointPosition(step, step, 0, 0, 0), state)
+            writer.save(CheckpointPosition(step, step, 0), state)
             waited = time.perf_counter() - started
             pending = writer._pending
             n, during = _loop(device, a, until=lambda: pending is None or pending.done())

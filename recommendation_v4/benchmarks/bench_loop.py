@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,13 +30,16 @@ from dlrmv4.data.loader import make_window_loader
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
 from dlrmv4.distributed import Cluster
-from dlrmv4.train.run import clear_run_dir, seed_everything
+from dlrmv4.train.run import seed_everything, start_run
 from dlrmv4.train.trainer import Trainer, build_trainer
 
 
 def make_trainer(cfg: BenchmarkConfig, store, device: torch.device) -> Trainer:
+    """A fresh run's trainer (its run directory cleared: every run starts cold)."""
+    cluster = Cluster.single(device)
+    runlog, resume_from = start_run(cfg, cluster, restart=True)
     seed_everything(cfg.seed)
-    return build_trainer(cfg, store, Cluster.single(device), log=lambda _: None)
+    return build_trainer(cfg, store, cluster, runlog, resume_from, log=lambda _: None)
 
 
 def bare_seconds(cfg: BenchmarkConfig, store, device: torch.device, batches) -> float:
@@ -53,7 +55,6 @@ def bare_seconds(cfg: BenchmarkConfig, store, device: torch.device, batches) -> 
 
 
 def loop_seconds(cfg: BenchmarkConfig, store, device: torch.device) -> float:
-    clear_run_dir(Path(cfg.train.run_dir))  # every loop run starts cold
     trainer = make_trainer(cfg, store, device)
     history = trainer.run()
     assert history.status == "stopped" and history.steps == cfg.train.max_steps, history

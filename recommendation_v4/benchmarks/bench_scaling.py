@@ -81,7 +81,7 @@ def worker(args: argparse.Namespace) -> None:
     from dlrmv4.model.embeddings import store_table_counts
     from dlrmv4.train.memory_plan import plan_for_run
     from dlrmv4.train.prefetch import with_next
-    from dlrmv4.train.run import seed_everything
+    from dlrmv4.train.run import seed_everything, start_run
     from dlrmv4.train.trainer import build_trainer
 
     world = int(os.environ["WORLD_SIZE"])
@@ -99,8 +99,9 @@ def worker(args: argparse.Namespace) -> None:
     if not plan.fits:
         raise SystemExit(f"[dlrmv4] error: {plan.refusal()}")
     cfg = plan.resolve(cfg)
+    runlog, resume_from = start_run(cfg, cluster, restart=True)  # steps on bare batches: no run to resume
     seed_everything(cfg.seed)
-    trainer = build_trainer(cfg, store, cluster, log=lambda _: None)
+    trainer = build_trainer(cfg, store, cluster, runlog, resume_from, log=lambda _: None)
     model, embeddings = trainer.model, trainer.embeddings
     loader = make_window_loader(
         store,

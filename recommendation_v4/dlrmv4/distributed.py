@@ -230,6 +230,15 @@ class _Guard:
 _COMM_FAILURE = re.compile(r"gloo|nccl|connection|timed out|timeout|peer|socket|broken pipe", re.IGNORECASE)
 
 
+def check_batch_splits(global_batch: int, world_size: int) -> None:
+    """Every rank takes an equal share of each global batch: refused in one line otherwise."""
+    if world_size < 1 or global_batch % world_size:
+        raise UserError(
+            f"the global batch size {global_batch:,} does not split evenly over {world_size:,} processes: use a "
+            "multiple of the world size"
+        )
+
+
 def is_comm_failure(exc: BaseException) -> bool:
     """A failure of the transport under a collective (not a bug in the step itself)."""
     return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and bool(_COMM_FAILURE.search(str(exc))))

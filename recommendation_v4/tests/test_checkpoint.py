@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, pruning, skipping damaged ones, surviving kill -9, cadence."""
 
+import json
 import os
 import random
 import signal
@@ -96,9 +97,7 @@ def _assert_bit_equal(a, b):
 
 
 def _position(step):
-    return CheckpointPosition(
-        step=step, samples_seen=6 * step, window=step // 2, batch_in_window=step % 2, evals_done=step // 3
-    )
+    return CheckpointPosition(step=step, samples_seen=6 * step, window=step // 2)
 
 
 def test_resume_is_bit_exact(tmp_path, deterministic):
@@ -130,6 +129,16 @@ def test_resume_is_bit_exact(tmp_path, deterministic):
     restore_rng_state(loaded["rng"], {"noise": gen})
     _train(net, opts, gen, 3)
     _assert_bit_equal(_flat_state(net, opts), uninterrupted)
+
+
+def test_a_position_with_the_dropped_counters_still_loads(tmp_path):
+    """Checkpoints from before batch_in_window and evals_done were dropped (never read) still resume."""
+    net, opts, _ = _build(0)
+    path = save_checkpoint(tmp_path, _position(4), {"train": ModelAndOptimizers(net, opts)}, keep_last=1)
+    old = {**json.loads((path / "position.json").read_text()), "batch_in_window": 0, "evals_done": 1}
+    (path / "position.json").write_text(json.dumps(old))
+    position, _ = load_checkpoint(path, {"train": ModelAndOptimizers(net, opts)})
+    assert position == _position(4)
 
 
 def test_rng_round_trip_and_mismatch():
@@ -216,8 +225,8 @@ def test_no_checkpoint(tmp_path):
 
 def test_checkpoints_none_of_which_is_usable_are_refused(tmp_path, capsys):
     """A run directory whose every checkpoint is damaged: no silent start-over (it would rewrite
-    the run's MLPerf log); one line naming the newest's problem and --restart. Quietly: the resume
-    warns of what it skips, once."""
+    the run's MLPerf log); one line naming the newest's problem and --restart, and no warnings. A
+    resume point past damaged checkpoints warns once of each it skips."""
     net = torch.nn.Linear(4, 3)
     for step in (1, 2):
         _damage_marker(save_checkpoint(tmp_path, _position(step), {"model": net}, keep_last=3))
@@ -230,6 +239,11 @@ def test_checkpoints_none_of_which_is_usable_are_refused(tmp_path, capsys):
     assert capsys.readouterr().err == ""
     save_checkpoint(tmp_path, _position(3), {"model": net}, keep_last=3)
     assert resume_point(tmp_path).name == "step-00000003"
+    _damage_marker(save_checkpoint(tmp_path, _position(4), {"model": net}, keep_last=3))
+    capsys.readouterr()
+    assert resume_point(tmp_path).name == "step-00000003"
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "warning" in lines[0] and "step-00000004" in lines[0]
 
 
 def _held_writes(monkeypatch):
@@ -321,7 +335,7 @@ _WRITER = textwrap.dedent("""
         with torch.no_grad():
             for p in net.parameters():
                 p.fill_(step)
-        writer.save(CheckpointPosition(step, step, 0, step, 0), {"model": net, "step": step})
+        writer.save(CheckpointPosition(step, step, 0), {"model": net, "step": step})
 """)
 
 
@@ -351,7 +365,7 @@ def test_kill_during_write_never_leaves_a_partial_checkpoint(tmp_path, mode):
             assert state["step"] == position.step == int(path.name[5:]), where
             assert all(bool((p == position.step).all()) for p in net.parameters()), where
 
-        save_checkpoint(run_dir, CheckpointPosition(10_000, 0, 0, 0, 0), {"model": torch.nn.Linear(2, 2)}, keep_last=2)
+        save_checkpoint(run_dir, CheckpointPosition(10_000, 0, 0), {"model": torch.nn.Linear(2, 2)}, keep_last=2)
         assert latest_checkpoint(run_dir).name == "step-00010000", where
         assert not [p.name for p in root.iterdir() if p.name.startswith(".")], where
     # The writes take most of the child's time: some kill must have landed inside one.

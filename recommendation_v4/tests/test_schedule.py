@@ -12,7 +12,6 @@ from dlrmv4.reference_counts import REFERENCE_TRAIN_SAMPLES
 from dlrmv4.train.schedule import (
     EvalSchedule,
     eval_interval,
-    eval_points,
     first_eval_samples,
     skip_threshold,
 )
@@ -68,7 +67,7 @@ def test_matches_the_shipped_compliance_rule(gbs):
 def test_should_eval_and_points_agree():
     schedule = EvalSchedule(train_samples=100_000, global_batch_size=256)
     seen = [n for n in range(0, 100_001, 256) if schedule.should_eval(n)]
-    assert seen == list(eval_points(100_000, 256))
+    assert seen == list(schedule.points())
     assert seen[0] == schedule.first and all(b - a == schedule.interval for a, b in zip(seen, seen[1:]))
     assert list(schedule.points(max_samples=3 * 100_000))[-1] <= 300_000
 

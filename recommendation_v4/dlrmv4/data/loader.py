@@ -185,6 +185,14 @@ class WindowLoader(DataLoader):
     """A DataLoader whose workers' one-line errors stay one line: PyTorch re-raises a worker's
     exception with the worker's whole traceback as its message."""
 
+    dataset: WindowDataset
+
+    @property
+    def batch_plan(self) -> list[BatchSlice]:
+        """Every batch of the loader's windows from the first (a resumed loader starts part way):
+        its window and samples, the position a trainer reads the window of each step from."""
+        return self.dataset.plan
+
     def __iter__(self):
         try:
             yield from super().__iter__()
@@ -204,7 +212,7 @@ def _worker_message(message: str) -> str:
 def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfig, start_batch: int = 0,
                        drop_last: bool = False, rank: int = 0, world_size: int = 1,
                        worker_start: str | None = None, dedup_ids: bool = False,
-                       persistent_workers: bool = False) -> DataLoader:
+                       persistent_workers: bool = False) -> WindowLoader:
     """A DataLoader over ``windows`` (in the given order) that starts at batch ``start_batch`` (resume)
     and yields rank ``rank``'s slice of every batch. ``worker_start``: how its worker processes start
     (a multiprocessing start method; None: the platform's, fork on Linux). A process holding pinned

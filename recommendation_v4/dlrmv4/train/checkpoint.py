@@ -4,7 +4,7 @@ Layout: ``run_dir/checkpoints/step-<8 digits>/`` holding
   - the tensor state (model, optimizers, embedding tables) written by ``torch.distributed.checkpoint``
     (DCP: ``.metadata`` + ``__<rank>_<n>.distcp``), so sharded state saves the same way later;
   - ``position.json`` (the data position and counters) and ``state.pkl`` (small non-tensor state:
-    RNG states, metric state, run-log state, config echo);
+    RNG states, the run's history, run-log state, the settings of the resume contract);
   - ``COMPLETE``: sha256 and size of every other file, written last.
 The directory is built under a temp name beside it and renamed once, so a reader sees either no
 checkpoint or a whole one; the marker also catches later damage (truncation, bit rot).
@@ -67,11 +67,9 @@ WRITE_THREADS = 8
 class CheckpointPosition:
     """Where the loop stands: enough to continue with the next batch exactly."""
 
-    step: int  # optimizer steps done
+    step: int  # optimizer steps done: the loader's position (every step is one global batch)
     samples_seen: int  # train samples consumed (all processes)
     window: int  # index of the current train window
-    batch_in_window: int  # batches of that window already consumed
-    evals_done: int  # evaluations already run (and logged)
 
 
 class ModelAndOptimizers(Stateful):
@@ -206,7 +204,7 @@ def save_checkpoint(
     """Write ``run_dir/checkpoints/step-<position.step>/`` atomically and prune to ``keep_last``.
 
     ``state`` maps names to Stateful objects (``nn.Module``, ``ModelAndOptimizers``), saved by DCP
-    and later loaded in place, or to small picklable values (metric state, run-log state, ...).
+    and later loaded in place, or to small picklable values (the history, run-log state, ...).
     ``rank_state`` is this rank's own small state (RNG streams); ``load_checkpoint`` returns every
     rank's as ``rank_states``. With a cluster of several ranks every rank must call this.
     """
@@ -287,17 +285,25 @@ def latest_checkpoint(run_dir: str | os.PathLike, verify_hashes: bool = True, wa
 
 
 def resume_point(run_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint a run resumes from, None for a run directory without checkpoints. Checkpoints
-    none of which is sound are refused in one line: starting over would rewrite the run's MLPerf
-    log, which only ``--restart`` may do. Quiet: the resume itself warns of each one it skips."""
-    found = latest_checkpoint(run_dir, warn=False)
+    """The checkpoint a run resumes from, None for a run directory without checkpoints; each newer
+    one skipped gets one warning line. Checkpoints none of which is sound are refused in one line
+    (and no warnings): starting over would rewrite the run's MLPerf log, which only ``--restart``
+    may do. A run looks this up once (``run.start_run``): each check hashes the checkpoint's files."""
     steps = _step_dirs(_checkpoints_dir(run_dir))
-    if found is None and steps:
+    skipped: list[tuple[Path, str]] = []
+    for ckpt in reversed(steps):
+        problem = _problem(ckpt, True)
+        if problem is None:
+            for path, why in skipped:
+                print(f"[dlrmv4] warning: skipping checkpoint {path}: {why}", file=sys.stderr)
+            return ckpt
+        skipped.append((ckpt, problem))
+    if skipped:
         raise UserError(
             f"{_checkpoints_dir(run_dir)} holds {len(steps)} checkpoint(s) but none is usable (the newest, "
-            f"{steps[-1].name}: {_problem(steps[-1], True)}); pass --restart to start the run over"
+            f"{steps[-1].name}: {skipped[0][1]}); pass --restart to start the run over"
         )
-    return found
+    return None
 
 
 def load_small_state(path: str | os.PathLike) -> dict[str, Any]:
@@ -318,7 +324,9 @@ def load_checkpoint(
     """
     path = Path(path)
     tensor_state, _ = _split_state(state_template)
-    position = CheckpointPosition(**json.loads((path / POSITION_FILE).read_text()))
+    saved = json.loads((path / POSITION_FILE).read_text())
+    # Checkpoints written before two unused counters were dropped still hold them.
+    position = CheckpointPosition(**{f.name: saved[f.name] for f in dataclasses.fields(CheckpointPosition)})
     small_state = load_small_state(path)
     if tensor_state:
         _dcp_quietly(dcp.load, tensor_state, path, cluster)

@@ -19,7 +19,6 @@ from dlrmv4.train.checkpoint import (
     CheckpointPosition,
     CheckpointWriter,
     ModelAndOptimizers,
-    latest_checkpoint,
     load_checkpoint,
     load_small_state,
 )
@@ -71,13 +70,7 @@ class Checkpointer:
         window_steps: int,
         runlog_state: dict[str, Any],
     ) -> None:
-        position = CheckpointPosition(
-            step=history.steps,
-            samples_seen=history.samples,
-            window=window,
-            batch_in_window=0,
-            evals_done=len(history.evals),
-        )
+        position = CheckpointPosition(step=history.steps, samples_seen=history.samples, window=window)
         # This rank's own streams and loss sum: a resume on the same world size continues them exactly.
         own = {"rng": capture_rng_state({"dropout": self.model.dropout_generator}), "window_loss": float(window_loss)}
         # The mean over ranks: a resume on another world size continues the same number.
@@ -110,9 +103,9 @@ class Checkpointer:
         self.wait()
         self.writer.close()
 
-    def restore(self) -> Resumed | None:
-        """Continue from the newest complete checkpoint of run_dir (None: there is none)."""
-        path = self.cluster.broadcast(latest_checkpoint(self.cfg.train.run_dir) if self.cluster.is_main else None)
+    def restore(self, path: Path | None) -> Resumed | None:
+        """Continue from the checkpoint at ``path`` (the run's resume point, found once by the
+        caller on rank 0 and shared); None for a fresh run."""
         if path is None:
             return None
         changed = self.check_settings(Path(path))

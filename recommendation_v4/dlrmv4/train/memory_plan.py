@@ -29,6 +29,7 @@ import torch
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
+from dlrmv4.distributed import check_batch_splits
 from dlrmv4.errors import UserError
 from dlrmv4.model.dtypes import DTYPES
 from dlrmv4.model.embeddings.sharding import (
@@ -342,11 +343,7 @@ def make_memory_plan(
 
     backend = backend or target_backend(cfg, world_size)
     gbs = cfg.loader.batch_size
-    if world_size < 1 or gbs % world_size:
-        raise UserError(
-            f"the global batch size {gbs:,} does not split evenly over {world_size:,} processes: use a "
-            "multiple of the world size"
-        )
+    check_batch_splits(gbs, world_size)
     emb = cfg.embeddings
     if backend == "plain" and (emb.sharding_types or emb.placement):
         raise UserError(

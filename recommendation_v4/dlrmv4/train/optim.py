@@ -7,7 +7,7 @@ non-finite losses are recorded on the device and read only where the loop syncs 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -95,18 +95,6 @@ class WarmupSchedule:
         set_sparse_lr(lr)
         return lr
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"peak_lr": self.peak_lr, "warmup_steps": self.warmup_steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = (float(state["peak_lr"]), int(state["warmup_steps"]))
-        if saved != (self.peak_lr, self.warmup_steps):
-            raise UserError(
-                f"the checkpoint was trained with peak LR {saved[0]} and {saved[1]} warm-up steps, "
-                f"the config says {self.peak_lr} and {self.warmup_steps}; resume with the "
-                "checkpoint's settings or start a new run"
-            )
-
 
 def clip_dense_gradients(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip the global L2 norm of the dense gradients to ``max_norm`` (0: off).
@@ -126,13 +114,6 @@ def clip_dense_gradients(params: Iterable[torch.nn.Parameter], max_norm: float) 
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # takes parameters, scales .grad
     return norm
-
-
-def check_finite(loss: torch.Tensor, step: int, window: int) -> None:
-    """Raise ``TrainingDivergedError`` if ``loss`` has a NaN or inf. Reads the device: call it
-    only where the loop syncs anyway; per step, use ``FiniteMonitor`` instead."""
-    if not bool(torch.isfinite(loss.detach()).all()):
-        raise TrainingDivergedError(step, window)
 
 
 class FiniteMonitor:

@@ -36,10 +36,11 @@ from dlrmv4.train.history import RunHistory
 from dlrmv4.train.memory_plan import plan_for_run
 from dlrmv4.train.report import AUC_PLOT, REPORT_FILE, THROUGHPUT_PLOT, parameter_digest, write_report
 from dlrmv4.train.run_lock import RunDirectoryLock
-from dlrmv4.train.trainer import RUN_LOG_FILE, build_trainer
+from dlrmv4.train.trainer import build_trainer
 
 # Tables larger than this are not gathered onto one host for the report's digest.
 DIGEST_TABLE_LIMIT_BYTES = 4 << 30
+RUN_LOG_FILE = "mlperf_log.txt"
 
 
 def seed_everything(seed: int) -> None:
@@ -62,6 +63,24 @@ def clear_run_dir(run_dir: Path) -> None:
 
 def run_log_path(cfg: BenchmarkConfig) -> Path:
     return Path(cfg.mlperf.log_file) if cfg.mlperf.log_file else Path(cfg.train.run_dir) / RUN_LOG_FILE
+
+
+def start_run(cfg: BenchmarkConfig, cluster: Cluster, restart: bool = False) -> tuple[RunLog, Path | None]:
+    """The one place a run's start is decided: (its MLPerf log, the checkpoint it resumes from).
+    ``restart`` clears the run directory first. The resume point is found once, on rank 0 (its
+    check hashes the checkpoint), and shared; a fresh run's log is opened here with INIT_START
+    (before the model is built), a resumed run's is reopened by the Trainer from its checkpoint."""
+    run_dir = Path(cfg.train.run_dir)
+    runlog = RunLog(run_log_path(cfg), rank=cluster.rank, barrier=cluster.barrier)
+    if cluster.is_main:
+        runlog.check_writable(runlog.path)  # fail before any work, not at the first event
+        if restart:
+            clear_run_dir(run_dir)
+    resume_from = cluster.broadcast(resume_point(run_dir) if cluster.is_main else None)
+    if resume_from is None:  # the MLPerf run begins here
+        runlog.open(0)
+        runlog.init_start()
+    return runlog, resume_from
 
 
 def run_training(
@@ -109,11 +128,6 @@ def _run(
     config_filename: str,
 ) -> tuple[RunHistory, Path]:
     run_dir = Path(cfg.train.run_dir)
-    if cfg.loader.batch_size % cluster.world_size:
-        raise UserError(
-            f"the global batch size {cfg.loader.batch_size} does not split evenly over "
-            f"{cluster.world_size} processes: use a multiple of the world size"
-        )
     store_path = store_dir(cfg.dataset)
     if cluster.world_size > 1 and not (store_path / "meta.json").exists():
         raise UserError(
@@ -139,17 +153,9 @@ def _run(
     if cluster.is_main:  # rank 0 holds it for the launch, before anything in it is read or changed
         held.enter_context(RunDirectoryLock(run_dir, log))
     with held:
-        runlog = RunLog(run_log_path(cfg), rank=cluster.rank, barrier=cluster.barrier)
-        if cluster.is_main:
-            runlog.check_writable(runlog.path)  # fail before any work, not at the first event
-            if restart:
-                clear_run_dir(run_dir)
-        cold = cluster.broadcast(resume_point(run_dir) is None if cluster.is_main else None)
-        if cold:  # the MLPerf run begins here
-            runlog.open(0)
-            runlog.init_start()
+        runlog, resume_from = start_run(cfg, cluster, restart)
         seed_everything(cfg.seed)
-        trainer = build_trainer(cfg, store, cluster, log, progress, runlog, config_filename)
+        trainer = build_trainer(cfg, store, cluster, runlog, resume_from, log, progress, config_filename)
         model, embeddings = trainer.model, trainer.embeddings
         log(
             f"training on {cluster.describe()} with {embeddings.backend} embeddings: {len(trainer.windows)} train "

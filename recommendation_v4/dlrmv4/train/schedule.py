@@ -89,10 +89,3 @@ class EvalSchedule:
         """Eval sample counts up to ``max_samples`` (default: one epoch), in order."""
         limit = self.train_samples if max_samples is None else max_samples
         return iter(range(self.first, limit + 1, self.interval))
-
-
-def eval_points(
-    train_samples: int, global_batch_size: int, eval_every_data_pct: float = 0.001, max_samples: int | None = None
-) -> Iterator[int]:
-    """The sample counts at which evals happen, up to ``max_samples`` (default: one epoch)."""
-    return EvalSchedule(train_samples, global_batch_size, eval_every_data_pct).points(max_samples)

@@ -30,11 +30,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from dlrmv4.config import BenchmarkConfig
-from dlrmv4.data.loader import WindowDataset, make_window_loader
+from dlrmv4.data.loader import WindowLoader, make_window_loader
 from dlrmv4.data.store import Store
 from dlrmv4.data.windows import sample_counts, split_windows
-from dlrmv4.distributed import Cluster
-from dlrmv4.errors import UserError
+from dlrmv4.distributed import Cluster, check_batch_splits
 from dlrmv4.mlperf.runlog import RunFacts, RunLog
 from dlrmv4.model.embeddings import (
     SparseEmbeddings,
@@ -52,8 +51,6 @@ from dlrmv4.train.prefetch import DevicePrefetcher, with_next
 from dlrmv4.train.progress import TrainProgress
 from dlrmv4.train.step import TrainStep
 from dlrmv4.train.trace import StepProfiler, parse_step_windows
-
-RUN_LOG_FILE = "mlperf_log.txt"
 
 
 def build_model_and_tables(
@@ -86,14 +83,16 @@ def build_trainer(
     cfg: BenchmarkConfig,
     store: Store,
     cluster: Cluster,
+    runlog: RunLog,
+    resume_from: Path | None,
     log: Callable[[str], None] = print,
     progress: bool = False,
-    runlog: RunLog | None = None,
     config_filename: str = "python-api",
 ) -> "Trainer":
-    """A ``Trainer`` for ``cfg`` on ``store``: the model and tables built and placed for this rank."""
+    """A ``Trainer`` for ``cfg`` on ``store``: the model and tables built and placed for this rank.
+    ``runlog`` and ``resume_from`` as the Trainer takes them (``run.py`` makes both)."""
     model, embeddings = build_model_and_tables(cfg, store_table_counts(store), cluster)
-    return Trainer(cfg, store, model, embeddings, cluster, log, progress, runlog, config_filename)
+    return Trainer(cfg, store, model, embeddings, cluster, runlog, resume_from, log, progress, config_filename)
 
 
 class Trainer:
@@ -106,24 +105,25 @@ class Trainer:
         model: DlrmHSTU,
         embeddings,
         cluster: Cluster,
+        runlog: RunLog,
+        resume_from: Path | None,
         log: Callable[[str], None] = print,
         progress: bool = False,
-        runlog: RunLog | None = None,
         config_filename: str = "python-api",
     ) -> None:
+        """``runlog``: the run's MLPerf log, opened by the caller for a fresh run (INIT_START
+        before the model is built) and reopened here from the checkpoint for a resumed one.
+        ``resume_from``: the checkpoint the run continues from, found once by the caller
+        (``checkpoint.resume_point``), None for a fresh run."""
         world = cluster.world_size
-        if cfg.loader.batch_size % world:
-            raise UserError(
-                f"the global batch size {cfg.loader.batch_size} does not split evenly over {world} "
-                "processes: use a multiple of the world size"
-            )
+        check_batch_splits(cfg.loader.batch_size, world)
         self.cfg, self.store, self.model, self.embeddings, self.cluster = cfg, store, model, embeddings, cluster
         self.device = cluster.device
         self._log, self.show_progress, self.config_filename = log, progress, config_filename
         self.progress: TrainProgress | None = None
         self.windows, self.holdout = split_windows(store)
         self.train_samples, self.eval_samples = sample_counts(store)
-        self.runlog = runlog if runlog is not None else RunLog(Path(cfg.train.run_dir) / RUN_LOG_FILE)
+        self.runlog, self.resume_from = runlog, resume_from
         self.finite = FiniteMonitor(self.device, None if world == 1 else lambda t: cluster.all_reduce_(t, "min"))
         # Data parallel: as DistributedModelParallel wrapped it (TorchRec), or here (the plain backend).
         # Buffers are not synchronised: every rank builds the same ones. Inputs are already on the device.
@@ -190,9 +190,8 @@ class Trainer:
             worker_start=self.worker_start,
             dedup_ids=self.dedup_ids,
         )
-        assert isinstance(loader.dataset, WindowDataset)
         self.progress = TrainProgress(
-            len(loader.dataset.plan) * self.cfg.loader.batch_size,
+            len(loader.batch_plan) * self.cfg.loader.batch_size,
             history.samples,
             self.show_progress and self.cluster.is_main,
         )
@@ -217,14 +216,13 @@ class Trainer:
     def _resume_or_start(self) -> RunHistory:
         """The newest checkpoint's history (its MLPerf log reopened if the run goes on), or a fresh
         run's, whose MLPerf log gets INIT_STOP and RUN_START here."""
-        resumed = self.checkpointer.restore()
+        resumed = self.checkpointer.restore(self.resume_from)
         facts = RunFacts(
             self.train_samples, self.eval_samples, self.config_filename, self.cluster.world_size, self.step.chunks
         )
         if resumed is None:
             if not self.runlog.opened:
-                self.runlog.open(0)
-                self.runlog.init_start()
+                raise RuntimeError("a fresh run's MLPerf log is opened (INIT_START) before its Trainer is built")
             self.runlog.init_stop_and_run_start(self.cfg, facts)
             return RunHistory()
         self.window_loss.fill_(resumed.window_loss)
@@ -238,8 +236,8 @@ class Trainer:
             self.runlog.resume(resumed.runlog, self.cfg, facts, resumed.changed_settings)
         return history
 
-    def _stream(self, history: RunHistory, loader) -> None:
-        plan = loader.dataset.plan
+    def _stream(self, history: RunHistory, loader: WindowLoader) -> None:
+        plan = loader.batch_plan
         started = tick = time.perf_counter()
         self.model.train()
         batches = DevicePrefetcher(loader, self.device)
