@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from harness import RESULTS, command_line, device_facts, device_label, write_results
 
+from dlrmv4.checkpoint.files import CheckpointPosition, CheckpointWriter, ModelAndOptimizers
 from dlrmv4.distributed import Cluster
-from dlrmv4.train.checkpoint import CheckpointPosition, CheckpointWriter, ModelAndOptimizers
 
 GIB = 1 << 30
 

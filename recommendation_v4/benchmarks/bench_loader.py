@@ -33,7 +33,8 @@ from harness import RESULTS, command_line, cpu_model, write_results
 from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.loader import WindowDataset
 from dlrmv4.data.paths import store_dir
-from dlrmv4.data.store import open_store, store_files, usable_cores
+from dlrmv4.data.store import open_store, store_files
+from dlrmv4.parallel import usable_cores
 
 
 def dataset(cfg: BenchmarkConfig, rank: int, ranks: int) -> WindowDataset:

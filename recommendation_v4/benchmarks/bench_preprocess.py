@@ -105,8 +105,8 @@ def _child(code: str, *args: str) -> dict:
 
 
 def measure(size: str, work: Path, seed: int, cores: list[int], chunk_rows: list[int]) -> list[dict]:
-    from dlrmv4.data.store import usable_cores
     from dlrmv4.data.synthetic import generate
+    from dlrmv4.parallel import usable_cores
 
     raw_root = work / f"raw-{size}"
     t = time.perf_counter()
@@ -197,7 +197,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS), help="results folder")
     args = parser.parse_args()
     from dlrmv4.config import PreprocessConfig
-    from dlrmv4.data.store import usable_cores
+    from dlrmv4.parallel import usable_cores
 
     cores = args.cores or [usable_cores()]
     if max(cores) > usable_cores():

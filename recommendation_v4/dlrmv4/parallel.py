@@ -4,12 +4,18 @@ to threads (numpy and hashlib let go of the GIL)."""
 from __future__ import annotations
 
 import itertools
+import os
 from collections import deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (``taskset`` and cgroup cpusets narrow it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def in_order(pool: Executor, fn: Callable[[T], R], items: Iterable[T], ahead: int) -> Iterator[R]:

@@ -14,11 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from dlrmv4.config import TrainConfig
-from dlrmv4.distributed import Cluster
-from dlrmv4.errors import UserError
-from dlrmv4.train import checkpoint as checkpoint_module
-from dlrmv4.train.checkpoint import (
+from dlrmv4.checkpoint import files as checkpoint_module
+from dlrmv4.checkpoint.files import (
     CheckpointCadence,
     CheckpointPosition,
     CheckpointWriter,
@@ -28,7 +25,10 @@ from dlrmv4.train.checkpoint import (
     resume_point,
     save_checkpoint,
 )
-from dlrmv4.train.rng import capture_rng_state, restore_rng_state
+from dlrmv4.checkpoint.rng import capture_rng_state, restore_rng_state
+from dlrmv4.config import TrainConfig
+from dlrmv4.distributed import Cluster
+from dlrmv4.errors import UserError
 
 
 @pytest.fixture
@@ -326,7 +326,7 @@ def test_async_write_error_surfaces_at_the_next_wait_in_one_line(tmp_path):
 # Writes ~24 MB checkpoints in a loop, each tensor filled with its step, until it is killed.
 _WRITER = textwrap.dedent("""
     import sys, torch
-    from dlrmv4.train.checkpoint import CheckpointPosition, CheckpointWriter
+    from dlrmv4.checkpoint.files import CheckpointPosition, CheckpointWriter
     from dlrmv4.distributed import Cluster
     net = torch.nn.ModuleList(torch.nn.Linear(1000, 2000) for _ in range(3))
     writer = CheckpointWriter(sys.argv[1], 2, Cluster.single(torch.device("cpu")), sys.argv[2] == "async")

@@ -117,7 +117,7 @@ def _final_tables(run_dir: Path) -> dict:
 
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from dlrmv4.train.checkpoint import latest_checkpoint
+    from dlrmv4.checkpoint.files import latest_checkpoint
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's one-process warning
@@ -239,10 +239,10 @@ def test_non_finite_loss_stops_with_the_step_and_window(data_path, tmp_path, mon
     """The model's loss turns NaN at training step 11: ``python -m dlrmv4 train`` must stop with one
     line naming step 11 and its window, exit 1, and never checkpoint the diverged state."""
     from dlrmv4 import cli
+    from dlrmv4.checkpoint.files import CHECKPOINT_DIR
     from dlrmv4.data.loader import make_window_loader
     from dlrmv4.data.store import open_store
     from dlrmv4.model.hstu import DlrmHSTU
-    from dlrmv4.train.checkpoint import CHECKPOINT_DIR
 
     bad_step, calls = 11, {"train": 0}
     forward = DlrmHSTU.forward
@@ -351,7 +351,7 @@ def test_a_resume_with_other_run_settings_stops_naming_them(data_path, tmp_path)
 
 
 def test_run_settings_leave_out_the_resumable_knobs():
-    from dlrmv4.train.resume_contract import RESUMABLE_FIELDS, changed_settings, run_settings
+    from dlrmv4.checkpoint.resume_contract import RESUMABLE_FIELDS, changed_settings, run_settings
 
     cfg = load_config(None, None, {})
     settings = run_settings(cfg)

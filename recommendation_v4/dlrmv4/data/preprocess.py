@@ -57,7 +57,7 @@ from dlrmv4.data.yambda_schema import (ACTION_LIKE, ACTION_LISTEN_PLUS, ACTION_S
                                        open_parquet)
 from dlrmv4.errors import UserError, one_line
 from dlrmv4.files import atomic_directory, check_free_space, check_writable, write_errors_in_one_line, write_json
-from dlrmv4.parallel import in_order
+from dlrmv4.parallel import in_order, usable_cores
 
 RAW_COLUMNS = ["uid", "item_id", "timestamp", "is_organic", "event_type", "played_ratio_pct"]
 
@@ -569,7 +569,7 @@ def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: S
     popularity = np.zeros(0, np.int64)
     max_item = -1
     chunks = _plan_chunks(pf, cfg.rows_per_chunk)
-    workers = cfg.workers or st.usable_cores()
+    workers = cfg.workers or usable_cores()
     with tqdm(total=num_rows, unit="ev", unit_scale=True, desc="preprocess", disable=not progress) as bar, \
             contextlib.closing(_results_in_order(pf, path, chunks, bounds, cfg, workers)) as results:
         append_seconds = 0.0  # the parent's own work: with many workers, the rate it caps

@@ -43,6 +43,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dlrmv4.errors import UserError, one_line
+from dlrmv4.parallel import usable_cores
 
 # 2: the reference's split end, windows from the earliest anchor, sessions over train events only.
 STORE_SCHEMA_VERSION = 2
@@ -220,11 +221,6 @@ def file_md5(path: Path, chunk: int = 1 << 24) -> str:
         while block := fh.read(chunk):
             digest.update(block)
     return digest.hexdigest()
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (``taskset`` and cgroup cpusets narrow it)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def file_md5s(paths: list[Path], workers: int = 0, on_file: Callable[[int], None] = lambda _: None) -> list[str]:

@@ -19,7 +19,7 @@ from dlrmv4.data import store as st
 from dlrmv4.data.verified_stamp import clear_stamp, snapshot, unverified_reason, write_stamp
 from dlrmv4.data.yambda_schema import ACTION_LIKE, ACTION_LISTEN_PLUS, ACTION_SKIP, EVENT_TYPES, LIKE, LISTEN
 from dlrmv4.errors import UserError
-from dlrmv4.parallel import parallel_map
+from dlrmv4.parallel import parallel_map, usable_cores
 
 EVENTS_PER_CHECK = 4_000_000  # per thread: a chunk's temporaries take about 60 bytes an event
 
@@ -110,7 +110,7 @@ def _session_breaks(split: st.EventSplit, user_starts: np.ndarray, start: int, s
 
 
 def check_invariants(store: st.Store, workers: int = 0) -> list[str]:
-    workers = workers or st.usable_cores()
+    workers = workers or usable_cores()
     problems: list[str] = []
     meta, split = store.meta, store.meta["split"]
     gap = meta["constants"]["session_gap_seconds"]
@@ -264,7 +264,7 @@ def verify_store(
     ``on_step``; ``workers`` threads (0: one per usable core)."""
     if not path.exists():
         raise UserError(f"{path}: no processed store here (run download_dataset.sh first)")
-    workers = workers or st.usable_cores()
+    workers = workers or usable_cores()
     size = sum(f.stat().st_size for f in st.store_files(path))
     on_step(f"checking md5 sums ({size / 1e9:.2f} GB, {workers} threads)")
     started = time.perf_counter()

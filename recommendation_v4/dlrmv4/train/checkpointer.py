@@ -10,11 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from dlrmv4.config import BenchmarkConfig
-from dlrmv4.distributed import Cluster
-from dlrmv4.errors import UserError
-from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.train.checkpoint import (
+from dlrmv4.checkpoint.files import (
     CheckpointCadence,
     CheckpointPosition,
     CheckpointWriter,
@@ -22,9 +18,13 @@ from dlrmv4.train.checkpoint import (
     load_checkpoint,
     load_small_state,
 )
+from dlrmv4.checkpoint.resume_contract import changed_settings, run_settings
+from dlrmv4.checkpoint.rng import capture_rng_state, restore_rng_state, resume_seed
+from dlrmv4.config import BenchmarkConfig
+from dlrmv4.distributed import Cluster
+from dlrmv4.errors import UserError
+from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.history import RunHistory
-from dlrmv4.train.resume_contract import changed_settings, run_settings
-from dlrmv4.train.rng import capture_rng_state, restore_rng_state, resume_seed
 
 
 @dataclass

@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from dlrmv4.checkpoint.files import CHECKPOINT_DIR, resume_point
 from dlrmv4.config import BenchmarkConfig, to_dict
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
@@ -31,7 +32,6 @@ from dlrmv4.mlperf.rules import check_closed_division
 from dlrmv4.mlperf.runlog import RunLog
 from dlrmv4.model.embeddings import store_table_counts
 from dlrmv4.model.embeddings.sharding import check_sharding_options, describe_plan, plan_rows
-from dlrmv4.train.checkpoint import CHECKPOINT_DIR, resume_point
 from dlrmv4.train.history import RunHistory
 from dlrmv4.train.memory_plan import plan_for_run
 from dlrmv4.train.report import AUC_PLOT, REPORT_FILE, THROUGHPUT_PLOT, parameter_digest, write_report

@@ -7,18 +7,18 @@ Where each concern lives:
   plain.py             the plain backend: replicated fp32 tables, its lookup and pending gradients
   sparse_optimizer.py  the plain backend's row-wise Adagrad update
   exchange.py          the plain backend's gradient exchange between ranks
-  checkpoint_state.py  the tables in checkpoints (one format for both backends)
   torchrec_tables.py   the TorchRec backend: DistributedModelParallel, fused row-wise Adagrad
   sharding.py          TorchRec's sharding plan and the quantized all-to-all codecs
   torchrec_permute.py  a gather for the backward of TorchRec's row-wise unbucketize step
   backend.py           picking a backend and building it (make_embeddings)
+The tables' checkpoint entry (one format for both backends) is dlrmv4/checkpoint/tables.py.
 
 The batch's id features and their KeyedJaggedTensor layout are the data side's
 (``data/sparse_features.py``).
 """
 
+from dlrmv4.checkpoint.tables import TableState
 from dlrmv4.model.embeddings.backend import looks_up_distinct_ids, make_embeddings, resolve_backend, torchrec_works
-from dlrmv4.model.embeddings.checkpoint_state import TableState
 from dlrmv4.model.embeddings.plain import PlainEmbeddings
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
 from dlrmv4.model.embeddings.tables import (

@@ -20,13 +20,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from dlrmv4.checkpoint.tables import TableState, gather_full_tables, load_full_tables
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, table_rows
 from dlrmv4.data.sparse_features import SHARED_IDS, feature_ids
 from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
-from dlrmv4.model.embeddings.checkpoint_state import TableState, gather_full_tables, load_full_tables
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
 
 # One table per shared id: the history and the candidate look up the same rows.

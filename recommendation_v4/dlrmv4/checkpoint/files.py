@@ -49,10 +49,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dlrmv4.config import TrainConfig
-from dlrmv4.data.store import usable_cores
 from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.files import atomic_directory, remove_dead_temps, write_errors_in_one_line
+from dlrmv4.parallel import usable_cores
 
 MARKER = "COMPLETE"
 POSITION_FILE = "position.json"
