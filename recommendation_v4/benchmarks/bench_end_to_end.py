@@ -48,7 +48,7 @@ from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.model.embeddings import TABLE_NAMES
 from dlrmv4.model.flops import batch_flops
 from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.train.activation_memory import ActivationShape, kept_bytes_per_token
+from dlrmv4.plan.activations import ActivationShape, kept_bytes_per_token
 from dlrmv4.train.step import TrainStep
 from dlrmv4.train.trainer import build_step
 

@@ -29,7 +29,7 @@ from dlrmv4.config import load_config
 from dlrmv4.model.embeddings import make_embeddings, table_specs
 from dlrmv4.model.embeddings.tables import init_bound
 from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS
+from dlrmv4.reference_counts import YAMBDA_5B_TABLE_COUNTS
 
 REFERENCE = {"first_loss": 0.142, "logit_std": 0.07}
 
@@ -44,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = load_config("yambda-5b")
-    real_rows = {s.name: s.rows for s in table_specs(cfg, *YAMBDA_5B_COUNTS)}
+    real_rows = {s.name: s.rows for s in table_specs(cfg, *YAMBDA_5B_TABLE_COUNTS)}
     model_cfg = cfg.model if device.type == "cuda" else dataclasses.replace(cfg.model, sequence_dtype="float32")
     cfg = dataclasses.replace(
         cfg,

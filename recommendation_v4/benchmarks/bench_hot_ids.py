@@ -42,11 +42,11 @@ def config(args: argparse.Namespace, qcomm: str, world: int):
     from bench_scaling import real_table_rows
 
     from dlrmv4.config import load_config
-    from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS
+    from dlrmv4.reference_counts import YAMBDA_5B_TABLE_COUNTS
 
     cfg = load_config("yambda-5b")
     cfg = dataclasses.replace(cfg, loader=dataclasses.replace(cfg.loader, batch_size=args.per_rank_batch * world))
-    rows = real_table_rows(args.real_tables_of, world, YAMBDA_5B_COUNTS if not args.smoke else (1, 1, 1))
+    rows = real_table_rows(args.real_tables_of, world, YAMBDA_5B_TABLE_COUNTS if not args.smoke else (1, 1, 1))
     emb = dataclasses.replace(
         cfg.embeddings,
         embedding_backend="torchrec",
@@ -68,7 +68,10 @@ def worker(args: argparse.Namespace) -> None:
     from dlrmv4.config import DistributedConfig
     from dlrmv4.distributed import start_cluster
     from dlrmv4.model.embeddings import make_embeddings, table_specs
-    from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS, plan_for_run
+    from dlrmv4.plan.explain import refusal
+    from dlrmv4.plan.machine import plan_for_run
+    from dlrmv4.plan.resolve import resolved_config
+    from dlrmv4.reference_counts import YAMBDA_5B_TABLE_COUNTS
 
     world = int(os.environ["WORLD_SIZE"])
     cluster = start_cluster(DistributedConfig(), need_group=True)  # TorchRec needs a group, even of one
@@ -77,10 +80,10 @@ def worker(args: argparse.Namespace) -> None:
     (qcomm,) = args.qcomms  # main() launches the workers once per precision
     cfg = config(args, qcomm, world)
     if not args.smoke:  # which tables fit in HBM and which live in host memory, as a run would plan it
-        plan = plan_for_run(cfg, cluster, YAMBDA_5B_COUNTS)
+        plan = plan_for_run(cfg, cluster, YAMBDA_5B_TABLE_COUNTS)
         if not plan.fits:
-            raise SystemExit(f"[dlrmv4] error: {plan.refusal()}")
-        cfg = plan.resolve(cfg)
+            raise SystemExit(f"[dlrmv4] error: {refusal(plan)}")
+        cfg = resolved_config(plan, cfg)
     specs = table_specs(cfg, 0, 0, 0)  # config() sized every table
     embeddings = make_embeddings(specs, cfg, device, seed=0, cluster=cluster)
     table_rows = {s.name: s.rows for s in specs}

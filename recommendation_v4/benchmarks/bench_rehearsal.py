@@ -33,7 +33,10 @@ from dlrmv4.config import BenchmarkConfig, load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.model.embeddings import make_embeddings, table_specs
 from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS, make_memory_plan
+from dlrmv4.plan.explain import describe, refusal
+from dlrmv4.plan.resolve import resolved_config
+from dlrmv4.plan.search import make_memory_plan
+from dlrmv4.reference_counts import YAMBDA_5B_TABLE_COUNTS
 from dlrmv4.train.optim import FiniteMonitor
 from dlrmv4.train.step import TrainStep
 
@@ -47,8 +50,8 @@ def rank_config(
     plan, cfg: BenchmarkConfig, smoke: bool, sparse_pipeline: bool = True
 ) -> tuple[BenchmarkConfig, dict[str, int]]:
     """The config of one process holding rank 0's share of every table, as the 8-rank plan lays it."""
-    planned = plan.resolve(cfg)
-    rows = {s.name: math.ceil(s.rows / PLAN_WORLD) for s in table_specs(cfg, *YAMBDA_5B_COUNTS)}
+    planned = resolved_config(plan, cfg)
+    rows = {s.name: math.ceil(s.rows / PLAN_WORLD) for s in table_specs(cfg, *YAMBDA_5B_TABLE_COUNTS)}
     if smoke:
         rows = {name: 1_000 for name in rows}
     emb = dataclasses.replace(
@@ -123,12 +126,12 @@ def main() -> None:
         device_kind="cuda",
         device_memory_bytes=device_bytes,
         host_memory_bytes=int(args.host_memory_gib * 2**30),
-        table_counts=YAMBDA_5B_COUNTS,
+        table_counts=YAMBDA_5B_TABLE_COUNTS,
         backend="torchrec",
     )
-    print(plan.describe(), flush=True)
+    print(describe(plan), flush=True)
     if not plan.fits:
-        sys.exit(f"[dlrmv4] error: {plan.refusal()}")
+        sys.exit(f"[dlrmv4] error: {refusal(plan)}")
     rcfg, rows = rank_config(plan, cfg, args.smoke, args.sparse_pipeline == "true")
     start_single_process_group(device)
     torch.manual_seed(0)
@@ -188,7 +191,7 @@ def main() -> None:
         "device": name,
         "torch": torch.__version__,
         "commit": git_commit(),
-        "plan": plan.describe(),
+        "plan": describe(plan),
         "placement": rcfg.embeddings.placement,
         "rank_rows": rows,
         "table_gib": sum(rows.values()) * rcfg.model.embedding_dim * 4 / 2**30,

@@ -52,7 +52,7 @@ def real_table_rows(plan_world: int, world: int, store_counts: tuple[int, int, i
         return {}
     from dlrmv4.config import SamplerConfig
     from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
-    from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS
+    from dlrmv4.reference_counts import YAMBDA_5B_TABLE_COUNTS
 
     def scaled(rows: int) -> int:
         return -(-rows * world // plan_world)
@@ -60,7 +60,7 @@ def real_table_rows(plan_world: int, world: int, store_counts: tuple[int, int, i
     real = SamplerConfig()
     out = {
         ("embeddings", f"{name}_rows"): max(scaled(rows), count)
-        for name, rows, count in zip(("item", "artist", "album"), YAMBDA_5B_COUNTS, store_counts)
+        for name, rows, count in zip(("item", "artist", "album"), YAMBDA_5B_TABLE_COUNTS, store_counts)
     }
     out.update(
         {
@@ -79,7 +79,9 @@ def worker(args: argparse.Namespace) -> None:
     from dlrmv4.data.store import open_store
     from dlrmv4.distributed import start_cluster
     from dlrmv4.model.embeddings import store_table_counts
-    from dlrmv4.train.memory_plan import plan_for_run
+    from dlrmv4.plan.explain import refusal
+    from dlrmv4.plan.machine import plan_for_run
+    from dlrmv4.plan.resolve import resolved_config
     from dlrmv4.train.prefetch import with_next
     from dlrmv4.train.run import seed_everything, start_run
     from dlrmv4.train.trainer import build_trainer
@@ -97,8 +99,8 @@ def worker(args: argparse.Namespace) -> None:
     # live in host memory, for this world size on this machine.
     plan = plan_for_run(cfg, cluster, store_table_counts(store))
     if not plan.fits:
-        raise SystemExit(f"[dlrmv4] error: {plan.refusal()}")
-    cfg = plan.resolve(cfg)
+        raise SystemExit(f"[dlrmv4] error: {refusal(plan)}")
+    cfg = resolved_config(plan, cfg)
     runlog, resume_from = start_run(cfg, cluster, restart=True)  # steps on bare batches: no run to resume
     seed_everything(cfg.seed)
     trainer = build_trainer(cfg, store, cluster, runlog, resume_from, log=lambda _: None)

@@ -233,12 +233,13 @@ def cmd_train(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
 
 
 def cmd_plan(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
-    from dlrmv4.train.memory_plan import plan_for_config
+    from dlrmv4.plan.explain import describe, refusal
+    from dlrmv4.plan.machine import plan_for_config
 
     plan = plan_for_config(cfg)
-    print(plan.describe(), flush=True)
+    print(describe(plan), flush=True)
     if not plan.fits:
-        raise UserError(plan.refusal())
+        raise UserError(refusal(plan))
 
 
 def cmd_check_log(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:

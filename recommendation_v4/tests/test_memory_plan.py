@@ -13,13 +13,18 @@ from dlrmv4.cli import main
 from dlrmv4.config import load_config
 from dlrmv4.data.hashing import table_rows
 from dlrmv4.model.embeddings.sharding import parse_table_options, target_plan
-from dlrmv4.train.activation_memory import (
+from dlrmv4.plan.activations import (
     MEASURED_BYTES_PER_TOKEN,
     ActivationShape,
     kept_bytes_per_token,
     stu_kept_bytes_per_token,
 )
-from dlrmv4.train.memory_plan import GIB, YAMBDA_5B_COUNTS, chunk_efficiency, make_memory_plan, plan_for_config
+from dlrmv4.plan.costs import GIB, chunk_efficiency
+from dlrmv4.plan.explain import describe, refusal
+from dlrmv4.plan.machine import plan_for_config
+from dlrmv4.plan.resolve import resolved_config
+from dlrmv4.plan.search import make_memory_plan
+from dlrmv4.reference_counts import YAMBDA_5B_TABLE_COUNTS
 
 BASE = ("item", "artist", "album", "uid")
 CROSSES = ("user_artist", "user_album", "user_hour", "item_hour", "artist_hour", "user_organic", "user_artist_hour")
@@ -53,7 +58,7 @@ def _main(capsys, *args):
 def _all_hbm_table_bytes(cfg) -> int:
     """Per rank: every table row-split over 8 ranks (the first shards take the ceiling), fp32 rows
     of 512 + one fp32 Adagrad value per row."""
-    rows = list(YAMBDA_5B_COUNTS) + list(table_rows(cfg.sampler))
+    rows = list(YAMBDA_5B_TABLE_COUNTS) + list(table_rows(cfg.sampler))
     return sum(math.ceil(r / 8) * (512 * 4 + 4) for r in rows)
 
 
@@ -86,7 +91,7 @@ def test_reference_recipe_fits_8_gpus(tmp_path, capsys, gib):
 
 def test_resolved_config_is_what_the_runs_planner_accepts(tmp_path):
     plan = _reference_plan(tmp_path, 80)
-    cfg = plan.resolve(_cfg(tmp_path))
+    cfg = resolved_config(plan, _cfg(tmp_path))
     assert cfg.train.chunks == plan.chunks >= 1 and cfg.model.recompute == plan.recompute != "auto"
     emb = cfg.embeddings
     placement = parse_table_options(emb.placement, "placement", ("hbm", "uvm", "uvm_caching"))
@@ -113,7 +118,7 @@ def test_fixed_chunks_and_recompute_are_honoured(tmp_path):
     plan = _reference_plan(tmp_path, 180, train__chunks=7, model__recompute="cheap")
     assert plan.fits and (plan.chunks, plan.recompute) == (7, "cheap")
     assert plan.candidate.activations.samples == math.ceil(1024 / 7)
-    cfg = plan.resolve(_cfg(tmp_path, train__chunks=7, model__recompute="cheap"))
+    cfg = resolved_config(plan, _cfg(tmp_path, train__chunks=7, model__recompute="cheap"))
     assert (cfg.train.chunks, cfg.model.recompute) == (7, "cheap")
     # Only the recompute mode fixed: the plan picks the chunks for that mode.
     layer = _reference_plan(tmp_path, 180, model__recompute="layer")
@@ -123,7 +128,7 @@ def test_fixed_chunks_and_recompute_are_honoured(tmp_path):
 def test_a_fixed_choice_that_does_not_fit_names_its_knob(tmp_path):
     plan = _reference_plan(tmp_path, 141, train__chunks=1, model__recompute="none")
     assert not plan.fits
-    line = plan.refusal()
+    line = refusal(plan)
     assert "\n" not in line and "--chunks 0" in line and "--recompute layer" in line
 
 
@@ -254,7 +259,7 @@ def test_tiny_preset_on_the_cpu_fits_unchunked(tiny_data):
     plan = plan_for_config(cfg)
     assert plan.target.device_kind == "cpu" and plan.backend == "plain"
     assert plan.fits and (plan.chunks, plan.recompute) == (1, "none")
-    resolved = plan.resolve(cfg)
+    resolved = resolved_config(plan, cfg)
     assert (resolved.train.chunks, resolved.model.recompute) == (1, "none")
     assert resolved.embeddings == cfg.embeddings  # the plain backend takes no TorchRec settings
 
@@ -299,7 +304,7 @@ def test_make_memory_plan_is_pure_and_explicit(tmp_path):
         device_kind="cuda",
         device_memory_bytes=141 * GIB,
         host_memory_bytes=2048 * GIB,
-        table_counts=YAMBDA_5B_COUNTS,
+        table_counts=YAMBDA_5B_TABLE_COUNTS,
     )
-    assert plan.fits and plan.describe().count("\n") > 10 and plan.refusal() == ""
+    assert plan.fits and describe(plan).count("\n") > 10 and refusal(plan) == ""
     assert plan.largest_consumer().name.startswith("tables in HBM")

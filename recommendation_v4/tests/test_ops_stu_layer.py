@@ -2,7 +2,7 @@
 the same gradients as ``none`` (dropout on, at a row offset), on the PyTorch reference and on the
 Triton path (interpreted here; ``tests/gpu`` runs the compiled one in bf16); and what each mode
 keeps for the backward, counted with autograd's saved-tensor hooks on the Triton path, is exactly
-the memory plan's per-token inventory (``train/activation_memory.py``)."""
+the memory plan's per-token inventory (``plan/activations.py``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from test_ops_layer_norm import gen, poison, randn, rel_err  # noqa: F401  (fixt
 
 from dlrmv4.config import ModelConfig
 from dlrmv4.ops.stu_layer import stu_layer
-from dlrmv4.train.activation_memory import ActivationShape, stu_kept_bytes_per_token
+from dlrmv4.plan.activations import ActivationShape, stu_kept_bytes_per_token
 
 HEADS, QK, V, D = 2, 16, 16, 32
 LENGTHS = [5, 17, 1, 9, 30]

@@ -44,10 +44,10 @@ YAMBDA_TABLES = {
 
 def test_the_yambda_tables_start_uniform_within_sqrt_one_over_rows():
     from dlrmv4.model.embeddings.tables import init_bound
-    from dlrmv4.train.memory_plan import YAMBDA_5B_COUNTS
+    from dlrmv4.reference_counts import YAMBDA_5B_TABLE_COUNTS
 
     cfg = load_config("yambda-5b")
-    specs = {s.name: s.rows for s in table_specs(cfg, *YAMBDA_5B_COUNTS)}
+    specs = {s.name: s.rows for s in table_specs(cfg, *YAMBDA_5B_TABLE_COUNTS)}
     assert {name: rows for name, (rows, _) in YAMBDA_TABLES.items()} == specs
     for name, (rows, bound) in YAMBDA_TABLES.items():
         assert init_bound(rows) == pytest.approx(bound, rel=1e-4), name

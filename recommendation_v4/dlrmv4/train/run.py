@@ -32,8 +32,10 @@ from dlrmv4.mlperf.rules import check_closed_division
 from dlrmv4.mlperf.runlog import RunLog
 from dlrmv4.model.embeddings import store_table_counts
 from dlrmv4.model.embeddings.sharding import check_sharding_options, describe_plan, plan_rows
+from dlrmv4.plan.explain import describe, refusal, summary
+from dlrmv4.plan.machine import plan_for_run
+from dlrmv4.plan.resolve import resolved_config
 from dlrmv4.train.history import RunHistory
-from dlrmv4.train.memory_plan import plan_for_run
 from dlrmv4.train.report import AUC_PLOT, REPORT_FILE, THROUGHPUT_PLOT, parameter_digest, write_report
 from dlrmv4.train.run_lock import RunDirectoryLock
 from dlrmv4.train.trainer import build_trainer
@@ -141,10 +143,10 @@ def _run(
     # The memory plan, before anything is allocated: a run that cannot fit stops here with one line.
     plan = plan_for_run(cfg, cluster, store_table_counts(store))
     if not plan.fits:
-        log(plan.describe())
-        raise UserError(plan.refusal())
-    cfg = plan.resolve(cfg)
-    log(plan.summary())
+        log(describe(plan))
+        raise UserError(refusal(plan))
+    cfg = resolved_config(plan, cfg)
+    log(summary(plan))
     # Last of the checks: on a store changed since its verification this one takes minutes.
     check_verified(store_path, cluster.world_size, log, progress)
     if cluster.is_main:
@@ -184,7 +186,7 @@ def _run(
                 "world_size": cluster.world_size,
                 "embedding_backend": embeddings.backend,
                 "sharding_plan": plan_rows(embeddings.plan) if embeddings.backend == "torchrec" else None,
-                "memory_plan": plan.describe(),
+                "memory_plan": describe(plan),
                 "chunks": cfg.train.chunks,
                 "lookups_distributed_ahead": embeddings.lookups_distributed_ahead,
                 "ids_looked_up": embeddings.ids_looked_up,

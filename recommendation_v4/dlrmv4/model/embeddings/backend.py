@@ -3,6 +3,8 @@ exists (``auto``), else the plain-PyTorch one."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -46,12 +48,20 @@ def torchrec_works(device: torch.device) -> bool:
         return False
 
 
-def resolve_backend(cfg: BenchmarkConfig, device: torch.device) -> str:
-    """``auto``: torchrec where its kernels run on ``device`` and a process group exists, else plain."""
+def choose_backend(cfg: BenchmarkConfig, world_size: int, torchrec_usable: Callable[[], bool]) -> str:
+    """The one rule for the backend: the config's, or for ``auto`` TorchRec when there are several
+    processes and ``torchrec_usable()``, else plain (one process holds every table anyway)."""
     choice = cfg.embeddings.embedding_backend
     if choice != "auto":
         return choice
-    return "torchrec" if dist.is_initialized() and torchrec_works(device) else "plain"
+    return "torchrec" if world_size > 1 and torchrec_usable() else "plain"
+
+
+def resolve_backend(cfg: BenchmarkConfig, device: torch.device) -> str:
+    """The backend of this process's run (``choose_backend``): TorchRec is usable where its kernels
+    run on ``device``."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    return choose_backend(cfg, world_size, lambda: torchrec_works(device))
 
 
 def looks_up_distinct_ids(cfg: BenchmarkConfig, backend: str) -> bool:

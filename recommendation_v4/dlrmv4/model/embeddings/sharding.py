@@ -5,7 +5,7 @@ every table); a table without an override leaves the choice to TorchRec's
 ``EmbeddingShardingPlanner``, which also respects the per-rank memory cap
 (``embeddings.hbm_cap_gib``: the device memory the tables may fill, so no further share is
 reserved; without it the planner keeps ``DENSE_RESERVATION`` of the device free). The memory plan
-(``train/memory_plan.py``) fills all three in for a run, so the run's planner lays the tables out
+(``plan/``) fills all three in for a run, so the run's planner lays the tables out
 exactly as the plan counted them. The planner runs on every rank and agrees on one plan
 (``collective_plan``); ``describe_plan`` is what rank 0 prints at the start. ``target_plan`` runs the
 same planner for a target that is not this machine (no process group, nothing allocated).
