@@ -30,8 +30,8 @@ from dlrmv4.errors import UserError
 from dlrmv4.files import check_writable
 from dlrmv4.mlperf.rules import check_closed_division
 from dlrmv4.mlperf.runlog import RunLog
-from dlrmv4.model.embeddings import store_table_counts
-from dlrmv4.model.embeddings.sharding import check_sharding_options, describe_plan, plan_rows
+from dlrmv4.model.embeddings import needs_process_group, store_table_counts
+from dlrmv4.model.embeddings.sharding import check_sharding_options
 from dlrmv4.plan.explain import describe, refusal, summary
 from dlrmv4.plan.machine import plan_for_run
 from dlrmv4.plan.resolve import resolved_config
@@ -98,7 +98,7 @@ def run_training(
     Under a launcher (torchrun, or run_and_time.sh under SLURM) every process calls this; rank 0
     alone logs, writes the MLPerf log and the report."""
     check_sharding_options(cfg.embeddings)
-    cluster = start_cluster(cfg.distributed, need_group=cfg.embeddings.embedding_backend == "torchrec")
+    cluster = start_cluster(cfg.distributed, need_group=needs_process_group(cfg))
     watch = cluster.watch_failures()
     try:
         return _run(cfg, cluster, log if cluster.is_main else (lambda _: None), progress, restart, config_filename)
@@ -165,8 +165,9 @@ def _run(
             f"{cfg.loader.batch_size} ({cfg.loader.batch_size // cluster.world_size} per process), eval every "
             f"{trainer.evaluator.schedule.interval:,} samples from {trainer.evaluator.schedule.first:,}, target AUC {cfg.train.target_auc}"
         )
-        if embeddings.backend == "torchrec":
-            log(describe_plan(embeddings.plan))
+        sharding = embeddings.describe_sharding()
+        if sharding is not None:
+            log(sharding)
         try:
             history = trainer.run()
         finally:
@@ -185,7 +186,7 @@ def _run(
                 "device": str(cluster.device),
                 "world_size": cluster.world_size,
                 "embedding_backend": embeddings.backend,
-                "sharding_plan": plan_rows(embeddings.plan) if embeddings.backend == "torchrec" else None,
+                "sharding_plan": embeddings.sharding_rows(),
                 "memory_plan": describe(plan),
                 "chunks": cfg.train.chunks,
                 "lookups_distributed_ahead": embeddings.lookups_distributed_ahead,

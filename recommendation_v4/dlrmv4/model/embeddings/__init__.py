@@ -18,7 +18,13 @@ The batch's id features and their KeyedJaggedTensor layout are the data side's
 """
 
 from dlrmv4.checkpoint.tables import TableState
-from dlrmv4.model.embeddings.backend import looks_up_distinct_ids, make_embeddings, resolve_backend, torchrec_works
+from dlrmv4.model.embeddings.backend import (
+    looks_up_distinct_ids,
+    make_embeddings,
+    needs_process_group,
+    resolve_backend,
+    torchrec_works,
+)
 from dlrmv4.model.embeddings.plain import PlainEmbeddings
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
 from dlrmv4.model.embeddings.tables import (
@@ -45,6 +51,7 @@ __all__ = [
     "init_rows",
     "looks_up_distinct_ids",
     "make_embeddings",
+    "needs_process_group",
     "resolve_backend",
     "store_table_counts",
     "table_features",

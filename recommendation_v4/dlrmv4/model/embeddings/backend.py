@@ -57,6 +57,12 @@ def choose_backend(cfg: BenchmarkConfig, world_size: int, torchrec_usable: Calla
     return "torchrec" if world_size > 1 and torchrec_usable() else "plain"
 
 
+def needs_process_group(cfg: BenchmarkConfig) -> bool:
+    """Whether a run of one process needs a process group all the same (TorchRec's sharded modules
+    do; several processes always have one)."""
+    return cfg.embeddings.embedding_backend == "torchrec"
+
+
 def resolve_backend(cfg: BenchmarkConfig, device: torch.device) -> str:
     """The backend of this process's run (``choose_backend``): TorchRec is usable where its kernels
     run on ``device``."""

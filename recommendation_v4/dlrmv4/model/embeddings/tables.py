@@ -156,6 +156,15 @@ class SparseEmbeddings(nn.Module, abc.ABC):
         """Whether tables of this rank live in pinned host memory (TorchRec's uvm placements)."""
         return False
 
+    def sharding_rows(self) -> list[dict[str, Any]] | None:
+        """Where each table's shards live (one row per table, for the report); None: every table
+        is whole on every rank."""
+        return None
+
+    def describe_sharding(self) -> str | None:
+        """The sharding plan in words, for the run's log; None: every table is whole on every rank."""
+        return None
+
     @property
     def dense_parallel(self) -> nn.Module | None:
         """The dense model as this backend made it data parallel; None: the backend does not own it

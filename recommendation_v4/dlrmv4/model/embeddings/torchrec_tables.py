@@ -31,7 +31,7 @@ from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings import torchrec_permute
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
-from dlrmv4.model.embeddings.sharding import PLACEMENTS, plan_rows, plan_sharding, qcomm_registry
+from dlrmv4.model.embeddings.sharding import PLACEMENTS, describe_plan, plan_rows, plan_sharding, qcomm_registry
 from dlrmv4.model.embeddings.tables import (
     SHARED_TABLES,
     SparseEmbeddings,
@@ -195,6 +195,12 @@ class TorchRecEmbeddings(SparseEmbeddings):
     def dense_parallel(self) -> nn.Module | None:
         """The dense model as DistributedModelParallel made it data parallel (itself on one rank)."""
         return self._model().dense
+
+    def sharding_rows(self) -> list[dict[str, Any]]:
+        return plan_rows(self.plan)
+
+    def describe_sharding(self) -> str:
+        return describe_plan(self.plan)
 
     def _model(self) -> ShardedModel:
         from torchrec.distributed.model_parallel import get_unwrapped_module
