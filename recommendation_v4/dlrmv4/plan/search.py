@@ -11,7 +11,7 @@ from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
 from dlrmv4.distributed import check_batch_splits
 from dlrmv4.errors import UserError
-from dlrmv4.model.embeddings.backend import choose_backend
+from dlrmv4.model.embeddings.backend import choose_backend, needs_process_group
 from dlrmv4.model.embeddings.sharding import (
     DEFAULT_SHARDING,
     PLACEMENTS,
@@ -33,10 +33,12 @@ MOVABLE_TABLES = CONTEXTUAL_FEATURES[1:]
 
 
 def planned_backend(cfg: BenchmarkConfig, world_size: int) -> str:
-    """The backend a run of ``world_size`` processes takes (``choose_backend``, the run's own rule),
-    TorchRec being usable where it imports: the plan may be made on a machine without the GPU."""
+    """The backend a run of ``world_size`` processes takes (``choose_backend``, the run's own rule:
+    it has a process group when it has several processes or its backend needs one), TorchRec being
+    usable where it imports: the plan may be made on a machine without the GPU."""
+    has_group = world_size > 1 or needs_process_group(cfg)
     return choose_backend(
-        cfg, world_size, lambda: all(importlib.util.find_spec(m) is not None for m in ("torchrec", "fbgemm_gpu"))
+        cfg, has_group, lambda: all(importlib.util.find_spec(m) is not None for m in ("torchrec", "fbgemm_gpu"))
     )
 
 

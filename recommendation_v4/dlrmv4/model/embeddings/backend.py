@@ -13,7 +13,7 @@ from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.model.dtypes import DTYPES
 from dlrmv4.model.embeddings.plain import PlainEmbeddings
-from dlrmv4.model.embeddings.tables import SparseEmbeddings, TableSpec
+from dlrmv4.model.embeddings.tables import SparseEmbeddings, TableSettings, TableSpec
 from dlrmv4.model.embeddings.torchrec_tables import TorchRecEmbeddings
 from dlrmv4.model.embeddings.wire import WIRE_DTYPES
 
@@ -48,13 +48,13 @@ def torchrec_works(device: torch.device) -> bool:
         return False
 
 
-def choose_backend(cfg: BenchmarkConfig, world_size: int, torchrec_usable: Callable[[], bool]) -> str:
-    """The one rule for the backend: the config's, or for ``auto`` TorchRec when there are several
-    processes and ``torchrec_usable()``, else plain (one process holds every table anyway)."""
+def choose_backend(cfg: BenchmarkConfig, has_process_group: bool, torchrec_usable: Callable[[], bool]) -> str:
+    """The one rule for the backend: the config's, or for ``auto`` TorchRec where a process group
+    exists (several processes always have one) and ``torchrec_usable()``, else plain."""
     choice = cfg.embeddings.embedding_backend
     if choice != "auto":
         return choice
-    return "torchrec" if world_size > 1 and torchrec_usable() else "plain"
+    return "torchrec" if has_process_group and torchrec_usable() else "plain"
 
 
 def needs_process_group(cfg: BenchmarkConfig) -> bool:
@@ -66,8 +66,7 @@ def needs_process_group(cfg: BenchmarkConfig) -> bool:
 def resolve_backend(cfg: BenchmarkConfig, device: torch.device) -> str:
     """The backend of this process's run (``choose_backend``): TorchRec is usable where its kernels
     run on ``device``."""
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    return choose_backend(cfg, world_size, lambda: torchrec_works(device))
+    return choose_backend(cfg, dist.is_initialized(), lambda: torchrec_works(device))
 
 
 def looks_up_distinct_ids(cfg: BenchmarkConfig, backend: str) -> bool:
@@ -88,26 +87,21 @@ def make_embeddings(
     """The tables on the configured backend. With TorchRec, ``dense`` (the dense model) goes under the
     same DistributedModelParallel, which makes it data parallel (``dense_parallel``)."""
     device = torch.device(device)
-    cluster = cluster or Cluster.single(device)
-    args = (
-        specs,
-        cfg.model.embedding_dim,
-        cfg.train.learning_rate,
-        cfg.train.adagrad_eps,
-        seed,
-        device,
-        cluster,
+    settings = TableSettings(
+        specs=tuple(specs),
+        dim=cfg.model.embedding_dim,
+        lr=cfg.train.learning_rate,
+        eps=cfg.train.adagrad_eps,
+        seed=seed,
+        device=device,
+        cluster=cluster or Cluster.single(device),
+        sequence_dtype=DTYPES[cfg.model.sequence_dtype],
     )
     if resolve_backend(cfg, device) == "torchrec":
-        return TorchRecEmbeddings(*args, cfg.embeddings, sequence_dtype=DTYPES[cfg.model.sequence_dtype], dense=dense)
+        return TorchRecEmbeddings(settings, cfg.embeddings, dense=dense)
     if cfg.embeddings.sharding_types or cfg.embeddings.placement:
         raise UserError(
             "embeddings.sharding_types and placement are TorchRec settings: the plain backend "
             "keeps a replica of every table on each rank"
         )
-    return PlainEmbeddings(
-        *args,
-        kernels=cfg.model.kernels,
-        sequence_dtype=DTYPES[cfg.model.sequence_dtype],
-        wire_dtype=WIRE_DTYPES[cfg.embeddings.qcomm],
-    )
+    return PlainEmbeddings(settings, kernels=cfg.model.kernels, wire_dtype=WIRE_DTYPES[cfg.embeddings.qcomm])

@@ -16,11 +16,16 @@ from torch import nn
 
 from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.data.sparse_features import feature_ids
-from dlrmv4.distributed import Cluster
 from dlrmv4.model.embeddings.exchange import exchange_gradients
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
 from dlrmv4.model.embeddings.sparse_optimizer import rowwise_adagrad_step_
-from dlrmv4.model.embeddings.tables import SparseEmbeddings, TableSpec, assemble_embeddings, init_rows, table_features
+from dlrmv4.model.embeddings.tables import (
+    SparseEmbeddings,
+    TableSettings,
+    assemble_embeddings,
+    init_rows,
+    table_features,
+)
 from dlrmv4.model.embeddings.wire import through_wire
 
 
@@ -62,26 +67,13 @@ class PlainEmbeddings(SparseEmbeddings):
     backend = "plain"
     lr_tensor: torch.Tensor  # a registered buffer
 
-    def __init__(
-        self,
-        specs: list[TableSpec],
-        dim: int,
-        lr: float,
-        eps: float,
-        seed: int,
-        device: torch.device,
-        cluster: Cluster,
-        kernels: str = "auto",
-        sequence_dtype: torch.dtype = torch.float32,
-        wire_dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(specs, dim, lr, eps, cluster)
+    def __init__(self, settings: TableSettings, kernels: str = "auto", wire_dtype: torch.dtype | None = None) -> None:
+        super().__init__(settings)
+        specs, dim, seed, device, lr = settings.specs, settings.dim, settings.seed, settings.device, settings.lr
         self.kernels = kernels  # the update's implementation (ops/rowwise_adagrad.py)
-        # The sequence rows come in the sequence model's dtype: its first layers would cast them anyway.
-        self.sequence_dtype = sequence_dtype
         # The all-to-all's precision where TorchRec's would have one: on one rank it sends nothing
         # (TorchRec skips the all-to-all and its codecs there, and so does the reference).
-        self.wire_dtype = wire_dtype if cluster.world_size > 1 else None
+        self.wire_dtype = wire_dtype if settings.cluster.world_size > 1 else None
         self.weights = nn.ParameterDict(
             {s.name: nn.Parameter(init_rows(i, s.rows, 0, s.rows, dim, seed, device)) for i, s in enumerate(specs)}
         )

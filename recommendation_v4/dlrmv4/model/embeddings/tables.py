@@ -117,21 +117,38 @@ def assemble_embeddings(sequence: dict[str, torch.Tensor], candidate: list[torch
     )
 
 
+@dataclass(frozen=True)
+class TableSettings:
+    """What either backend is built from (``backend.make_embeddings`` fills it from the config)."""
+
+    specs: tuple[TableSpec, ...]
+    dim: int  # the rows' width
+    lr: float  # row-wise Adagrad's peak learning rate
+    eps: float  # and its epsilon
+    seed: int  # the initial rows are drawn from it (the same on both backends)
+    device: torch.device
+    cluster: Cluster
+    sequence_dtype: torch.dtype = torch.float32  # the looked-up rows' dtype, the sequence model's
+
+
 class SparseEmbeddings(nn.Module, abc.ABC):
     """The interface both backends implement (``plain.py``, ``torchrec_tables.py``). Its parameters
     belong to the sparse optimizer: keep them out of the dense Adam and of gradient clipping."""
 
     backend: str
 
-    def __init__(self, specs: list[TableSpec], dim: int, lr: float, eps: float, cluster: Cluster) -> None:
+    def __init__(self, settings: TableSettings) -> None:
         super().__init__()
-        self.cluster = cluster
+        specs = settings.specs
+        self.cluster = settings.cluster
         if [s.name for s in specs] != list(TABLE_NAMES):
             raise ValueError(f"table specs must name {TABLE_NAMES}, got {[s.name for s in specs]}")
         self.specs = list(specs)
-        self.dim = dim
-        self.eps = eps
-        self.lr = lr
+        self.dim = settings.dim
+        self.eps = settings.eps
+        self.lr = settings.lr
+        # The sequence rows come in the sequence model's dtype: its first layers would cast them anyway.
+        self.sequence_dtype = settings.sequence_dtype
         self.lookups_distributed_ahead = 0  # lookups whose ids ``distribute_ids`` had sent ahead
         self.ids_looked_up = 0  # ids the lookups asked for (TorchRec; fewer than the tokens' with dedup_ids)
 

@@ -27,7 +27,6 @@ from torch.nn.parallel import DistributedDataParallel
 from dlrmv4.config import EmbeddingConfig
 from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.data.sparse_features import SPARSE_KEYS, expand_history_rows, lookup_size, sparse_features
-from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings import torchrec_permute
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
@@ -35,7 +34,7 @@ from dlrmv4.model.embeddings.sharding import PLACEMENTS, describe_plan, plan_row
 from dlrmv4.model.embeddings.tables import (
     SHARED_TABLES,
     SparseEmbeddings,
-    TableSpec,
+    TableSettings,
     assemble_embeddings,
     init_rows,
     table_features,
@@ -114,20 +113,10 @@ class TorchRecEmbeddings(SparseEmbeddings):
     backend = "torchrec"
     dmp: Any  # DistributedModelParallel over the tables and the dense model, kept out of this module's tree
 
-    def __init__(
-        self,
-        specs: list[TableSpec],
-        dim: int,
-        lr: float,
-        eps: float,
-        seed: int,
-        device: torch.device,
-        cluster: Cluster,
-        cfg: EmbeddingConfig,
-        sequence_dtype: torch.dtype = torch.float32,
-        dense: nn.Module | None = None,
-    ) -> None:
-        super().__init__(specs, dim, lr, eps, cluster)
+    def __init__(self, settings: TableSettings, cfg: EmbeddingConfig, dense: nn.Module | None = None) -> None:
+        super().__init__(settings)
+        specs, dim, lr, eps = settings.specs, settings.dim, settings.lr, settings.eps
+        seed, device, cluster = settings.seed, settings.device, settings.cluster
         from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
         from torchrec import EmbeddingCollection
         from torchrec import EmbeddingConfig as TableConfig
@@ -147,8 +136,7 @@ class TorchRecEmbeddings(SparseEmbeddings):
             for s in specs
         ]
         # FBGEMM's CPU kernels write fp32 only: there the rows are cast after the lookup (same numbers).
-        self.sequence_dtype = sequence_dtype
-        output_dtype = sequence_dtype if device.type == "cuda" else torch.float32
+        output_dtype = self.sequence_dtype if device.type == "cuda" else torch.float32
         output = {torch.bfloat16: SparseType.BF16, torch.float16: SparseType.FP16, torch.float32: SparseType.FP32}
         sharder = EmbeddingCollectionSharder(
             fused_params={
