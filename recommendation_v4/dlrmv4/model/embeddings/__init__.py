@@ -10,6 +10,7 @@ Where each concern lives:
   torchrec_tables.py   the TorchRec backend: DistributedModelParallel, fused row-wise Adagrad
   sharding.py          TorchRec's sharding plan and the quantized all-to-all codecs
   torchrec_permute.py  a gather for the backward of TorchRec's row-wise unbucketize step
+  torchrec_compat.py   every reliance on TorchRec's and FBGEMM's insides, checked once
   backend.py           picking a backend and building it (make_embeddings)
 The tables' checkpoint entry (one format for both backends) is dlrmv4/checkpoint/tables.py.
 
@@ -23,7 +24,6 @@ from dlrmv4.model.embeddings.backend import (
     make_embeddings,
     needs_process_group,
     resolve_backend,
-    torchrec_works,
 )
 from dlrmv4.model.embeddings.plain import PlainEmbeddings
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
@@ -37,6 +37,7 @@ from dlrmv4.model.embeddings.tables import (
     table_features,
     table_specs,
 )
+from dlrmv4.model.embeddings.torchrec_compat import torchrec_works
 from dlrmv4.model.embeddings.torchrec_tables import TorchRecEmbeddings
 
 __all__ = [

@@ -12,40 +12,11 @@ from dlrmv4.config import BenchmarkConfig
 from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.model.dtypes import DTYPES
+from dlrmv4.model.embeddings import torchrec_compat
 from dlrmv4.model.embeddings.plain import PlainEmbeddings
 from dlrmv4.model.embeddings.tables import SparseEmbeddings, TableSettings, TableSpec
 from dlrmv4.model.embeddings.torchrec_tables import TorchRecEmbeddings
 from dlrmv4.model.embeddings.wire import WIRE_DTYPES
-
-
-def torchrec_works(device: torch.device) -> bool:
-    """True when TorchRec imports and FBGEMM's fused row-wise Adagrad kernel runs on ``device``."""
-    try:
-        import torchrec  # noqa: F401
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice,
-            SplitTableBatchedEmbeddingBagsCodegen,
-        )
-
-        on_gpu = device.type == "cuda"
-        tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            [
-                (
-                    4,
-                    4,
-                    EmbeddingLocation.DEVICE if on_gpu else EmbeddingLocation.HOST,
-                    ComputeDevice.CUDA if on_gpu else ComputeDevice.CPU,
-                )
-            ],
-            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-            device=device,
-        )
-        tbe(torch.tensor([1, 2], device=device), torch.tensor([0, 1, 2], device=device)).sum().backward()
-        return True
-    except Exception:  # noqa: BLE001 - any failure to import or run means "use the plain backend"
-        return False
 
 
 def choose_backend(cfg: BenchmarkConfig, has_process_group: bool, torchrec_usable: Callable[[], bool]) -> str:
@@ -66,7 +37,7 @@ def needs_process_group(cfg: BenchmarkConfig) -> bool:
 def resolve_backend(cfg: BenchmarkConfig, device: torch.device) -> str:
     """The backend of this process's run (``choose_backend``): TorchRec is usable where its kernels
     run on ``device``."""
-    return choose_backend(cfg, dist.is_initialized(), lambda: torchrec_works(device))
+    return choose_backend(cfg, dist.is_initialized(), lambda: torchrec_compat.torchrec_works(device))
 
 
 def looks_up_distinct_ids(cfg: BenchmarkConfig, backend: str) -> bool:
@@ -98,6 +69,7 @@ def make_embeddings(
         sequence_dtype=DTYPES[cfg.model.sequence_dtype],
     )
     if resolve_backend(cfg, device) == "torchrec":
+        torchrec_compat.install()  # checks the installed versions once, then patches the unbucketize step
         return TorchRecEmbeddings(settings, cfg.embeddings, dense=dense)
     if cfg.embeddings.sharding_types or cfg.embeddings.placement:
         raise UserError(

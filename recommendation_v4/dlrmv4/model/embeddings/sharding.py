@@ -24,6 +24,7 @@ import torch
 from dlrmv4.config import EmbeddingConfig
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings.tables import TABLE_NAMES, table_features
+from dlrmv4.model.embeddings.torchrec_compat import codec_settings, plain_cast_dtype
 from dlrmv4.model.embeddings.wire import cast_then_clamp
 
 # data_parallel is not offered: TorchRec 1.8's dense (data-parallel) lookup for sequence tables
@@ -298,7 +299,6 @@ def describe_plan(plan) -> str:
 
 def _cast_then_clamp_codec_class():
     from fbgemm_gpu.quantize_comm import QuantizedCommCodec
-    from fbgemm_gpu.split_embedding_configs import SparseType
 
     class CastThenClampCodec(QuantizedCommCodec):
         """FBGEMM's fp16/bf16 all-to-all codec with a low-memory encoder (``cast_then_clamp``) and a
@@ -308,20 +308,18 @@ def _cast_then_clamp_codec_class():
             super().__init__(comm_precision, is_fwd=is_fwd)
             self.rows_dtype = rows_dtype
 
-        def _ours(self) -> bool:
-            return self._comm_precision in (SparseType.FP16, SparseType.BF16) and self._loss_scale is None
-
         def encode(self, input_tensor: torch.Tensor, ctx=None) -> torch.Tensor:
-            if not self._ours():
+            cast = plain_cast_dtype(self)
+            if cast is None:
                 return super().encode(input_tensor, ctx)
-            return cast_then_clamp(input_tensor, self._comm_precision.as_dtype())
+            return cast_then_clamp(input_tensor, cast)
 
         def decode(self, input_tensor: torch.Tensor, ctx=None) -> torch.Tensor:
             # FBGEMM decodes to fp32. Where the lookup returns bf16 rows (GPUs), the fp32 copy would
             # double the received rows and the backward's permuted gradients, and the autograd
             # engine casts the gradient to bf16 before the lookup's backward anyway: decoding
             # straight to the rows' dtype gives the same numbers.
-            if not self._ours():
+            if plain_cast_dtype(self) is None:
                 return super().decode(input_tensor, ctx)
             return input_tensor.to(self.rows_dtype)
 
@@ -343,5 +341,5 @@ def qcomm_registry(cfg: EmbeddingConfig, rows_dtype: torch.dtype = torch.float32
     for codecs in registry.values():
         for direction in ("forward", "backward"):
             stock = getattr(codecs, direction)
-            setattr(codecs, direction, codec_class(stock._comm_precision, stock._is_fwd, rows_dtype))
+            setattr(codecs, direction, codec_class(*codec_settings(stock), rows_dtype))
     return registry

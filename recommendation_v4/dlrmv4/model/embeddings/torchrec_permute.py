@@ -6,8 +6,8 @@ Autograd's backward of ``index_select`` is ``index_add_``, a scatter with atomic
 164 ms step at batch 256 on an H200 (benchmarks/results/end_to_end_backends_h200.md), for a
 [2.2 M, 512] bf16 gradient. The index is a permutation (every looked-up row lands in exactly one
 place), so the gradient is a gather by the inverse permutation: the same numbers (one term per
-row, added to nothing), without atomics. ``install`` makes TorchRec's awaitable use that op; it
-changes nothing else and is idempotent.
+row, added to nothing), without atomics. ``torchrec_compat.install`` makes TorchRec's awaitable use that op; it
+changes nothing else.
 """
 
 from __future__ import annotations
@@ -36,21 +36,3 @@ def permute_rows(rows: torch.Tensor, permutation: torch.Tensor) -> torch.Tensor:
     if permutation.numel() != rows.shape[0]:
         raise ValueError(f"permute_rows: {permutation.numel()} indices for {rows.shape[0]} rows: not a permutation")
     return _PermuteRows.apply(rows, permutation)
-
-
-def install() -> None:
-    """Route TorchRec's unbucketize step of row-wise sequence lookups through ``permute_rows``."""
-    from torchrec.distributed import dist_data
-
-    awaitable = dist_data.SequenceEmbeddingsAwaitable
-    if getattr(awaitable, "_dlrmv4_permute_rows", False):
-        return
-    original = awaitable.__init__
-
-    def __init__(self, tensor_awaitable, unbucketize_permute_tensor, embedding_dim: int) -> None:
-        original(self, tensor_awaitable, None, embedding_dim)
-        if unbucketize_permute_tensor is not None:
-            self.callbacks.append(lambda ret: permute_rows(ret.view(-1, embedding_dim), unbucketize_permute_tensor))
-
-    awaitable.__init__ = __init__
-    awaitable._dlrmv4_permute_rows = True

@@ -28,7 +28,6 @@ from dlrmv4.config import EmbeddingConfig
 from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.data.sparse_features import SPARSE_KEYS, expand_history_rows, lookup_size, sparse_features
 from dlrmv4.errors import UserError
-from dlrmv4.model.embeddings import torchrec_permute
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
 from dlrmv4.model.embeddings.sharding import PLACEMENTS, describe_plan, plan_rows, plan_sharding, qcomm_registry
 from dlrmv4.model.embeddings.tables import (
@@ -39,6 +38,7 @@ from dlrmv4.model.embeddings.tables import (
     init_rows,
     table_features,
 )
+from dlrmv4.model.embeddings.torchrec_compat import push_learning_rate
 
 
 @dataclass
@@ -106,7 +106,8 @@ class TorchRecEmbeddings(SparseEmbeddings):
     or table-wise); FBGEMM's row-wise Adagrad fused in the backward. Rows come out in the sequence
     dtype (the history rows feed the bf16 sequence model; the item tower takes the candidates'
     rows up to fp32), which halves the lookup's output and gradient against fp32; the row-wise
-    lookup's unbucketize step has a gather for its backward (``torchrec_permute.py``). Tables placed in
+    lookup's unbucketize step has a gather for its backward (``torchrec_permute.py``, installed by
+    ``torchrec_compat.install``). Tables placed in
     host memory (``uvm``, ``uvm_caching``) are allocated as pinned host memory mapped into the
     device (``uvm_host_mapped``), never as CUDA managed memory."""
 
@@ -123,7 +124,6 @@ class TorchRecEmbeddings(SparseEmbeddings):
         from torchrec.distributed import DistributedModelParallel
         from torchrec.distributed.embedding import EmbeddingCollectionSharder
 
-        torchrec_permute.install()
         if not dist.is_initialized():
             raise UserError(
                 "the torchrec embedding backend needs torch.distributed initialised "
@@ -249,10 +249,7 @@ class TorchRecEmbeddings(SparseEmbeddings):
 
     def set_learning_rate(self, lr: float) -> None:
         self.lr = lr
-        for group in self.dmp.fused_optimizer.param_groups:
-            group["lr"] = lr
-        # The fused optimizer's step() only pushes param_groups' lr into the FBGEMM modules.
-        self.dmp.fused_optimizer.step()
+        push_learning_rate(self.dmp.fused_optimizer, lr)
 
     def live_tables(self) -> dict[str, dict[str, Any]]:
         return {s.name: {"weight": self._weight(s.name), "momentum": self._momentum(s.name)} for s in self.specs}
