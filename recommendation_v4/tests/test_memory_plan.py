@@ -12,7 +12,7 @@ import pytest
 from dlrmv4.cli import main
 from dlrmv4.config import load_config
 from dlrmv4.data.hashing import table_rows
-from dlrmv4.model.embeddings.sharding import parse_table_options, target_plan
+from dlrmv4.model.embeddings.torchrec_backend.sharding import parse_table_options, target_plan
 from dlrmv4.plan.activations import (
     MEASURED_BYTES_PER_TOKEN,
     ActivationShape,

@@ -9,7 +9,7 @@ import torch
 torchrec = pytest.importorskip("torchrec")
 
 from dlrmv4.errors import UserError  # noqa: E402
-from dlrmv4.model.embeddings import torchrec_compat  # noqa: E402
+from dlrmv4.model.embeddings.torchrec_backend import compat as torchrec_compat  # noqa: E402
 
 
 def test_the_installed_versions_pass_and_the_patch_installs_once():

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from dlrmv4.model.embeddings.torchrec_permute import permute_rows
+from dlrmv4.model.embeddings.torchrec_backend.permute import permute_rows
 
 pytest.importorskip("torchrec")
 

@@ -9,8 +9,8 @@ import torch
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.hashing import NUM_CONTEXTUAL
-from dlrmv4.model.embeddings.sharding import DEFAULT_SHARDING, SHARDING_TYPES, table_options
 from dlrmv4.model.embeddings.tables import TABLE_NAMES
+from dlrmv4.model.embeddings.torchrec_backend.sharding import DEFAULT_SHARDING, SHARDING_TYPES, table_options
 from dlrmv4.plan.activations import DTYPE_BYTES
 from dlrmv4.plan.memory_plan import PHASES, Consumer, TableUse, Target
 

@@ -6,8 +6,13 @@ import dataclasses
 from typing import Any
 
 from dlrmv4.config import BenchmarkConfig
-from dlrmv4.model.embeddings.sharding import PLACEMENTS, SHARDING_TYPES, format_table_options, parse_table_options
 from dlrmv4.model.embeddings.tables import TABLE_NAMES
+from dlrmv4.model.embeddings.torchrec_backend.sharding import (
+    PLACEMENTS,
+    SHARDING_TYPES,
+    format_table_options,
+    parse_table_options,
+)
 from dlrmv4.plan.costs import GIB
 from dlrmv4.plan.memory_plan import MemoryPlan
 

@@ -12,14 +12,14 @@ from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
 from dlrmv4.distributed import check_batch_splits
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings.backend import choose_backend, needs_process_group
-from dlrmv4.model.embeddings.sharding import (
+from dlrmv4.model.embeddings.tables import TABLE_NAMES
+from dlrmv4.model.embeddings.torchrec_backend.sharding import (
     DEFAULT_SHARDING,
     PLACEMENTS,
     SHARDING_TYPES,
     parse_table_options,
     table_options,
 )
-from dlrmv4.model.embeddings.tables import TABLE_NAMES
 from dlrmv4.ops.stu_layer import RECOMPUTE_MODES
 from dlrmv4.plan.activations import ActivationShape, chunk_activations
 from dlrmv4.plan.consumers import checkpoint_staging, dense_model, step_consumers

@@ -11,7 +11,7 @@ import torch
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.errors import UserError
 from dlrmv4.model.dtypes import DTYPES
-from dlrmv4.model.embeddings.sharding import PLACEMENTS, plan_shards, target_plan
+from dlrmv4.model.embeddings.torchrec_backend.sharding import PLACEMENTS, plan_shards, target_plan
 from dlrmv4.plan.costs import CACHE_LOAD_FACTOR
 from dlrmv4.plan.memory_plan import TableUse, Target
 

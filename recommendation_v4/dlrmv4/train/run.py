@@ -31,7 +31,7 @@ from dlrmv4.files import check_writable
 from dlrmv4.mlperf.rules import check_closed_division
 from dlrmv4.mlperf.runlog import RunLog
 from dlrmv4.model.embeddings import needs_process_group, store_table_counts
-from dlrmv4.model.embeddings.sharding import check_sharding_options
+from dlrmv4.model.embeddings.torchrec_backend.sharding import check_sharding_options
 from dlrmv4.plan.explain import describe, refusal, summary
 from dlrmv4.plan.machine import plan_for_run
 from dlrmv4.plan.resolve import resolved_config

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dlrmv4.config import EmbeddingConfig
-from dlrmv4.model.embeddings.sharding import qcomm_registry
+from dlrmv4.model.embeddings.torchrec_backend.sharding import qcomm_registry
 
 pytest.importorskip("torchrec")
 from fbgemm_gpu.quantize_utils import fp32_to_fp16_with_clamp  # noqa: E402

@@ -4,13 +4,10 @@ both trained with FBGEMM's row-wise Adagrad and both filling the model's ``Seque
 Where each concern lives:
   sequence.py          SequenceEmbeddings: the rows of one batch, as the model consumes them
   tables.py            table names and sizes, seeded initial rows, the SparseEmbeddings interface
-  plain.py             the plain backend: replicated fp32 tables, its lookup and pending gradients
-  sparse_optimizer.py  the plain backend's row-wise Adagrad update
-  exchange.py          the plain backend's gradient exchange between ranks
-  torchrec_tables.py   the TorchRec backend: DistributedModelParallel, fused row-wise Adagrad
-  sharding.py          TorchRec's sharding plan and the quantized all-to-all codecs
-  torchrec_permute.py  a gather for the backward of TorchRec's row-wise unbucketize step
-  torchrec_compat.py   every reliance on TorchRec's and FBGEMM's insides, checked once
+  plain_backend/       the plain backend: replicated fp32 tables, their lookup, update and exchange
+  torchrec_backend/    the TorchRec backend: DistributedModelParallel, fused row-wise Adagrad, the
+                       sharding plan and codecs, and every reliance on TorchRec's insides (compat.py)
+  wire.py              the all-to-all's precision, shared by both
   backend.py           picking a backend and building it (make_embeddings)
 The tables' checkpoint entry (one format for both backends) is dlrmv4/checkpoint/tables.py.
 
@@ -25,7 +22,7 @@ from dlrmv4.model.embeddings.backend import (
     needs_process_group,
     resolve_backend,
 )
-from dlrmv4.model.embeddings.plain import PlainEmbeddings
+from dlrmv4.model.embeddings.plain_backend.tables import PlainEmbeddings
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
 from dlrmv4.model.embeddings.tables import (
     SHARED_TABLES,
@@ -37,8 +34,8 @@ from dlrmv4.model.embeddings.tables import (
     table_features,
     table_specs,
 )
-from dlrmv4.model.embeddings.torchrec_compat import torchrec_works
-from dlrmv4.model.embeddings.torchrec_tables import TorchRecEmbeddings
+from dlrmv4.model.embeddings.torchrec_backend.compat import torchrec_works
+from dlrmv4.model.embeddings.torchrec_backend.tables import TorchRecEmbeddings
 
 __all__ = [
     "SHARED_TABLES",

@@ -12,10 +12,10 @@ from dlrmv4.config import BenchmarkConfig
 from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.model.dtypes import DTYPES
-from dlrmv4.model.embeddings import torchrec_compat
-from dlrmv4.model.embeddings.plain import PlainEmbeddings
+from dlrmv4.model.embeddings.plain_backend.tables import PlainEmbeddings
 from dlrmv4.model.embeddings.tables import SparseEmbeddings, TableSettings, TableSpec
-from dlrmv4.model.embeddings.torchrec_tables import TorchRecEmbeddings
+from dlrmv4.model.embeddings.torchrec_backend import compat as torchrec_compat
+from dlrmv4.model.embeddings.torchrec_backend.tables import TorchRecEmbeddings
 from dlrmv4.model.embeddings.wire import WIRE_DTYPES
 
 

@@ -132,7 +132,7 @@ class TableSettings:
 
 
 class SparseEmbeddings(nn.Module, abc.ABC):
-    """The interface both backends implement (``plain.py``, ``torchrec_tables.py``). Its parameters
+    """The interface both backends implement (``plain_backend/``, ``torchrec_backend/``). Its parameters
     belong to the sparse optimizer: keep them out of the dense Adam and of gradient clipping."""
 
     backend: str

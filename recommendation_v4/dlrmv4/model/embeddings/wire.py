@@ -4,7 +4,7 @@ or their own dtype ("none").
 
 TorchRec's sharded lookup sends them through its quantized all-to-all on several ranks (on one it
 skips the all-to-all and its codecs: there is no wire, in the reference's runs either); its codecs
-are FBGEMM's with our encoder and decoder (``sharding.py: qcomm_registry``). The plain backend has
+are FBGEMM's with our encoder and decoder (``torchrec_backend/sharding.py: qcomm_registry``). The plain backend has
 no all-to-all: on several ranks it rounds its rows and gradients through the same precision where
 TorchRec's would cross the wire (``through_wire``), so both backends compute the same step.
 """

@@ -16,9 +16,9 @@ from torch import nn
 
 from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.data.sparse_features import feature_ids
-from dlrmv4.model.embeddings.exchange import exchange_gradients
+from dlrmv4.model.embeddings.plain_backend.exchange import exchange_gradients
+from dlrmv4.model.embeddings.plain_backend.sparse_optimizer import rowwise_adagrad_step_
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
-from dlrmv4.model.embeddings.sparse_optimizer import rowwise_adagrad_step_
 from dlrmv4.model.embeddings.tables import (
     SparseEmbeddings,
     TableSettings,

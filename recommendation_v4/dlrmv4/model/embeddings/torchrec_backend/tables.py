@@ -29,7 +29,6 @@ from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.data.sparse_features import SPARSE_KEYS, expand_history_rows, lookup_size, sparse_features
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
-from dlrmv4.model.embeddings.sharding import PLACEMENTS, describe_plan, plan_rows, plan_sharding, qcomm_registry
 from dlrmv4.model.embeddings.tables import (
     SHARED_TABLES,
     SparseEmbeddings,
@@ -38,7 +37,14 @@ from dlrmv4.model.embeddings.tables import (
     init_rows,
     table_features,
 )
-from dlrmv4.model.embeddings.torchrec_compat import push_learning_rate
+from dlrmv4.model.embeddings.torchrec_backend.compat import push_learning_rate
+from dlrmv4.model.embeddings.torchrec_backend.sharding import (
+    PLACEMENTS,
+    describe_plan,
+    plan_rows,
+    plan_sharding,
+    qcomm_registry,
+)
 
 
 @dataclass
@@ -106,8 +112,8 @@ class TorchRecEmbeddings(SparseEmbeddings):
     or table-wise); FBGEMM's row-wise Adagrad fused in the backward. Rows come out in the sequence
     dtype (the history rows feed the bf16 sequence model; the item tower takes the candidates'
     rows up to fp32), which halves the lookup's output and gradient against fp32; the row-wise
-    lookup's unbucketize step has a gather for its backward (``torchrec_permute.py``, installed by
-    ``torchrec_compat.install``). Tables placed in
+    lookup's unbucketize step has a gather for its backward (``permute.py``, installed by
+    ``compat.install``). Tables placed in
     host memory (``uvm``, ``uvm_caching``) are allocated as pinned host memory mapped into the
     device (``uvm_host_mapped``), never as CUDA managed memory."""
 

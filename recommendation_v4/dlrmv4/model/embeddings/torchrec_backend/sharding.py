@@ -24,7 +24,7 @@ import torch
 from dlrmv4.config import EmbeddingConfig
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings.tables import TABLE_NAMES, table_features
-from dlrmv4.model.embeddings.torchrec_compat import codec_settings, plain_cast_dtype
+from dlrmv4.model.embeddings.torchrec_backend.compat import codec_settings, plain_cast_dtype
 from dlrmv4.model.embeddings.wire import cast_then_clamp
 
 # data_parallel is not offered: TorchRec 1.8's dense (data-parallel) lookup for sequence tables
@@ -168,7 +168,7 @@ def format_table_options(values: dict[str, str]) -> str:
 
 
 def planning_sharder(output_dtype: torch.dtype):
-    """A sharder with the run's fused parameters (``torchrec_tables.py``), for ``target_plan``."""
+    """A sharder with the run's fused parameters (``tables.py``), for ``target_plan``."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
 

@@ -1,7 +1,7 @@
 """Every place this package relies on TorchRec's and FBGEMM's insides, in one module.
 
 - ``install``: TorchRec's unbucketize step of row-wise sequence lookups
-  (``dist_data.SequenceEmbeddingsAwaitable.__init__``) goes through ``torchrec_permute.permute_rows``
+  (``dist_data.SequenceEmbeddingsAwaitable.__init__``) goes through ``permute.permute_rows``
   (a gather for the backward, not an atomic scatter). The TorchRec backend's factory calls it.
 - ``codec_settings``, ``plain_cast_dtype``: the precision, direction and loss scale of an FBGEMM
   comm codec (``QuantizedCommCodec._comm_precision``, ``._is_fwd``, ``._loss_scale``), which
@@ -45,7 +45,7 @@ def _versions() -> str:
 def _incompatible(piece: str, what: str) -> UserError:
     return UserError(
         f"the installed TorchRec/FBGEMM ({_versions()}) changed {piece}: {what}; this package relies on it "
-        f"(model/embeddings/torchrec_compat.py; tested with {TESTED})"
+        f"(model/embeddings/torchrec_backend/compat.py; tested with {TESTED})"
     )
 
 
@@ -74,7 +74,7 @@ def install() -> None:
     (idempotent; after ``check``)."""
     from torchrec.distributed import dist_data
 
-    from dlrmv4.model.embeddings.torchrec_permute import permute_rows
+    from dlrmv4.model.embeddings.torchrec_backend.permute import permute_rows
 
     check()
     awaitable = dist_data.SequenceEmbeddingsAwaitable

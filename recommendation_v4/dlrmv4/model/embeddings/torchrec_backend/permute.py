@@ -6,7 +6,7 @@ Autograd's backward of ``index_select`` is ``index_add_``, a scatter with atomic
 164 ms step at batch 256 on an H200 (benchmarks/results/end_to_end_backends_h200.md), for a
 [2.2 M, 512] bf16 gradient. The index is a permutation (every looked-up row lands in exactly one
 place), so the gradient is a gather by the inverse permutation: the same numbers (one term per
-row, added to nothing), without atomics. ``torchrec_compat.install`` makes TorchRec's awaitable use that op; it
+row, added to nothing), without atomics. ``compat.install`` makes TorchRec's awaitable use that op; it
 changes nothing else.
 """
 
