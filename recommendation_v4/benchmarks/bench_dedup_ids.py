@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from harness import RESULTS, command_line, cpu_model, git_commit, write_results
 
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.batch import HISTORY_ID_FIELDS
 from dlrmv4.data.loader import plan_batches, rank_share, window_order
 from dlrmv4.data.paths import store_dir

@@ -42,7 +42,8 @@ from harness import (
 )
 from length_mix import jagged_lengths
 
-from dlrmv4.config import BenchmarkConfig, load_config
+from dlrmv4.config import BenchmarkConfig
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.batch import JaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.model.embeddings import TABLE_NAMES

@@ -25,7 +25,7 @@ from bench_end_to_end import random_batch
 from harness import command_line, device_name, git_commit, write_results
 from length_mix import jagged_lengths
 
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.model.embeddings import make_embeddings, table_specs
 from dlrmv4.model.embeddings.tables import init_bound
 from dlrmv4.model.hstu import DlrmHSTU

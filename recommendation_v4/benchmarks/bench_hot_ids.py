@@ -41,7 +41,7 @@ def config(args: argparse.Namespace, qcomm: str, world: int):
     """The reference model's tables at this rank's real share, TorchRec row-wise, the given all-to-all."""
     from bench_scaling import real_table_rows
 
-    from dlrmv4.config import load_config
+    from dlrmv4.config_loading import load_config
     from dlrmv4.reference_counts import YAMBDA_5B_TABLE_COUNTS
 
     cfg = load_config("yambda-5b")

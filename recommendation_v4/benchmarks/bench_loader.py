@@ -30,7 +30,8 @@ from pathlib import Path
 
 from harness import RESULTS, command_line, cpu_model, write_results
 
-from dlrmv4.config import BenchmarkConfig, load_config
+from dlrmv4.config import BenchmarkConfig
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.loader import WindowDataset
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store, store_files

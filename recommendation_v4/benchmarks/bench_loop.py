@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from harness import cpu_model, device_name, save_labelled_row, sync
 
-from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args
+from dlrmv4.config import BenchmarkConfig
+from dlrmv4.config_loading import add_config_arguments, config_from_args
 from dlrmv4.data.loader import make_window_loader
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store

@@ -38,7 +38,7 @@ CHILD_PREPROCESS = """
 import json, os, shutil, sys, threading, time
 from pathlib import Path
 os.sched_setaffinity(0, range(int(sys.argv[4])))
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.preprocess import preprocess
 from dlrmv4.data.yambda_schema import RawFiles
 

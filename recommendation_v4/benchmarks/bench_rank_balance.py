@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 from harness import RESULTS, command_line, cpu_model, git_commit, write_results
 
-from dlrmv4.config import SamplerConfig, load_config
+from dlrmv4.config import SamplerConfig
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.hashing import NUM_CONTEXTUAL
 from dlrmv4.data.loader import RANK_SLICINGS, BatchSlice, balanced_shares, plan_batches, rank_share, window_order
 from dlrmv4.data.paths import store_dir

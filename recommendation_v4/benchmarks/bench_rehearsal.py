@@ -29,7 +29,8 @@ from bench_end_to_end import random_batch, start_single_process_group
 from harness import SMOKE_MODEL, command_line, device_name, git_commit, sync, write_results
 from length_mix import jagged_lengths
 
-from dlrmv4.config import BenchmarkConfig, load_config
+from dlrmv4.config import BenchmarkConfig
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.model.embeddings import make_embeddings, table_specs
 from dlrmv4.model.hstu import DlrmHSTU

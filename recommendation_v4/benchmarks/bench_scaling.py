@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 from harness import cpu_model, device_name, save_labelled_row
 
-from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args
+from dlrmv4.config import BenchmarkConfig
+from dlrmv4.config_loading import add_config_arguments, config_from_args
 from dlrmv4.distributed import exit_process
 
 

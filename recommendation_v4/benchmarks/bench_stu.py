@@ -35,7 +35,8 @@ from harness import (
 )
 from length_mix import jagged_lengths
 
-from dlrmv4.config import ModelConfig, load_config
+from dlrmv4.config import ModelConfig
+from dlrmv4.config_loading import load_config
 from dlrmv4.model.flops import batch_flops
 from dlrmv4.model.stu import STUStack
 
@@ -89,7 +90,7 @@ t0 = time.time()
 import torch
 sys.path.insert(0, {bench_dir!r})
 from bench_stu import measure_stack
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 import dataclasses
 cfg = dataclasses.replace(load_config("yambda-5b").model, kernels="triton")
 measure_stack(cfg, {batch}, "jagged", torch.device("cuda"), reps=1)

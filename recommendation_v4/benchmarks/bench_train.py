@@ -51,7 +51,7 @@ from harness import (
     write_results,
 )
 
-from dlrmv4.config import config_from_args
+from dlrmv4.config_loading import config_from_args
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
 from dlrmv4.data.loader import make_window_loader
 from dlrmv4.data.paths import store_dir

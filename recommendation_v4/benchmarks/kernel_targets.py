@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from model_inputs import random_batch
 
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.ops.triton.cross_compile import CONFIG_CHOICES, CompiledVariant, compiling_for
 from dlrmv4.ops.triton.targets import TARGETS, KernelTarget, target_named

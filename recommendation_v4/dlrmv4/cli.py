@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Callable, NoReturn
 
-from dlrmv4.config import BenchmarkConfig, add_config_arguments, config_from_args, list_presets, to_toml
+from dlrmv4.config import BenchmarkConfig
+from dlrmv4.config_loading import add_config_arguments, config_from_args, list_presets, to_toml
 from dlrmv4.errors import ERROR_PREFIX, UserError
 from dlrmv4.files import remove_dead_temps
 

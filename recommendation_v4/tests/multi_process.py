@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from raw_factory import random_events, write_raw
 
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.preprocess import preprocess
 from dlrmv4.data.verify import verify_and_stamp
 

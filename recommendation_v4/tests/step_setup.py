@@ -8,7 +8,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from dlrmv4.config import BenchmarkConfig, load_config
+from dlrmv4.config import BenchmarkConfig
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.data.loader import BatchSlice, rank_share
 from dlrmv4.distributed import Cluster

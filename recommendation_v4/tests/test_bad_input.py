@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from raw_factory import events_table, random_events, write_raw
 
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.preprocess import preprocess
 from dlrmv4.data.store import read_md5s
 from dlrmv4.errors import UserError
@@ -235,7 +235,7 @@ def test_a_store_that_cannot_be_written_is_one_line(tmp_path, events):
     child = f"""
 import resource, sys
 from pathlib import Path
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.preprocess import preprocess
 from dlrmv4.data.yambda_schema import RawFiles
 from dlrmv4.errors import UserError

@@ -9,15 +9,8 @@ import sys
 
 import pytest
 
-from dlrmv4.config import (
-    SECTIONS,
-    BenchmarkConfig,
-    add_config_arguments,
-    config_from_args,
-    list_presets,
-    load_config,
-    to_toml,
-)
+from dlrmv4.config import SECTIONS, BenchmarkConfig
+from dlrmv4.config_loading import add_config_arguments, config_from_args, list_presets, load_config, to_toml
 from dlrmv4.errors import UserError
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 
 pytestmark = pytest.mark.slow  # the whole main job from nothing
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dlrmv4.cli import main
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.hashing import table_rows
 from dlrmv4.model.embeddings.torchrec_backend.sharding import parse_table_options, target_plan
 from dlrmv4.plan.activations import (

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.errors import UserError
 from dlrmv4.mlperf.rules import check_closed_division, run_checker, write_dataset_rules
 from dlrmv4.mlperf.runlog import RunFacts, RunLog

@@ -9,7 +9,8 @@ import pytest
 import torch
 from model_inputs import random_batch, random_embeddings
 
-from dlrmv4.config import ModelConfig, load_config
+from dlrmv4.config import ModelConfig
+from dlrmv4.config_loading import load_config
 from dlrmv4.model.flops import batch_flops, dense_flops_per_sample
 from dlrmv4.model.hstu import DlrmHSTU
 

@@ -15,7 +15,7 @@ from model_inputs import random_batch, random_embeddings
 from test_ops_layer_norm import gen, poison, randn, rel_err  # noqa: F401  (fixtures)
 from test_ops_stu_layer import HEADS, LENGTHS, QK, D, V, make_params, needs_interpreter
 
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.ops.reference.jagged import take_last
 from dlrmv4.ops.stu_candidate_layer import stu_candidate_layer

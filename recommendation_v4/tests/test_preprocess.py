@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from raw_factory import RawEvents, events_table, random_events, write_raw
 
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.preprocess import preprocess
 from dlrmv4.data.store import open_store, read_md5s
 from dlrmv4.data.verify import verify_store

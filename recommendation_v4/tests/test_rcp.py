@@ -84,7 +84,7 @@ def test_generator_runs_and_reads_convergence_from_the_log(tmp_path):
     that stops before the target is recorded as not converged."""
     from raw_factory import random_events, write_raw
 
-    from dlrmv4.config import load_config
+    from dlrmv4.config_loading import load_config
     from dlrmv4.data.preprocess import preprocess
 
     cfg = load_config("synthetic-tiny", None, {("preprocess", "num_train_days"): 4, ("preprocess", "min_history"): 20})
@@ -131,7 +131,7 @@ def test_a_committed_run_converges_the_same_when_made_again(tmp_path):
     script, from the same store the committed runs used (the default synthetic-tiny), on one thread
     as they were, and must reach the target at the same samples_count (the CPU run is deterministic;
     the committed runs were made on this kind of machine)."""
-    from dlrmv4.config import load_config
+    from dlrmv4.config_loading import load_config
     from dlrmv4.data.paths import synthetic_raw_root
     from dlrmv4.data.preprocess import preprocess
     from dlrmv4.data.synthetic import generate

@@ -15,7 +15,8 @@ from model_inputs import random_batch, random_embeddings
 from step_setup import small_table_config
 from test_model import SMALL
 
-from dlrmv4.config import ModelConfig, load_config
+from dlrmv4.config import ModelConfig
+from dlrmv4.config_loading import load_config
 from dlrmv4.distributed import Cluster
 from dlrmv4.model.embeddings import init_rows, make_embeddings, table_specs
 from dlrmv4.model.embeddings.wire import through_wire

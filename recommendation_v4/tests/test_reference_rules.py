@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from raw_factory import RawEvents, write_mapping, write_raw
 
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.preprocess import preprocess
 from dlrmv4.data.sampler import build_batch
 from dlrmv4.data.store import open_store

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.data import synthetic
 from dlrmv4.data.yambda_schema import DISLIKE, EVENT_TYPES, LIKE, LISTEN, MULTI_EVENT_SCHEMA, UNLIKE, RawFiles
 from dlrmv4.errors import UserError

@@ -16,7 +16,7 @@ import pytest
 import torch
 from raw_factory import random_events, write_raw
 
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.preprocess import preprocess
 
 pytestmark = pytest.mark.slow  # whole runs in subprocesses
@@ -69,7 +69,7 @@ OVERRIDES = {
 RUNNER = """
 import json, sys, torch
 torch.use_deterministic_algorithms(True)
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.train.run import run_training
 overrides = {tuple(key.split(".")): value for key, value in json.loads(sys.argv[1]).items()}
 run_training(load_config(None, None, overrides), log=lambda m: print(m, flush=True))

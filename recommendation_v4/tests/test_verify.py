@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from raw_factory import random_events, write_raw
 
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.preprocess import preprocess
 from dlrmv4.data.store import write_md5s
 from dlrmv4.data.verified_stamp import unverified_reason

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from dlrmv4.checkpoint.files import CHECKPOINT_DIR, resume_point
-from dlrmv4.config import BenchmarkConfig, to_dict
+from dlrmv4.config import BenchmarkConfig
+from dlrmv4.config_loading import to_dict
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
 from dlrmv4.data.store_settings import check_store_settings

@@ -9,7 +9,7 @@ import pytest
 import torch
 from model_inputs import random_batch, random_embeddings
 
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.model.hstu import DlrmHSTU
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from model_inputs import random_batch
 
-from dlrmv4.config import load_config
+from dlrmv4.config_loading import load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.train.trainer import build_step
 
