@@ -87,7 +87,7 @@ print(json.dumps({"seconds": time.perf_counter() - t, "problems": problems}))
 CHILD_READ = """
 import json, resource, sys, time
 import pyarrow.parquet as pq
-from dlrmv4.data.preprocess import RAW_COLUMNS
+from dlrmv4.data.raw_chunks import RAW_COLUMNS
 t = time.perf_counter()
 rows = 0
 for batch in pq.ParquetFile(sys.argv[1]).iter_batches(batch_size=4_000_000, columns=RAW_COLUMNS):

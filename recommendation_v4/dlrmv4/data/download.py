@@ -21,8 +21,15 @@ from urllib.parse import urlsplit
 
 import httpx2
 from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
-from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
-                                    RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 from huggingface_hub.file_download import HfFileMetadata, http_get, repo_folder_name
 from huggingface_hub.utils import WeakFileLock, build_hf_headers
 from huggingface_hub.utils.sha import sha_fileobj

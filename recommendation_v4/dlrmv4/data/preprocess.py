@@ -52,14 +52,34 @@ from tqdm import tqdm
 
 from dlrmv4.config import DatasetConfig, PreprocessConfig
 from dlrmv4.data import store as st
-from dlrmv4.data.yambda_schema import (ACTION_LIKE, ACTION_LISTEN_PLUS, ACTION_SKIP, EVENT_CODE, EVENT_TYPES, LIKE,
-                                       LISTEN, RawFiles, check_mapping_schema, check_multi_event_schema,
-                                       open_parquet)
-from dlrmv4.errors import UserError, one_line
+from dlrmv4.data.raw_chunks import (
+    Chunk,
+    check_items_mapped,
+    column_max,
+    decode_event_types,
+    item_table,
+    local_index,
+    owned_rows,
+    plan_chunks,
+    read_item_table,
+    resolve_t_end,
+    session_numbers,
+    user_starts,
+)
+from dlrmv4.data.yambda_schema import (
+    ACTION_LIKE,
+    ACTION_LISTEN_PLUS,
+    ACTION_SKIP,
+    EVENT_TYPES,
+    LIKE,
+    LISTEN,
+    RawFiles,
+    check_multi_event_schema,
+    open_parquet,
+)
+from dlrmv4.errors import UserError
 from dlrmv4.files import atomic_directory, check_free_space, check_writable, write_errors_in_one_line, write_json
 from dlrmv4.parallel import in_order, usable_cores
-
-RAW_COLUMNS = ["uid", "item_id", "timestamp", "is_organic", "event_type", "played_ratio_pct"]
 
 
 @dataclass(frozen=True)
@@ -216,170 +236,6 @@ class _AnchorBuckets:
         return layout, offsets
 
 
-def _decode_event_types(df: pl.DataFrame, path: Path, row_base: int) -> np.ndarray:
-    names = df.get_column("event_type").cast(pl.String)
-    known = names.is_in(list(EVENT_TYPES))
-    if not bool(known.all()):
-        bad_row = int(np.flatnonzero(~known.to_numpy())[0])
-        raise UserError(f"{path}: unknown event_type {names[bad_row]!r} at row {row_base + bad_row} "
-                        f"(expected one of {', '.join(EVENT_TYPES)})")
-    return names.replace_strict(EVENT_CODE, return_dtype=pl.UInt8).to_numpy()
-
-
-def _check_order(uid: np.ndarray, ts: np.ndarray, prev: tuple[int, int] | None, path: Path, row_base: int) -> None:
-    """Rows must be sorted by (uid, timestamp); the previous chunk's last row joins the check."""
-    if prev is not None and len(uid):
-        uid = np.concatenate([np.array([prev[0]], uid.dtype), uid])
-        ts = np.concatenate([np.array([prev[1]], ts.dtype), ts])
-        row_base -= 1
-    if len(uid) < 2:
-        return
-    u = uid.astype(np.int64)
-    t = ts.astype(np.int64)
-    du, dt = np.diff(u), np.diff(t)
-    bad = (du < 0) | ((du == 0) & (dt < 0))
-    if bad.any():
-        row = int(np.flatnonzero(bad)[0]) + 1
-        raise UserError(f"{path}: rows are not sorted by (uid, timestamp) at row {row_base + row} "
-                        f"(uid {u[row - 1]}->{u[row]}, timestamp {t[row - 1]}->{t[row]})")
-
-
-def _user_starts(uid: np.ndarray) -> np.ndarray:
-    """Index of the first row of each user run in a uid-sorted array, plus len at the end."""
-    if len(uid) == 0:
-        return np.zeros(1, np.int64)
-    change = np.flatnonzero(uid[1:] != uid[:-1]) + 1
-    return np.concatenate([[0], change, [len(uid)]]).astype(np.int64)
-
-
-def _local_index(starts: np.ndarray, n: int) -> np.ndarray:
-    """Position of each row inside its user run."""
-    lengths = np.diff(starts)
-    return np.arange(n, dtype=np.int64) - np.repeat(starts[:-1], lengths)
-
-
-def session_numbers(starts: np.ndarray, ts: np.ndarray, gap_seconds: int) -> np.ndarray:
-    """Per-user session number from 0: a new session when the gap to the previous event is > the gap."""
-    if len(ts) == 0:
-        return np.zeros(0, np.uint32)
-    new = np.diff(ts.astype(np.int64), prepend=np.int64(ts[0])) > gap_seconds
-    new[starts[:-1]] = True
-    cum = np.cumsum(new, dtype=np.int64)
-    return (cum - np.repeat(cum[starts[:-1]], np.diff(starts))).astype(np.uint32)
-
-
-def resolve_t_end(path: Path, pf: pq.ParquetFile, cfg: PreprocessConfig) -> int:
-    """The exclusive split end: ``last_timestamp``, or when 0 the data's largest timestamp."""
-    if cfg.last_timestamp:
-        return cfg.last_timestamp
-    return _column_max(path, pf, "timestamp")
-
-
-def _column_max(path: Path, pf: pq.ParquetFile, name: str) -> int:
-    """A column's largest value: from the row groups' statistics (no pass over the data) where
-    every group has them, else by a scan."""
-    col = pf.schema_arrow.get_field_index(name)
-    best = -1
-    for rg in range(pf.metadata.num_row_groups):
-        stats = pf.metadata.row_group(rg).column(col).statistics
-        if stats is None or not stats.has_min_max:
-            return int(pl.scan_parquet(path).select(pl.col(name).max()).collect().item())
-        best = max(best, int(stats.max))
-    return best
-
-
-def check_items_mapped(raw: RawFiles, largest_event_item: int, mapped: dict[Path, int]) -> None:
-    """Every event's item must have a row in the artist and album mappings: the reference refuses
-    data whose item ids run past a mapping's largest (its popularity table must have one row per
-    mapped item), where giving such items artist and album 0 would train on made-up ids."""
-    for path, largest in mapped.items():
-        if largest_event_item > largest:
-            raise UserError(
-                f"{raw.multi_event}: item ids run to {largest_event_item:,}, past the largest item id of "
-                f"{path} ({largest:,}): every event's item needs a row in the artist and album mappings"
-            )
-
-
-def _read_item_table(path: Path, id_column: str) -> tuple[np.ndarray, np.ndarray]:
-    """(item, id) pairs, one per item: the item's last row in file order (as the reference assigns)."""
-    pf = open_parquet(path)
-    check_mapping_schema(path, pf.schema_arrow, id_column)
-    try:
-        df = pl.read_parquet(path, columns=["item_id", id_column])
-    except Exception as exc:  # polars raises several types for damaged files
-        raise UserError(f"{path}: cannot read ({one_line(exc)})")
-    items = df.get_column("item_id").to_numpy().astype(np.int64)
-    ids = df.get_column(id_column).to_numpy().astype(np.int64)
-    if len(items) and (items.min() < 0 or ids.min() < 0):
-        raise UserError(f"{path}: negative ids")
-    # np.unique keeps the first occurrence: over the reversed rows that is each item's last row.
-    last_items, first_rev = np.unique(items[::-1], return_index=True)
-    return last_items, ids[::-1][first_rev]
-
-
-def _item_table(items: np.ndarray, ids: np.ndarray, num_items: int) -> np.ndarray:
-    table = np.zeros(num_items, np.uint32)
-    keep = items < num_items
-    table[items[keep]] = ids[keep]
-    return table
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """Row groups [first, stop) of the raw file, starting at file row ``row_base``. It owns the users
-    whose first row lies in them, whole: their rows that run on into the next groups too."""
-    first: int
-    stop: int
-    row_base: int
-
-
-def _plan_chunks(pf: pq.ParquetFile, rows_per_chunk: int) -> list[_Chunk]:
-    """Consecutive row groups of about ``rows_per_chunk`` rows each (at least one group)."""
-    chunks, first, rows, base = [], 0, 0, 0
-    for g in range(pf.metadata.num_row_groups):
-        rows += pf.metadata.row_group(g).num_rows
-        if rows >= rows_per_chunk or g == pf.metadata.num_row_groups - 1:
-            chunks.append(_Chunk(first, g + 1, base))
-            first, base, rows = g + 1, base + rows, 0
-    return chunks
-
-
-def _read_groups(pf: pq.ParquetFile, path: Path, groups: range, columns: list[str]) -> pa.Table:
-    try:
-        return pf.read_row_groups(list(groups), columns=columns)
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
-        raise UserError(f"{path}: read failed (truncated or corrupt parquet?): {one_line(exc)}")
-
-
-def _owned_rows(pf: pq.ParquetFile, path: Path, chunk: _Chunk) -> tuple[pl.DataFrame, int]:
-    """The rows of the users ``chunk`` owns, and the file row of the first. Checks the (uid,
-    timestamp) order of its groups' rows, the previous group's last row included."""
-    table = _read_groups(pf, path, range(chunk.first, chunk.stop), RAW_COLUMNS)
-    uid = table.column("uid").to_numpy()
-    prev = None
-    if chunk.first:
-        before = _read_groups(pf, path, range(chunk.first - 1, chunk.first), ["uid", "timestamp"])
-        prev = (int(before.column("uid")[-1].as_py()), int(before.column("timestamp")[-1].as_py()))
-    _check_order(uid, table.column("timestamp").to_numpy(), prev, path, chunk.row_base)
-    skip = 0  # rows that continue the user an earlier chunk owns
-    if prev is not None and len(uid) and uid[0] == prev[0]:
-        differs = uid != prev[0]
-        skip = int(np.argmax(differs)) if bool(differs.any()) else len(uid)
-    parts = [table.slice(skip)]
-    if skip < len(uid):  # the last user's rows that run on into the next groups
-        last = uid[-1]
-        for g in range(chunk.stop, pf.metadata.num_row_groups):
-            nxt = _read_groups(pf, path, range(g, g + 1), RAW_COLUMNS)
-            same = nxt.column("uid").to_numpy() == last
-            run = len(same) if bool(same.all()) else int(np.argmin(same))
-            parts.append(nxt.slice(0, run))
-            if run < len(same):
-                break
-    df = pl.from_arrow(pa.concat_tables(parts))
-    assert isinstance(df, pl.DataFrame)
-    return df, chunk.row_base + skip
-
-
 def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessConfig, *,
                resolved_revision: str | None = None, progress: bool = True) -> dict[str, Any]:
     """Build the store at ``out_dir`` atomically; returns its meta.json content."""
@@ -391,10 +247,10 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
     if num_rows == 0:
         raise UserError(f"{raw.multi_event}: the dataset is empty (0 rows)")
     check_free_space(out_dir.parent, num_rows * STORE_BYTES_PER_ROW_AT_MOST, f"preprocessing {num_rows:,} events")
-    artist_items, artist_ids = _read_item_table(raw.artist_mapping, "artist_id")
-    album_items, album_ids = _read_item_table(raw.album_mapping, "album_id")
+    artist_items, artist_ids = read_item_table(raw.artist_mapping, "artist_id")
+    album_items, album_ids = read_item_table(raw.album_mapping, "album_id")
     mapped = {raw.artist_mapping: int(artist_items.max(initial=-1)), raw.album_mapping: int(album_items.max(initial=-1))}
-    check_items_mapped(raw, _column_max(raw.multi_event, pf, "item_id"), mapped)
+    check_items_mapped(raw, column_max(raw.multi_event, pf, "item_id"), mapped)
     bounds = SplitBounds.from_config(resolve_t_end(raw.multi_event, pf, cfg), cfg)
 
     # The raw reads turn their errors into UserErrors: what fails for an I/O cause here is the store's writing.
@@ -406,8 +262,8 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
         popularity = np.zeros(num_items, np.int64)
         pop = meta.pop("_popularity")
         popularity[:len(pop)] = pop
-        st.save_array(tmp / "items" / "artist_id.npy", _item_table(artist_items, artist_ids, num_items))
-        st.save_array(tmp / "items" / "album_id.npy", _item_table(album_items, album_ids, num_items))
+        st.save_array(tmp / "items" / "artist_id.npy", item_table(artist_items, artist_ids, num_items))
+        st.save_array(tmp / "items" / "album_id.npy", item_table(album_items, album_ids, num_items))
         st.save_array(tmp / "items" / "popularity.npy", popularity)
         meta["counts"]["num_items"] = num_items
         meta["dataset"] = {"source": ds.source, "size": ds.size, "hub_repo_id": ds.hub_repo_id,
@@ -451,7 +307,7 @@ def _process_chunk(df: pl.DataFrame, row_base: int, path: Path, bounds: SplitBou
                    cfg: PreprocessConfig) -> _ChunkResult:
     counts = _Counts()
     n_raw = df.height
-    code = _decode_event_types(df, path, row_base)
+    code = decode_event_types(df, path, row_base)
     ratio_null = df.get_column("played_ratio_pct").is_null().to_numpy()
     null_listen = (code == LISTEN) & ratio_null
     counts.null_ratio_listens = int(np.count_nonzero(null_listen))
@@ -486,7 +342,7 @@ def _process_chunk(df: pl.DataFrame, row_base: int, path: Path, bounds: SplitBou
     cols = {"item_id": item, "timestamp": ts.astype(np.uint32), "event_code": code, "action": action,
             "is_organic": organic}
     tr_uid = uid[in_train]
-    tr_starts = _user_starts(tr_uid)
+    tr_starts = user_starts(tr_uid)
     tr_users = tr_uid[tr_starts[:-1]]
     tr_ts = ts[in_train]
     tr_cols = {k: v[in_train] for k, v in cols.items()}
@@ -498,7 +354,7 @@ def _process_chunk(df: pl.DataFrame, row_base: int, path: Path, bounds: SplitBou
         tr_item = item[in_train].astype(np.int64)
         max_item = int(tr_item.max())
         items, item_counts = np.unique(tr_item, return_counts=True)
-        local = _local_index(tr_starts, len(tr_uid))
+        local = local_index(tr_starts, len(tr_uid))
         anchor_pos = np.flatnonzero((code[in_train] == LISTEN) & (local >= cfg.min_history))
 
     # Test keeps only users seen in train; a chunk holds its users whole.
@@ -507,17 +363,17 @@ def _process_chunk(df: pl.DataFrame, row_base: int, path: Path, bounds: SplitBou
     te_uid = uid[seen]
     if len(te_uid):
         max_item = max(max_item, int(item[seen].max()))
-    te_starts = _user_starts(te_uid)
+    te_starts = user_starts(te_uid)
     te_cols = {k: v[seen] for k, v in cols.items()}
     te_cols["session_id"] = session_numbers(te_starts, ts[seen], cfg.session_gap_seconds)
     return _ChunkResult(tr_users, np.diff(tr_starts), tr_cols, anchor_pos, tr_ts[anchor_pos], te_uid[te_starts[:-1]],
                         np.diff(te_starts), te_cols, counts, items, item_counts.astype(np.int64), max_item, n_raw)
 
 
-def _chunk_result(chunk: _Chunk, path: Path, bounds: SplitBounds, cfg: PreprocessConfig,
+def _chunk_result(chunk: Chunk, path: Path, bounds: SplitBounds, cfg: PreprocessConfig,
                   pf: pq.ParquetFile | None = None) -> _ChunkResult:
     """Read, check and process one chunk (in a worker process, or in this one with its open file)."""
-    df, row_base = _owned_rows(pf if pf is not None else _worker_file(path), path, chunk)
+    df, row_base = owned_rows(pf if pf is not None else _worker_file(path), path, chunk)
     return _process_chunk(df, row_base, path, bounds, cfg)
 
 
@@ -536,7 +392,7 @@ def _start_worker() -> None:
     pa.set_io_thread_count(1)
 
 
-def _results_in_order(pf: pq.ParquetFile, path: Path, chunks: list[_Chunk], bounds: SplitBounds,
+def _results_in_order(pf: pq.ParquetFile, path: Path, chunks: list[Chunk], bounds: SplitBounds,
                       cfg: PreprocessConfig, workers: int) -> Generator[_ChunkResult, None, None]:
     """Every chunk's result in file order, processed by ``workers`` processes (this one for 1), at
     most two chunks per worker ahead of the writer."""
@@ -568,7 +424,7 @@ def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: S
     counts = _Counts()
     popularity = np.zeros(0, np.int64)
     max_item = -1
-    chunks = _plan_chunks(pf, cfg.rows_per_chunk)
+    chunks = plan_chunks(pf, cfg.rows_per_chunk)
     workers = cfg.workers or usable_cores()
     with tqdm(total=num_rows, unit="ev", unit_scale=True, desc="preprocess", disable=not progress) as bar, \
             contextlib.closing(_results_in_order(pf, path, chunks, bounds, cfg, workers)) as results:

@@ -45,12 +45,20 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from dlrmv4.config import SYNTHETIC_SIZES
-from dlrmv4.data.yambda_schema import (DISLIKE, EVENT_TYPES, LIKE, LISTEN, MULTI_EVENT_SCHEMA,
-                                       TIMESTAMP_BIN_SECONDS, UNDISLIKE, UNLIKE, RawFiles)
-from dlrmv4.parallel import usable_cores
+from dlrmv4.data.yambda_schema import (
+    DISLIKE,
+    EVENT_TYPES,
+    LIKE,
+    LISTEN,
+    MULTI_EVENT_SCHEMA,
+    TIMESTAMP_BIN_SECONDS,
+    UNDISLIKE,
+    UNLIKE,
+    RawFiles,
+)
 from dlrmv4.errors import UserError
 from dlrmv4.files import check_writable, write_atomically
-from dlrmv4.parallel import in_order
+from dlrmv4.parallel import in_order, usable_cores
 
 
 @dataclass(frozen=True)
