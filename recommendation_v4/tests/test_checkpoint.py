@@ -433,3 +433,23 @@ def test_a_file_written_whole_names_itself_when_the_write_fails(tmp_path):
     with pytest.raises(UserError, match=f"cannot write {final}: No space left on device"):
         write_atomically(final, full)
     assert final.read_text() == "previous" and sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+def test_writer_thread_tracebacks_stay_silent_after_the_save(monkeypatch, capsys):
+    """DCP's writer threads may end (and print) after the save has raised their error: the filter
+    stays installed, drops their tracebacks only, and is installed once."""
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
+    checkpoint_module._silence_writer_thread_tracebacks()
+    installed = threading.excepthook
+    checkpoint_module._silence_writer_thread_tracebacks()
+    assert threading.excepthook is installed
+
+    def fail() -> None:
+        raise OSError("File too large")
+
+    for name in ("Thread-3 (_write_files_from_queue)", "some other thread"):
+        thread = threading.Thread(target=fail, name=name)
+        thread.start()
+        thread.join()
+    err = capsys.readouterr().err
+    assert "some other thread" in err and "_write_files_from_queue" not in err

@@ -33,7 +33,6 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,21 +108,21 @@ def _io_threads() -> int:
     return max(1, min(WRITE_THREADS, usable_cores()))
 
 
-@contextlib.contextmanager
-def _quiet_writer_threads() -> Iterator[None]:
+def _silence_writer_thread_tracebacks() -> None:
     """DCP's file-writer threads hand their error to the save, which raises it (one line, through
-    ``write_errors_in_one_line``); Python would also print each thread's traceback first."""
+    ``write_errors_in_one_line``); Python would also print each thread's traceback. Installed for
+    the process once and left in place: a hook swapped in only around the save raced the failing
+    thread, which may end (and print) after the save has already raised and restored the hook."""
     previous = threading.excepthook
+    if getattr(previous, "dlrmv4_quiet_writers", False):
+        return
 
     def hook(args: Any) -> None:
         if args.thread is None or "_write_files_from_queue" not in args.thread.name:
             previous(args)
 
+    hook.dlrmv4_quiet_writers = True  # type: ignore[attr-defined]
     threading.excepthook = hook
-    try:
-        yield
-    finally:
-        threading.excepthook = previous
 
 
 def _dcp_quietly(fn: Any, state_dict: dict[str, Any], path: Path, cluster: Cluster | None = None) -> None:
@@ -137,11 +136,13 @@ def _dcp_quietly(fn: Any, state_dict: dict[str, Any], path: Path, cluster: Clust
         # Keep ShardedTensors whole: flattening drops those with no shard on this rank (table-wise
         # plans), and a key missing that way sends DCP down its pre-2.4 key format.
         planner = {"planner": DefaultLoadPlanner(flatten_sharded_tensors=False)} if fn is dcp.load else {}
-        with cluster.guard(f"checkpoint {fn.__name__}"), _quiet_writer_threads():
+        _silence_writer_thread_tracebacks()
+        with cluster.guard(f"checkpoint {fn.__name__}"):
             fn(state_dict, process_group=cluster.control, **where, **planner)
         return
     single = not (dist.is_available() and dist.is_initialized())
-    with warnings.catch_warnings(), _quiet_writer_threads():
+    _silence_writer_thread_tracebacks()
+    with warnings.catch_warnings():
         if single:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         fn(state_dict, no_dist=single, **where)
