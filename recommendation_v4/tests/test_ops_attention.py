@@ -243,3 +243,40 @@ def test_backward_into_column_slices_of_one_buffer(monkeypatch, dq_mode):
     assert (grad[:, : heads * dv] == 7).all(), "the u columns were written"
     with pytest.raises(ValueError, match="out must be"):
         attention_bwd(*args, out=(cols[0], cols[1], cols[0]))
+
+
+def check_column_sums(q, k, v, offsets, num_targets, n: int, alpha: float, dq_mode: str, seed: int) -> None:
+    """attention_bwd(col_sums=...) against the sums of the gradients it returns."""
+    from dlrmv4.ops.triton.attention import attention_bwd
+
+    gen = torch.Generator(device=q.device).manual_seed(seed)
+    do = torch.randn(v.shape, generator=gen, device=q.device).to(q.dtype)
+    args = (do, q, k, v, offsets, num_targets, n, alpha)
+    heads, dqk, dv = q.shape[1], q.shape[2], v.shape[2]
+    sums = tuple(torch.full((heads * d,), float("nan"), device=q.device) for d in (dqk, dqk, dv))
+    grads = attention_bwd(*args, dq_mode=dq_mode, col_sums=sums)
+    # fp32: the same values in another order. 16-bit: the returned gradients are rounded (the
+    # interpreter truncates: up to 2^-7 of a value), the sums are not.
+    tol = 1e-5 if q.dtype == torch.float32 else 1e-2
+    for name, g, got in zip(("dq", "dk", "dv"), grads, sums):
+        expected = g.double().sum(0).flatten()
+        scale = g.double().abs().sum(0).flatten().clamp_min(1e-6)
+        err = ((got.double() - expected).abs() / scale).max().item()
+        assert err < tol, f"{name}: column sums off by {err:.1e} (seed {seed})"
+    with pytest.raises(ValueError, match="col_sums must be"):
+        attention_bwd(*args, col_sums=(sums[0], sums[1], sums[1][:1]))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton interpreter tests (tests/gpu/ covers the compiled kernels)")
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_column_sums(dq_mode, dtype):
+    """attention_bwd(col_sums=...) gives each gradient's sum over its rows (what a bias of the q, k,
+    v projection gets), summed before rounding: with targets, empty sequences and an N above the
+    longest sequence (so some programs have no rows)."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    lengths = random_lengths(gen, 5, 45)
+    targets = torch.randint(0, 3, (len(lengths),), generator=gen).tolist()
+    q, k, v, offsets, num_targets = make_batch(lengths, 2, 32, 16, dtype, "cpu", seed, targets)
+    check_column_sums(q, k, v, offsets, num_targets, max(lengths) + 40, 0.3, dq_mode, seed)

@@ -104,6 +104,35 @@ def test_backward_writes_du_into_a_given_buffer(gen, poison):
         tri.backward(u, attn, w, b, dy, mean, rstd, keep, p, du_out=wide[:, : hd - 1])
 
 
+def check_du_sums(t: int, hd: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> None:
+    """output_block backward's ``du_sum`` against the sum of the du it returns; du itself, dattn and
+    the weight gradients are the same as without it."""
+    p, seed = 0.2, secrets.randbits(31)
+    u, attn, w, b = (z.to(device) for z in make_inputs(t, hd, dtype, gen)[1:])
+    y, mean, rstd, keep = tri.forward(u, attn, w, b, EPS, p, seed, True)
+    dy = randn(y.shape, gen, dtype).to(device)
+    plain = tri.backward(u, attn, w, b, dy, mean, rstd, keep, p)
+    du_sum = torch.full((hd,), float("nan"), device=device)
+    got = tri.backward(u, attn, w, b, dy, mean, rstd, keep, p, du_sum=du_sum)
+    for a, e in zip(got, plain):
+        assert torch.equal(a, e)
+    expected = plain[0].double().sum(0)
+    scale = plain[0].double().abs().sum(0).clamp_min(1e-6)
+    err = ((du_sum.double() - expected).abs() / scale).max().item()
+    # 16-bit: the returned du is rounded (the interpreter truncates: up to 2^-7 of a value), the sum is not.
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), f"du_sum off by {err:.1e}"
+    with pytest.raises(ValueError, match="du_sum must be"):
+        tri.backward(u, attn, w, b, dy, mean, rstd, keep, p, du_sum=du_sum[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [0, 1, 45])
+def test_backward_sums_du_over_rows(dtype, t, gen, poison):
+    """``du_sum`` receives du's sum over the rows (a bias gradient of u's projection), added up
+    before rounding."""
+    check_du_sums(t, 40, dtype, "cpu", gen)
+
+
 def test_no_affine(gen, poison):
     u = randn((9, 24), gen).requires_grad_()
     a = randn((9, 24), gen).requires_grad_()

@@ -108,6 +108,8 @@ def test_triton_recompute_is_the_same_layer(mode, gen, poison):
         assert rel_err(other[2][name], grad) < 1e-6, name
     ref = run("none", "pytorch", x, params, offsets, dout, seed, 123)  # the same mask on the reference
     assert rel_err(other[0], ref[0]) < 1e-5 and rel_err(other[1], ref[1]) < 1e-4
+    for name, grad in ref[2].items():  # the uvqk bias's from the kernels' column sums
+        assert rel_err(base[2][name], grad) < 1e-4 and rel_err(other[2][name], grad) < 1e-4, name
 
 
 def saved_activation_bytes(mode: str, x, params, offsets, seed: int) -> int:

@@ -284,7 +284,9 @@ def test_bad_input_is_reported():
 @needs_interpreter
 def test_stu_layer_runs_the_fused_op(monkeypatch, gen):
     """STULayer (through ops/stu_layer.py) hands its projection to stu_mixing with the layer's dims,
-    alpha, norm parameters, dropout and row offset, and adds the output projection of y to its input."""
+    alpha, norm parameters, dropout and row offset, and adds the output projection of y to its input.
+    That is the forward without grad; with grad, the projection and the mixing run as one autograd
+    function (for the bias gradient), which gives the same output."""
     import dataclasses
 
     from test_model import SMALL
@@ -302,7 +304,8 @@ def test_stu_layer_runs_the_fused_op(monkeypatch, gen):
 
     monkeypatch.setattr(stu_layer, "stu_mixing", spy)
     x = randn((12, cfg.d_model), gen)
-    out = layer(x, torch.tensor([0, 5, 12]), 7, dropout_seed=11, row_offset=30)
+    with torch.no_grad():
+        out = layer(x, torch.tensor([0, 5, 12]), 7, dropout_seed=11, row_offset=30)
     assert out.shape == x.shape
     assert seen["width"] == cfg.num_heads * (2 * cfg.v_dim + 2 * cfg.qk_dim) and seen["max_seq_len"] == 7
     assert seen["norm_weight"] is layer.attn_norm_weight and seen["norm_bias"] is layer.attn_norm_bias
@@ -311,3 +314,7 @@ def test_stu_layer_runs_the_fused_op(monkeypatch, gen):
     kw = {k: v for k, v in seen.items() if k not in ("width", "max_seq_len")}
     y = stu_mixing(layer.uvqk(layer.input_norm(x)), torch.tensor([0, 5, 12]), 7, **kw)
     torch.testing.assert_close(out, x + layer.out(y))
+    seen.clear()
+    trained = layer(x.requires_grad_(), torch.tensor([0, 5, 12]), 7, dropout_seed=11, row_offset=30)
+    assert not seen and trained.requires_grad
+    torch.testing.assert_close(trained, out, rtol=0, atol=0)

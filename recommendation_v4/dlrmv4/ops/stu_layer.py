@@ -24,10 +24,62 @@ from torch.utils.checkpoint import checkpoint
 
 from dlrmv4.ops.dispatch import resolve
 from dlrmv4.ops.layer_norm import layer_norm, layer_norm_and_input
+from dlrmv4.ops.reference.philox import check_dropout
 from dlrmv4.ops.reference.stu_mixing import split_uvqk
-from dlrmv4.ops.stu_mixing import stu_mixing
+from dlrmv4.ops.stu_mixing import bias_grad_slices, check_stu_mixing_inputs, mixing_backward, stu_mixing
 
 RECOMPUTE_MODES = ("none", "cheap", "layer")
+
+
+class _ProjectedMixingFn(torch.autograd.Function):
+    """y = stu_mixing(n W_uvqk^T + b_uvqk) with the Triton kernels, keeping what autograd would (n,
+    the weight in n's dtype, uvqk, attn, the mask bits, the attn norm's statistics). One function so
+    that the bias gradient comes from the mixing kernels' own column sums: autograd's linear would
+    read the [T, W] gradient once more to sum it."""
+
+    @staticmethod
+    def forward(ctx, n, uvqk_weight, uvqk_bias, attn_norm_weight, attn_norm_bias, seq_offsets, args):
+        from dlrmv4.ops.triton import output_block as tob
+        from dlrmv4.ops.triton.attention import attention_fwd
+
+        dims, max_seq_len, alpha, attn_eps, dropout = args
+        w = uvqk_weight.to(n.dtype)
+        uvqk = F.linear(n, w, uvqk_bias.to(n.dtype))
+        check_stu_mixing_inputs(uvqk, seq_offsets, max_seq_len, *dims, attn_norm_weight, attn_norm_bias)
+        u, v, q, k = split_uvqk(uvqk, *dims)
+        attn = attention_fwd(q, k, v, seq_offsets, None, max_seq_len, alpha).flatten(1)
+        y, mean, rstd, keep = tob.forward(u, attn, attn_norm_weight, attn_norm_bias, attn_eps, *dropout)
+        ctx.save_for_backward(n, w, uvqk, attn, attn_norm_weight, attn_norm_bias, mean, rstd, keep, seq_offsets)
+        ctx.args = args
+        ctx.param_dtypes = (uvqk_weight.dtype, uvqk_bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        n, w, uvqk, attn, attn_norm_weight, attn_norm_bias, mean, rstd, keep, seq_offsets = ctx.saved_tensors
+        dims, max_seq_len, alpha, _, dropout = ctx.args
+        d_bias = torch.empty(uvqk.shape[1], dtype=torch.float32, device=uvqk.device)
+        grad, d_attn_w, d_attn_b = mixing_backward(
+            dy,
+            uvqk,
+            attn,
+            attn_norm_weight,
+            attn_norm_bias,
+            mean,
+            rstd,
+            keep,
+            seq_offsets,
+            dims,
+            max_seq_len,
+            alpha,
+            dropout[0],
+            uvqk_bias_grad=d_bias,
+        )
+        del uvqk
+        d_weight = grad.t().mm(n)
+        dn = grad.mm(w)
+        weight_dtype, bias_dtype = ctx.param_dtypes
+        return dn, d_weight.to(weight_dtype), d_bias.to(bias_dtype), d_attn_w, d_attn_b, None, None
 
 
 class _CheapRecomputeFn(torch.autograd.Function):
@@ -107,18 +159,30 @@ class _CheapRecomputeFn(torch.autograd.Function):
         d_out_weight = dout.t().mm(y)
         dy = dout.mm(w_out)
         del y
+        # Every column of grad and of the bias gradient is written: u's by the output block, v, q,
+        # k's by the attention (dy and the mask are freed before the attention's backward).
         grad = torch.empty(uvqk.shape, dtype=dt, device=uvqk.device)
+        d_uvqk_bias = torch.empty(uvqk.shape[1], dtype=torch.float32, device=uvqk.device)
         du, dv, dq, dk = split_uvqk(grad, *dims)
+        su, sv, sq, sk = bias_grad_slices(d_uvqk_bias, dims)
         _, dattn, d_attn_w, d_attn_b = tob.backward(
-            u, attn, attn_norm_weight, attn_norm_bias, dy, attn_mean, attn_rstd, keep, dropout[0], du_out=du
+            u, attn, attn_norm_weight, attn_norm_bias, dy, attn_mean, attn_rstd, keep, dropout[0], du_out=du, du_sum=su
         )
         del dy, keep
         attention_bwd(
-            dattn.unflatten(1, (dims[0], dims[2])), q, k, v, seq_offsets, None, max_seq_len, alpha, out=(dq, dk, dv)
+            dattn.unflatten(1, (dims[0], dims[2])),
+            q,
+            k,
+            v,
+            seq_offsets,
+            None,
+            max_seq_len,
+            alpha,
+            out=(dq, dk, dv),
+            col_sums=(sq, sk, sv),
         )
         del uvqk, dattn
         d_uvqk_weight = grad.t().mm(n)
-        d_uvqk_bias = grad.sum(0, dtype=torch.float32)
         dn = grad.mm(w_uvqk)
         del grad, n
         # The residual's gradient (dout) is added inside the norm's backward.
@@ -137,6 +201,11 @@ class _CheapRecomputeFn(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the layer's GEMMs and kernels run in: autocast's when it is on, else x's."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
 def stu_layer(
@@ -171,6 +240,8 @@ def stu_layer(
         raise ValueError(f"stu_layer: recompute={recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
     if x.dim() != 2 or x.shape[1] != uvqk_weight.shape[1]:
         raise ValueError(f"stu_layer: x must be [T, {uvqk_weight.shape[1]}], got {tuple(x.shape)}")
+    dims = (num_heads, qk_dim, v_dim)
+    seed, row_offset = check_dropout("stu_layer", dropout_p, seed, row_offset)
 
     def project(x: torch.Tensor) -> torch.Tensor:
         return F.linear(layer_norm(x, norm_weight, norm_bias, norm_eps, kernels=kernels), uvqk_weight, uvqk_bias)
@@ -199,7 +270,12 @@ def stu_layer(
     def whole(x: torch.Tensor) -> torch.Tensor:
         # The norm hands x back for the residual, so x's two gradients meet inside its backward.
         n, residual = layer_norm_and_input(x, norm_weight, norm_bias, norm_eps, kernels=kernels)
-        return mix_and_project(residual, F.linear(n, uvqk_weight, uvqk_bias))
+        if resolve(kernels, x.device) == "pytorch" or not torch.is_grad_enabled():
+            return mix_and_project(residual, F.linear(n, uvqk_weight, uvqk_bias))
+        args = (dims, int(max_seq_len), float(alpha), attn_eps, (dropout_p, seed, training, row_offset))
+        n = n.to(_compute_dtype(x))
+        y = _ProjectedMixingFn.apply(n, uvqk_weight, uvqk_bias, attn_norm_weight, attn_norm_bias, seq_offsets, args)
+        return torch.addmm(residual, y, out_weight.t())
 
     grads = torch.is_grad_enabled() and (x.requires_grad or uvqk_weight.requires_grad)
     if recompute == "none" or not grads:
@@ -208,10 +284,9 @@ def stu_layer(
         return checkpoint(whole, x, use_reentrant=False)
     if resolve(kernels, x.device) == "pytorch":
         return mix_and_project(x, checkpoint(project, x, use_reentrant=False))
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    x = x.to(dtype)
+    x = x.to(_compute_dtype(x))
     dropout = (dropout_p, seed, training, row_offset)
-    args = ((num_heads, qk_dim, v_dim), int(max_seq_len), float(alpha), norm_eps, attn_eps, dropout)
+    args = (dims, int(max_seq_len), float(alpha), norm_eps, attn_eps, dropout)
     return _CheapRecomputeFn.apply(
         x.contiguous(),
         norm_weight,

@@ -31,6 +31,72 @@ def _unit_cols(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def bias_grad_slices(
+    bias_grad: torch.Tensor, dims: tuple[int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The u, v, q, k slices of a uvqk bias gradient [W] (contiguous views)."""
+    num_heads, qk_dim, v_dim = dims
+    hv, hqk = num_heads * v_dim, num_heads * qk_dim
+    u, v, q, k = torch.split(bias_grad, [hv, hv, hqk, hqk])
+    return u, v, q, k
+
+
+def mixing_backward(
+    dy: torch.Tensor,
+    uvqk: torch.Tensor,
+    attn: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    keep: torch.Tensor | None,
+    seq_offsets: torch.Tensor,
+    dims: tuple[int, int, int],
+    max_seq_len: int,
+    alpha: float,
+    dropout_p: float,
+    uvqk_bias_grad: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The Triton mixing's backward from the forward's saved values: (grad [T, W] of uvqk, the attn
+    norm's weight and bias gradients). Every column of grad is written: du by the output block, dv,
+    dq, dk by the attention. ``uvqk_bias_grad`` (contiguous fp32 [W]) receives grad's column sums,
+    the gradient of a bias added to uvqk, from the same kernels (no pass over grad for it)."""
+    from dlrmv4.ops.triton import output_block as tob
+    from dlrmv4.ops.triton.attention import attention_bwd
+
+    num_heads, qk_dim, v_dim = dims
+    grad = torch.empty(uvqk.shape, dtype=uvqk.dtype, device=uvqk.device)
+    u, v, q, k = split_uvqk(uvqk, *dims)
+    du, dv, dq, dk = split_uvqk(grad, *dims)
+    sums = None if uvqk_bias_grad is None else bias_grad_slices(uvqk_bias_grad, dims)
+    _, dattn, dw, db = tob.backward(
+        u,
+        attn,
+        weight,
+        bias,
+        _unit_cols(dy),
+        mean,
+        rstd,
+        keep,
+        dropout_p,
+        du_out=du,
+        du_sum=None if sums is None else sums[0],
+    )
+    attention_bwd(
+        dattn.unflatten(1, (num_heads, v_dim)),
+        q,
+        k,
+        v,
+        seq_offsets,
+        None,
+        max_seq_len,
+        alpha,
+        out=(dq, dk, dv),
+        col_sums=None if sums is None else (sums[2], sums[3], sums[1]),
+    )
+    return grad, dw, db
+
+
 # Triton is optional (the reference runs without it): kernel modules are imported on first use.
 class _STUMixingFn(torch.autograd.Function):
     @staticmethod
@@ -47,28 +113,21 @@ class _STUMixingFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from dlrmv4.ops.triton import output_block as tob
-        from dlrmv4.ops.triton.attention import attention_bwd
-
         uvqk, attn, weight, bias, mean, rstd, keep, seq_offsets = ctx.saved_tensors
-        num_heads, _, v_dim = ctx.dims
-        # Every column is written below: du by the output block, dv, dq, dk by the attention.
-        grad = torch.empty(uvqk.shape, dtype=uvqk.dtype, device=uvqk.device)
-        u, v, q, k = split_uvqk(uvqk, *ctx.dims)
-        du, dv, dq, dk = split_uvqk(grad, *ctx.dims)
-        _, dattn, dw, db = tob.backward(
-            u, attn, weight, bias, _unit_cols(dy), mean, rstd, keep, ctx.dropout_p, du_out=du
-        )
-        attention_bwd(
-            dattn.unflatten(1, (num_heads, v_dim)),
-            q,
-            k,
-            v,
+        grad, dw, db = mixing_backward(
+            dy,
+            uvqk,
+            attn,
+            weight,
+            bias,
+            mean,
+            rstd,
+            keep,
             seq_offsets,
-            None,
+            ctx.dims,
             ctx.max_seq_len,
             ctx.alpha,
-            out=(dq, dk, dv),
+            ctx.dropout_p,
         )
         return grad, dw, db, None, None, None, None, None, None
 
@@ -86,6 +145,14 @@ def _check(uvqk, seq_offsets, max_seq_len, num_heads, qk_dim, v_dim, weight, bia
             raise ValueError(f"stu_mixing: {name} must be [{hd}] on {uvqk.device}, got {tuple(t.shape)} on {t.device}")
     _, v, q, k = split_uvqk(uvqk, num_heads, qk_dim, v_dim)
     check_attention_inputs(q, k, v, seq_offsets, max_seq_len, None)
+
+
+def check_stu_mixing_inputs(uvqk, seq_offsets, max_seq_len, num_heads, qk_dim, v_dim, weight, bias) -> None:
+    """What ``stu_mixing`` checks of its tensors before the Triton kernels run (one ValueError line
+    each), for a caller that runs them itself (the dropout arguments: ``check_dropout``)."""
+    _check(uvqk, seq_offsets, max_seq_len, num_heads, qk_dim, v_dim, weight, bias)
+    _, v, q, _ = split_uvqk(uvqk, num_heads, qk_dim, v_dim)
+    check_triton_attention_inputs(q, v)
 
 
 def stu_mixing(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_ops_attention import check_against_reference, fresh_seed, make_batch, poison_outputs
+from test_ops_attention import check_against_reference, check_column_sums, fresh_seed, make_batch, poison_outputs
 
 from dlrmv4.ops.attention import hstu_attention
 
@@ -107,3 +107,23 @@ def test_reference_bf16_full_size_finite():
     q, k, v, offsets, nt = make_batch(reference_lengths(gen), HEADS, DIM, DIM, torch.bfloat16, "cuda", seed, 1)
     out = hstu_attention(q * 4, k * 4, v, offsets, 4_095, num_targets=nt, alpha=ALPHA, kernels="pytorch")
     assert torch.isfinite(out).all(), f"seed {seed}"
+
+
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_full_size_column_sums(dq_mode, deterministic):
+    """The gradients' column sums (a q, k, v bias's gradient) from the compiled kernels' tiles,
+    autotuned or under deterministic algorithms (the first config that fits)."""
+    if deterministic and dq_mode == "atomic":
+        pytest.skip("atomic dQ is refused under deterministic algorithms")
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    lengths = reference_lengths(gen)
+    targets = torch.randint(0, 64, (BATCH,), generator=gen).tolist()
+    q, k, v, offsets, nt = make_batch(lengths, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed, targets)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        check_column_sums(q, k, v, offsets, nt, 4_096, ALPHA, dq_mode, seed)
+    finally:
+        torch.use_deterministic_algorithms(before)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from sync_guard import run_without_syncs
 from test_ops_layer_norm import assert_close, gen, leaf64, poison, randn  # noqa: F401  (fixtures)
+from test_ops_output_block import check_du_sums
 
 from dlrmv4.ops.jagged import concat_sequence_timestamps, concat_sequences, take_last
 from dlrmv4.ops.layer_norm import layer_norm, swish_layer_norm
@@ -80,6 +81,11 @@ def test_layer_norm(fn, width, dtype, gen, poison):
     assert_close(x.grad, x64.grad, dtype, "dx")
     assert_close(w.grad, w64.grad, dtype, "dweight")
     assert_close(b.grad, b64.grad, dtype, "dbias")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_output_block_du_sums(dtype, gen, poison):
+    check_du_sums(B * 2850, 512, dtype, CUDA, gen)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

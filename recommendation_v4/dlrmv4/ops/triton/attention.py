@@ -311,6 +311,14 @@ def _hstu_attention_fwd(
 
 
 @triton.jit
+def _store_sums(PART, sums, D: tl.constexpr):
+    """A program's column sums [D] (fp32, before rounding) into its own row of PART [programs, D]:
+    program (i, j) of the grid takes row j * (programs along axis 0) + i."""
+    slot = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(PART + slot.to(tl.int64) * D + tl.arange(0, D), sums)
+
+
+@triton.jit
 def _dkdv_span(
     dk,
     dv,
@@ -369,6 +377,8 @@ def _hstu_attention_dkdv(
     DQ,
     DK,
     DV_,
+    DKS,
+    DVS,
     seq_offsets,
     num_targets,
     stride_qt,
@@ -393,6 +403,7 @@ def _hstu_attention_dkdv(
     DV: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
+    SUMS: tl.constexpr,
     SILU: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -403,6 +414,9 @@ def _hstu_attention_dkdv(
     h = tl.program_id(1) % H
     start, seq_len, prefix = _sequence(seq_offsets, num_targets, b, HAS_TARGETS)
     if n_start >= seq_len:
+        if SUMS:
+            _store_sums(DKS, tl.zeros([DQK], dtype=tl.float32), DQK)
+            _store_sums(DVS, tl.zeros([DV], dtype=tl.float32), DV)
         return
     offs_n = n_start + tl.arange(0, BLOCK_N)
     in_seq = (offs_n < seq_len)[:, None]
@@ -510,8 +524,13 @@ def _hstu_attention_dkdv(
     )
     dk_ptrs = DK + start * stride_dkt + h * stride_dkh + offs_n[:, None] * stride_dkt + tl.arange(0, DQK)[None, :]
     dv_ptrs = DV_ + start * stride_dvt + h * stride_dvh + offs_n[:, None] * stride_dvt + tl.arange(0, DV)[None, :]
-    tl.store(dk_ptrs, (dk * dq_scale).to(DK.dtype.element_ty), mask=in_seq)
-    tl.store(dv_ptrs, (dv * inv_n).to(DV_.dtype.element_ty), mask=in_seq)
+    dk = dk * dq_scale
+    dv = dv * inv_n
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=in_seq)
+    tl.store(dv_ptrs, dv.to(DV_.dtype.element_ty), mask=in_seq)
+    if SUMS:
+        _store_sums(DKS, tl.sum(tl.where(in_seq, dk, 0.0), axis=0), DQK)
+        _store_sums(DVS, tl.sum(tl.where(in_seq, dv, 0.0), axis=0), DV)
 
 
 @triton.jit
@@ -559,6 +578,7 @@ def _hstu_attention_dq(
     V,
     DO,
     DQ,
+    DQS,
     seq_offsets,
     num_targets,
     stride_qt,
@@ -578,6 +598,7 @@ def _hstu_attention_dq(
     DQK: tl.constexpr,
     DV: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
+    SUMS: tl.constexpr,
     SILU: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -588,6 +609,8 @@ def _hstu_attention_dq(
     h = tl.program_id(1) % H
     start, seq_len, prefix = _sequence(seq_offsets, num_targets, b, HAS_TARGETS)
     if m_start >= seq_len:
+        if SUMS:
+            _store_sums(DQS, tl.zeros([DQK], dtype=tl.float32), DQK)
         return
     offs_m = m_start + tl.arange(0, BLOCK_M)
     in_seq = (offs_m < seq_len)[:, None]
@@ -669,7 +692,10 @@ def _hstu_attention_dq(
         PREC,
     )
     dq_ptrs = DQ + start * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt + tl.arange(0, DQK)[None, :]
-    tl.store(dq_ptrs, (dq * (alpha * inv_n)).to(DQ.dtype.element_ty), mask=in_seq)
+    dq = dq * (alpha * inv_n)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_seq)
+    if SUMS:
+        _store_sums(DQS, tl.sum(tl.where(in_seq, dq, 0.0), axis=0), DQK)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs. Few configs: cold start compiles each.
@@ -747,26 +773,39 @@ def _tuned(kernel, kind: str, configs, extra_key=(), reset=None):
 
 
 _fwd_tuned = _tuned(_hstu_attention_fwd, "fwd", FWD_CONFIGS)
-_dkdv_tuned = _tuned(_hstu_attention_dkdv, "dkdv", DKDV_CONFIGS, extra_key=("ATOMIC_DQ",), reset=["DQ"])
-_dq_tuned = _tuned(_hstu_attention_dq, "dq", DQ_CONFIGS)
+_dkdv_tuned = _tuned(_hstu_attention_dkdv, "dkdv", DKDV_CONFIGS, extra_key=("ATOMIC_DQ", "SUMS"), reset=["DQ"])
+_dq_tuned = _tuned(_hstu_attention_dq, "dq", DQ_CONFIGS, extra_key=("SUMS",))
 
 
-def _launch(kind: str, tuned, plain, rows: int, bh: int, args: tuple, consts: dict) -> None:
+def _launch(kind: str, tuned, plain, rows: int, bh: int, args: tuple, consts: dict) -> int:
     """Autotuned launch on a GPU; fixed small tiles under the interpreter (its timings mean nothing).
     Tiles set the order of each sum, and the autotuner picks them by timing, which differs from one
     process to the next: under ``torch.use_deterministic_algorithms(True)`` the first config of the
-    list that fits the device is taken instead, so a run's results do not depend on timings."""
+    list that fits the device is taken instead, so a run's results do not depend on timings.
+    Returns the tile along the grid's first axis (the launch's programs there: cdiv(rows, tile))."""
     tile = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
     if interpreting():
         bm, bn = INTERPRET_BLOCKS[kind]
-        grid = (triton.cdiv(rows, bn if kind == "dkdv" else bm), bh)
-        plain[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn)
-    elif torch.are_deterministic_algorithms_enabled():
+        size = bn if kind == "dkdv" else bm
+        plain[(triton.cdiv(rows, size), bh)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn)
+        return size
+    if torch.are_deterministic_algorithms_enabled():
         config = _pruner(kind)(tuned.configs, {"Q": args[0]}, **consts)[0]
         grid = (triton.cdiv(rows, config.kwargs[tile]), bh)
         plain[grid](*args, **consts, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
-    else:
-        tuned[lambda meta: (triton.cdiv(rows, meta[tile]), bh)](*args, **consts)
+        return config.kwargs[tile]
+    tuned[lambda meta: (triton.cdiv(rows, meta[tile]), bh)](*args, **consts)
+    # The config the autotuner ran (compile-only runs launch nothing and leave it unset).
+    config = getattr(tuned, "best_config", None) or tuned.configs[0]
+    return config.kwargs[tile]
+
+
+# The smallest tile along any launch's first grid axis: partial-sum buffers are sized for it.
+_MIN_TILE = min(
+    [min(INTERPRET_BLOCKS["dkdv"][1], INTERPRET_BLOCKS["dq"][0], FP32_CONFIG[0], FP32_CONFIG[1])]
+    + [c[1] for c in DKDV_CONFIGS + SMALL_MEMORY_CONFIGS["dkdv"]]
+    + [c[0] for c in DQ_CONFIGS + SMALL_MEMORY_CONFIGS["dq"]]
+)
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -864,6 +903,35 @@ def _grad_buffers(out, q, k, v):
     return out
 
 
+def _sum_buffers(col_sums, q, v):
+    """The caller's (dq_sum, dk_sum, dv_sum) as fp32 [H, D] views, or None."""
+    if col_sums is None:
+        return None
+    heads, dqk, dv = q.shape[1], q.shape[2], v.shape[2]
+    widths = (heads * dqk, heads * dqk, heads * dv)
+    if len(col_sums) != 3 or any(
+        tuple(t.shape) != (w,) or t.dtype != torch.float32 or not t.is_contiguous() or t.device != q.device
+        for t, w in zip(col_sums, widths)
+    ):
+        raise ValueError(
+            f"attention_bwd: col_sums must be (dq_sum, dk_sum, dv_sum), contiguous fp32 of {widths} elements on {q.device}"
+        )
+    return tuple(t.view(heads, w // heads) for t, w in zip(col_sums, widths))
+
+
+def _partials(bh: int, rows: int, width: int, device) -> torch.Tensor:
+    # A row per program (cdiv(rows, tile) x bh of them, for the smallest tile); each writes its own.
+    return torch.empty(bh * triton.cdiv(rows, _MIN_TILE) * width, dtype=torch.float32, device=device)
+
+
+def _sum_partials(part: torch.Tensor | None, batch: int, rows: int, tile: int, out: torch.Tensor) -> None:
+    """out [H, D] = the sum over sequences and row blocks of the launch's partials (a fixed order)."""
+    assert part is not None  # allocated whenever sums are asked for
+    heads, width = out.shape
+    used = part[: batch * heads * triton.cdiv(rows, tile) * width]
+    torch.sum(used.view(batch, heads, -1, width), dim=(0, 2), out=out)
+
+
 def attention_bwd(
     do,
     q,
@@ -877,9 +945,13 @@ def attention_bwd(
     dq_mode: str | None = None,
     silu: str | None = None,
     out=None,
+    col_sums=None,
 ):
     """(dq, dk, dv), each in its input's dtype and shape. ``out`` = (dq, dk, dv) buffers (e.g. column
-    slices of one wider gradient; any row and head strides) receives them instead of new tensors."""
+    slices of one wider gradient; any row and head strides) receives them instead of new tensors.
+    ``col_sums`` = (dq_sum, dk_sum, dv_sum), contiguous fp32 [H·Dqk], [H·Dqk], [H·Dv] (e.g. the q,
+    k, v slices of a projection's bias gradient), receives each gradient's sum over its rows: the
+    kernels add their tiles up before rounding, so no pass re-reads the gradients for it."""
     dq_mode = dq_mode or DQ_MODE
     if dq_mode not in DQ_MODES:
         raise ValueError(f"dq_mode={dq_mode!r} is not one of {', '.join(DQ_MODES)}")
@@ -889,6 +961,7 @@ def attention_bwd(
             "torch.use_deterministic_algorithms(True) needs dq_mode='separate'"
         )
     do, q, k, v = (_unit_stride(t) for t in (do, q, k, v))
+    sums = _sum_buffers(col_sums, q, v)
     if out is None:
         dq_out = None
         dk = _empty(k.shape, dtype=k.dtype, device=k.device)
@@ -897,6 +970,9 @@ def attention_bwd(
         dq_out, dk, dv = _grad_buffers(out, q, k, v)
     atomic = dq_mode == "atomic"
     if _empty_batch(q, seq_offsets, max_seq_len):
+        if sums is not None:
+            for t in sums:
+                t.zero_()
         dq = torch.zeros_like(q) if dq_out is None else dq_out.zero_()
         return dq, dk.zero_(), dv.zero_()
     if atomic:
@@ -904,7 +980,11 @@ def attention_bwd(
     else:
         dq = _empty(q.shape, dtype=q.dtype, device=q.device) if dq_out is None else dq_out
     heads = q.shape[1]
-    bh = (seq_offsets.numel() - 1) * heads
+    batch = seq_offsets.numel() - 1
+    bh = batch * heads
+    dq_part, dk_part, dv_part = (
+        (None, None, None) if sums is None else tuple(_partials(bh, max_seq_len, t.shape[1], q.device) for t in sums)
+    )
     targets = num_targets if num_targets is not None else seq_offsets
     scalars = (heads, float(alpha), 1.0 / max_seq_len, triton.next_power_of_2(max_seq_len))
     args = (
@@ -915,6 +995,8 @@ def attention_bwd(
         dq,
         dk,
         dv,
+        dk_part,
+        dv_part,
         seq_offsets,
         targets,
         q.stride(0),
@@ -932,16 +1014,21 @@ def attention_bwd(
         dv.stride(0),
         dv.stride(1),
     ) + scalars
-    _launch(
+    tile = _launch(
         "dkdv",
         _dkdv_tuned,
         _hstu_attention_dkdv,
         max_seq_len,
         bh,
         args,
-        {**_common(q, v, num_targets, silu, "dkdv"), "ATOMIC_DQ": atomic},
+        {**_common(q, v, num_targets, silu, "dkdv"), "ATOMIC_DQ": atomic, "SUMS": sums is not None},
     )
+    if sums is not None:
+        _sum_partials(dk_part, batch, max_seq_len, tile, sums[1])
+        _sum_partials(dv_part, batch, max_seq_len, tile, sums[2])
     if atomic:  # the fp32 accumulator, rounded once into the input dtype (or the caller's buffer)
+        if sums is not None:
+            torch.sum(dq, dim=0, out=sums[0])
         return (dq.to(q.dtype) if dq_out is None else dq_out.copy_(dq)), dk, dv
     dq_args = (
         q,
@@ -949,6 +1036,7 @@ def attention_bwd(
         v,
         do,
         dq,
+        dq_part,
         seq_offsets,
         targets,
         q.stride(0),
@@ -962,5 +1050,15 @@ def attention_bwd(
         dq.stride(0),
         dq.stride(1),
     ) + scalars
-    _launch("dq", _dq_tuned, _hstu_attention_dq, max_seq_len, bh, dq_args, _common(q, v, num_targets, silu, "dq"))
+    tile = _launch(
+        "dq",
+        _dq_tuned,
+        _hstu_attention_dq,
+        max_seq_len,
+        bh,
+        dq_args,
+        {**_common(q, v, num_targets, silu, "dq"), "SUMS": sums is not None},
+    )
+    if sums is not None:
+        _sum_partials(dq_part, batch, max_seq_len, tile, sums[0])
     return dq, dk, dv

@@ -34,17 +34,16 @@ def row_tile(width: int, tile: int, per_thread: int, lanes: int = 32) -> tuple[i
 
 
 def weight_grad_partials(
-    device: torch.device, programs: int, width: int, rows: int, weight: torch.Tensor | None, bias: torch.Tensor | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """fp32 [programs, width] buffers for the per-program weight/bias gradient partials (None where
-    the parameter is absent). Every program stores its whole partial row, so they need a zero fill
-    only when there are no rows (and no launch)."""
+    device: torch.device, programs: int, width: int, rows: int, *sums: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    """fp32 [programs, width] buffers for per-program partial column sums, one for each of ``sums``
+    that is not None (a weight or bias gradient, or another column sum the caller wants). Every
+    program stores its whole partial row, so they need a zero fill only when there are no rows (and
+    no launch)."""
     alloc = torch.empty if rows > 0 else torch.zeros
-    dw_part, db_part = (
-        alloc((programs, width), device=device, dtype=torch.float32) if param is not None else None
-        for param in (weight, bias)
+    return tuple(
+        alloc((programs, width), device=device, dtype=torch.float32) if target is not None else None for target in sums
     )
-    return dw_part, db_part
 
 
 def sum_weight_grads(
@@ -267,7 +266,7 @@ def backward(
         strides = (x2d.stride(0), dy.stride(0), dr_stride, dx.stride(0))
         return (*pointers, n, d, *strides, triton.cdiv(n_blocks, progs), progs)
 
-    def partials(progs: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def partials(progs: int) -> tuple[torch.Tensor | None, ...]:
         return weight_grad_partials(x2d.device, progs, d, n, weight, bias)
 
     dw_part, db_part = launch_persistent(

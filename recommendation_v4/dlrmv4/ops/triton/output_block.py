@@ -122,6 +122,7 @@ def _output_block_bwd(
     DA,
     DWp,
     DBp,
+    DUSp,
     Mean,
     Rstd,
     KEEP,
@@ -138,6 +139,7 @@ def _output_block_bwd(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     DROPOUT: tl.constexpr,
+    DU_SUMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -148,6 +150,7 @@ def _output_block_bwd(
     b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32) if HAS_B else tl.zeros([BLOCK_H], tl.float32)
     dw_acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    du_acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     it = 0  # grid-stride loop (see layer_norm's backward for why a while loop)
     while it < n_iters:
         rows = (pid + it * n_progs) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -182,11 +185,15 @@ def _output_block_bwd(
         tl.store(DA + r64 * stride_da + cols[None, :], da.to(DA.dtype.element_ty), mask=mask)
         dw_acc += dln * ahat
         db_acc += dln
+        if DU_SUMS:  # rows and columns past the ends have du = 0
+            du_acc += du
         it += 1
     if HAS_W:
         tl.store(DWp + pid * HD + cols, tl.sum(dw_acc, axis=0), mask=cmask)
     if HAS_B:
         tl.store(DBp + pid * HD + cols, tl.sum(db_acc, axis=0), mask=cmask)
+    if DU_SUMS:
+        tl.store(DUSp + pid * HD + cols, tl.sum(du_acc, axis=0), mask=cmask)
 
 
 @triton.jit(do_not_specialize=["seed", "row_offset"])
@@ -281,10 +288,13 @@ def backward(
     tile: tuple[int, int, int] = BWD_TILE,
     *,
     du_out: torch.Tensor | None = None,
+    du_sum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(du, dattn, dweight or None, dbias or None), du with respect to u before its SiLU; ``keep``
     is the forward's mask (None: no dropout). ``du_out`` ([T, HD], unit column stride; e.g. the u
-    columns of a wider gradient) receives du instead of a new tensor, and is returned as du."""
+    columns of a wider gradient) receives du instead of a new tensor, and is returned as du.
+    ``du_sum`` (contiguous fp32 [HD]; e.g. the u slice of a projection's bias gradient) receives
+    du's sum over its rows, added up before rounding."""
     t, hd = u.shape
     _, scale = _dropout_args(dropout_p, keep is not None)
     if du_out is None:
@@ -296,6 +306,12 @@ def backward(
         )
     else:
         du = du_out
+    if du_sum is not None and (
+        tuple(du_sum.shape) != (hd,) or du_sum.dtype != torch.float32 or not du_sum.is_contiguous()
+    ):
+        raise ValueError(
+            f"output_block: du_sum must be contiguous fp32 [{hd}], got {du_sum.dtype} {tuple(du_sum.shape)}"
+        )
     da = torch.empty((t, hd), device=u.device, dtype=attn.dtype)
     block_m, block_h, warps = row_tile(hd, tile[0], tile[1], warp_lanes())
     n_blocks = triton.cdiv(t, block_m)
@@ -303,21 +319,26 @@ def backward(
         HAS_W=weight is not None,
         HAS_B=bias is not None,
         DROPOUT=keep is not None,
+        DU_SUMS=du_sum is not None,
         BLOCK_M=block_m,
         BLOCK_H=block_h,
         num_warps=warps,
     )
 
-    def args(progs: int, dw_part: torch.Tensor | None, db_part: torch.Tensor | None) -> tuple:
+    def args(progs: int, dw_part, db_part, du_part) -> tuple:
         strides = (u.stride(0), attn.stride(0), dy.stride(0), du.stride(0), da.stride(0))
-        pointers = (u, attn, weight, bias, dy, du, da, dw_part, db_part, mean, rstd, keep)
+        pointers = (u, attn, weight, bias, dy, du, da, dw_part, db_part, du_part, mean, rstd, keep)
         return (*pointers, t, hd, *strides, scale, triton.cdiv(n_blocks, progs), progs)
 
-    def partials(progs: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return weight_grad_partials(u.device, progs, hd, t, weight, bias)
+    def partials(progs: int) -> tuple[torch.Tensor | None, ...]:
+        return weight_grad_partials(u.device, progs, hd, t, weight, bias, du_sum)
 
-    dw_part, db_part = launch_persistent(_output_block_bwd, u.device, u.dtype, n_blocks, tile[2], meta, partials, args)
+    dw_part, db_part, du_part = launch_persistent(
+        _output_block_bwd, u.device, u.dtype, n_blocks, tile[2], meta, partials, args
+    )
     dw, db = sum_weight_grads(dw_part, db_part, weight, bias)
+    if du_sum is not None:
+        torch.sum(du_part, dim=0, out=du_sum)
     return du, da, dw, db
 
 
