@@ -65,6 +65,7 @@ def test_table_rows_are_uniform_with_the_reference_bound(rows):
         assert float(values.abs().max()) > 0.99 * bound
 
 
+@torch.no_grad()  # the parameters' statistics, without autograd
 def test_the_position_and_time_tables():
     cfg = load_config("yambda-5b").model
     model = DlrmHSTU(dataclasses.replace(cfg, num_layers=1), seed=0)
@@ -84,6 +85,7 @@ def _beyond_uniform(w: torch.Tensor) -> float:
     return float((w.abs() > math.sqrt(6.0 / (fan_in + fan_out))).float().mean())
 
 
+@torch.no_grad()  # the parameters' statistics, without autograd
 def test_dense_initialisations():
     cfg = dataclasses.replace(load_config("yambda-5b").model, num_layers=1)
     model = DlrmHSTU(cfg, seed=0)
