@@ -282,3 +282,31 @@ def test_no_dropout_draws_nothing(kernels, p, training, monkeypatch, gen):
         x, offs, ts, query, 1, pt, tt, 1.0, kernels=kernels, dropout_p=p, seed=5, training=training, row_offset=3
     )
     assert torch.equal(out, torch.ones(9, 16))
+
+
+def test_reference_backward_is_the_same_bits_on_several_threads(gen):
+    """The tables' gradients of the PyTorch path are summed in a fixed order: with several CPU
+    threads, backwards of one input give the same bits every time (indexing's backward added the
+    rows with atomics across threads, so the embedded default's CPU run changed with the thread
+    schedule)."""
+    b, c, max_history, bucket_seconds, num_buckets, d = 64, 2, 400, 60.0, 64, 32
+    lengths, seq_offsets, ts, query = make_batch(b, c, max_history, bucket_seconds, num_buckets, gen)
+    x = randn((int(seq_offsets[-1]), d), gen)
+    dout = randn(x.shape, gen)
+    pos_table, time_table = randn((max_history + c + 1, d), gen), randn((num_buckets, d), gen)
+
+    def grads() -> tuple[torch.Tensor, torch.Tensor]:
+        p, t = pos_table.clone().requires_grad_(), time_table.clone().requires_grad_()
+        out = position_time_encode(x, seq_offsets, ts, query, c, p, t, 1.5, bucket_seconds, kernels="pytorch")
+        out.backward(dout)
+        return p.grad, t.grad
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(4, threads))
+    try:
+        first = grads()
+        for _ in range(8):
+            for got, want in zip(grads(), first):
+                assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(threads)

@@ -71,7 +71,10 @@ def position_time_encode(
         time_bucket_seconds,
     )
     acc = compute_dtype(x.dtype)
-    out = x.to(acc) * x_scale + pos_table.to(acc)[pos] + time_table.to(acc)[bucket]
+    # index_select, not [idx]: its backward (index_add_) adds the rows in order, where indexing's
+    # (index_put_ with accumulate) adds them with atomics across CPU threads, so a run's bits
+    # would change with the thread schedule.
+    out = x.to(acc) * x_scale + pos_table.to(acc).index_select(0, pos) + time_table.to(acc).index_select(0, bucket)
     if training and dropout_p > 0.0:
         keep = input_dropout_keep_mask(x.shape[0], x.shape[1], dropout_p, seed, x.device, row_offset)
         out = out * keep.to(acc) * (1.0 / (1.0 - dropout_p))
