@@ -26,7 +26,13 @@ from dlrmv4.ops.dispatch import resolve
 from dlrmv4.ops.layer_norm import layer_norm, layer_norm_and_input
 from dlrmv4.ops.reference.philox import check_dropout
 from dlrmv4.ops.reference.stu_mixing import split_uvqk
-from dlrmv4.ops.stu_mixing import bias_grad_slices, check_stu_mixing_inputs, mixing_backward, stu_mixing
+from dlrmv4.ops.stu_mixing import (
+    attention_backward,
+    check_stu_mixing_inputs,
+    mixing_backward,
+    output_block_backward,
+    stu_mixing,
+)
 
 RECOMPUTE_MODES = ("none", "cheap", "layer")
 
@@ -130,7 +136,6 @@ class _CheapRecomputeFn(torch.autograd.Function):
     def backward(ctx, dout):
         from dlrmv4.ops.triton import layer_norm as tln
         from dlrmv4.ops.triton import output_block as tob
-        from dlrmv4.ops.triton.attention import attention_bwd
 
         (
             x,
@@ -153,7 +158,7 @@ class _CheapRecomputeFn(torch.autograd.Function):
         n = tln.forward(x, norm_weight, norm_bias, norm_eps, swish=False)[0]
         w_uvqk = uvqk_weight.to(dt)
         uvqk = F.linear(n, w_uvqk, uvqk_bias.to(dt))
-        u, v, q, k = split_uvqk(uvqk, *dims)
+        u = split_uvqk(uvqk, *dims)[0]
         y, attn_mean, attn_rstd, keep = tob.forward(u, attn, attn_norm_weight, attn_norm_bias, attn_eps, *dropout)
         w_out = out_weight.to(dt)
         d_out_weight = dout.t().mm(y)
@@ -163,24 +168,22 @@ class _CheapRecomputeFn(torch.autograd.Function):
         # k's by the attention (dy and the mask are freed before the attention's backward).
         grad = torch.empty(uvqk.shape, dtype=dt, device=uvqk.device)
         d_uvqk_bias = torch.empty(uvqk.shape[1], dtype=torch.float32, device=uvqk.device)
-        du, dv, dq, dk = split_uvqk(grad, *dims)
-        su, sv, sq, sk = bias_grad_slices(d_uvqk_bias, dims)
-        _, dattn, d_attn_w, d_attn_b = tob.backward(
-            u, attn, attn_norm_weight, attn_norm_bias, dy, attn_mean, attn_rstd, keep, dropout[0], du_out=du, du_sum=su
+        dattn, d_attn_w, d_attn_b = output_block_backward(
+            dy,
+            uvqk,
+            attn,
+            attn_norm_weight,
+            attn_norm_bias,
+            attn_mean,
+            attn_rstd,
+            keep,
+            dims,
+            dropout[0],
+            grad,
+            d_uvqk_bias,
         )
         del dy, keep
-        attention_bwd(
-            dattn.unflatten(1, (dims[0], dims[2])),
-            q,
-            k,
-            v,
-            seq_offsets,
-            None,
-            max_seq_len,
-            alpha,
-            out=(dq, dk, dv),
-            col_sums=(sq, sk, sv),
-        )
+        attention_backward(dattn, uvqk, seq_offsets, dims, max_seq_len, alpha, grad, d_uvqk_bias)
         del uvqk, dattn
         d_uvqk_weight = grad.t().mm(n)
         dn = grad.mm(w_uvqk)

@@ -31,14 +31,84 @@ def _unit_cols(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def bias_grad_slices(
-    bias_grad: torch.Tensor, dims: tuple[int, int, int]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The u, v, q, k slices of a uvqk bias gradient [W] (contiguous views)."""
+def _bias_grad_slices(
+    bias_grad: torch.Tensor | None, dims: tuple[int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The u, v, q, k slices of a uvqk bias gradient [W] (contiguous views), or None."""
+    if bias_grad is None:
+        return None
     num_heads, qk_dim, v_dim = dims
     hv, hqk = num_heads * v_dim, num_heads * qk_dim
     u, v, q, k = torch.split(bias_grad, [hv, hv, hqk, hqk])
     return u, v, q, k
+
+
+def output_block_backward(
+    dy: torch.Tensor,
+    uvqk: torch.Tensor,
+    attn: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    keep: torch.Tensor | None,
+    dims: tuple[int, int, int],
+    dropout_p: float,
+    grad: torch.Tensor,
+    uvqk_bias_grad: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The mixing backward's first half (Triton): du into the u columns of ``grad`` [T, W] (and its
+    sum over rows into the u slice of ``uvqk_bias_grad``, contiguous fp32 [W], when given). Returns
+    (dattn, the attn norm's weight and bias gradients); dy and keep are not needed after it."""
+    from dlrmv4.ops.triton import output_block as tob
+
+    sums = _bias_grad_slices(uvqk_bias_grad, dims)
+    _, dattn, dw, db = tob.backward(
+        split_uvqk(uvqk, *dims)[0],
+        attn,
+        weight,
+        bias,
+        _unit_cols(dy),
+        mean,
+        rstd,
+        keep,
+        dropout_p,
+        du_out=split_uvqk(grad, *dims)[0],
+        du_sum=None if sums is None else sums[0],
+    )
+    return dattn, dw, db
+
+
+def attention_backward(
+    dattn: torch.Tensor,
+    uvqk: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    dims: tuple[int, int, int],
+    max_seq_len: int,
+    alpha: float,
+    grad: torch.Tensor,
+    uvqk_bias_grad: torch.Tensor | None = None,
+) -> None:
+    """The mixing backward's second half (Triton): dv, dq, dk into their columns of ``grad`` (and
+    their sums over rows into the v, q, k slices of ``uvqk_bias_grad``, when given)."""
+    from dlrmv4.ops.triton.attention import attention_bwd
+
+    num_heads, _, v_dim = dims
+    _, v, q, k = split_uvqk(uvqk, *dims)
+    _, dv, dq, dk = split_uvqk(grad, *dims)
+    sums = _bias_grad_slices(uvqk_bias_grad, dims)
+    attention_bwd(
+        dattn.unflatten(1, (num_heads, v_dim)),
+        q,
+        k,
+        v,
+        seq_offsets,
+        None,
+        max_seq_len,
+        alpha,
+        out=(dq, dk, dv),
+        col_sums=None if sums is None else (sums[2], sums[3], sums[1]),
+    )
 
 
 def mixing_backward(
@@ -61,39 +131,11 @@ def mixing_backward(
     norm's weight and bias gradients). Every column of grad is written: du by the output block, dv,
     dq, dk by the attention. ``uvqk_bias_grad`` (contiguous fp32 [W]) receives grad's column sums,
     the gradient of a bias added to uvqk, from the same kernels (no pass over grad for it)."""
-    from dlrmv4.ops.triton import output_block as tob
-    from dlrmv4.ops.triton.attention import attention_bwd
-
-    num_heads, qk_dim, v_dim = dims
     grad = torch.empty(uvqk.shape, dtype=uvqk.dtype, device=uvqk.device)
-    u, v, q, k = split_uvqk(uvqk, *dims)
-    du, dv, dq, dk = split_uvqk(grad, *dims)
-    sums = None if uvqk_bias_grad is None else bias_grad_slices(uvqk_bias_grad, dims)
-    _, dattn, dw, db = tob.backward(
-        u,
-        attn,
-        weight,
-        bias,
-        _unit_cols(dy),
-        mean,
-        rstd,
-        keep,
-        dropout_p,
-        du_out=du,
-        du_sum=None if sums is None else sums[0],
+    dattn, dw, db = output_block_backward(
+        dy, uvqk, attn, weight, bias, mean, rstd, keep, dims, dropout_p, grad, uvqk_bias_grad
     )
-    attention_bwd(
-        dattn.unflatten(1, (num_heads, v_dim)),
-        q,
-        k,
-        v,
-        seq_offsets,
-        None,
-        max_seq_len,
-        alpha,
-        out=(dq, dk, dv),
-        col_sums=None if sums is None else (sums[2], sums[3], sums[1]),
-    )
+    attention_backward(dattn, uvqk, seq_offsets, dims, max_seq_len, alpha, grad, uvqk_bias_grad)
     return grad, dw, db
 
 
