@@ -251,7 +251,7 @@ class TrainConfig:
     sparse_pipeline: bool = _field(
         True,
         "TorchRec tables: start the next batch's id distribution (TorchRec's input all-to-alls) while "
-        "this step computes (the same numbers; false: each step distributes its own ids first)",
+        "this step, or eval batch, computes (the same numbers; false: each lookup distributes its own ids first)",
     )
     max_steps: int = _field(
         0, "stop after this many optimizer steps (0: run to the target or the end of the data)", min=0

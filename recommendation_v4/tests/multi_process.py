@@ -119,6 +119,17 @@ def assert_same_trajectory(got: dict, want: dict, loss_rtol: float = LOSS_RTOL, 
     assert [e["auc"] for e in g["evals"]] == pytest.approx([e["auc"] for e in w["evals"]], abs=auc_atol)
 
 
+def lookups_sent_ahead(report: dict, after_step: int = 0) -> int:
+    """What a pipelined run (train.sparse_pipeline, holdout evals) reports as lookups_distributed_ahead:
+    every step's lookup but the process's first, and every eval batch's but each eval's first (an
+    eval pipelines its own batches), counting the steps and evals of this process (after
+    ``after_step``, where it resumed)."""
+    batch_size = report["config"]["loader"]["batch_size"]
+    eval_batches = -(-report["eval_samples"] // batch_size)
+    evals = sum(1 for e in report["history"]["evals"] if e["step"] > after_step)
+    return report["history"]["steps"] - after_step - 1 + evals * (eval_batches - 1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,6 +22,7 @@ from multi_process import (
     assert_same_trajectory,
     free_port,
     launch_env,
+    lookups_sent_ahead,
     make_data,
     rank_env,
     run_flags,
@@ -341,8 +342,13 @@ def test_the_sparse_pipeline_changes_no_number(data_path, tmp_path, nproc, chunk
         extra = {"train.max_steps": STEPS, "train.chunks": chunks, "train.sparse_pipeline": on, **ROW_WISE}
         runs[on] = train_report(nproc, data_path, tmp_path / str(on), **extra)
     on, off = runs[True], runs[False]
-    # Every step's lookup but the first took ids sent ahead by the step before it.
-    assert (on["lookups_distributed_ahead"], off["lookups_distributed_ahead"]) == (STEPS - 1, 0)
+    # Every step's lookup but the first took ids sent ahead by the step before it, and every eval
+    # batch's but each eval's first ids sent ahead by the eval batch before it.
+    assert on["history"]["evals"] and (on["lookups_distributed_ahead"], off["lookups_distributed_ahead"]) == (
+        lookups_sent_ahead(on),
+        0,
+    )
+    assert on["lookups_distributed_ahead"] > STEPS - 1
     assert on["history"]["window_losses"] == off["history"]["window_losses"]
     assert [e["auc"] for e in on["history"]["evals"]] == [e["auc"] for e in off["history"]["evals"]]
     assert on["parameters_sha256"] == off["parameters_sha256"] is not None
@@ -376,7 +382,7 @@ def test_a_pipelined_run_killed_mid_run_resumes_bit_exactly(data_path, tmp_path)
     step = int(re.search(r"resumed from step-\d+: step (\d+)", proc.stdout).group(1))
     assert 10 <= step < STEPS
     resumed = json.loads((run_dir / "report.json").read_text())
-    assert resumed["lookups_distributed_ahead"] == STEPS - step - 1  # the resumed process's own lookups
+    assert resumed["lookups_distributed_ahead"] == lookups_sent_ahead(resumed, step)  # the resumed process's own
     assert resumed["history"]["window_losses"] == whole["history"]["window_losses"]
     assert [e["auc"] for e in resumed["history"]["evals"]] == [e["auc"] for e in whole["history"]["evals"]]
     assert resumed["parameters_sha256"] == whole["parameters_sha256"] is not None
@@ -393,7 +399,7 @@ def test_deduplicated_ids_follow_the_full_lookup_and_resume_bit_exactly(data_pat
     dedup = {**extra, "embeddings.dedup_ids": True}
     whole = train_report(2, data_path, tmp_path / "whole", **{"train.max_steps": STEPS, **dedup})
     assert 0 < whole["ids_looked_up"] < full["ids_looked_up"]
-    assert whole["lookups_distributed_ahead"] == full["lookups_distributed_ahead"] == STEPS - 1
+    assert whole["lookups_distributed_ahead"] == full["lookups_distributed_ahead"] == lookups_sent_ahead(whole)
     assert_same_trajectory(whole, one_process)
     assert_same_trajectory(whole, full)
     train_report(2, data_path, tmp_path / "split", **{"train.max_steps": PAUSE, **dedup})

@@ -359,12 +359,45 @@ def test_ids_distributed_ahead_give_the_same_lookup_and_update():
     ahead.settle_ids()
     with torch.no_grad():
         other = [module(batches[2]) for module in (ahead, plain_order)]  # not the batch on its way
-    assert ahead._distributed is not None and ahead._distributed.batch is batches[1]
+    assert len(ahead._distributed) == 1 and ahead._distributed[0].batch is batches[1]
     got, want = ahead(batches[1]), plain_order(batches[1])
-    assert ahead._distributed is None  # taken by its own lookup
+    assert ahead._distributed == []  # taken by its own lookup
     for a, b in zip(got.tensors() + other[0].tensors(), want.tensors() + other[1].tensors()):
         assert torch.equal(a, b)
     for module, emb in ((ahead, got), (plain_order, want)):
+        loss_of(emb).backward()
+    assert_tables_close(tables(ahead), tables(plain_order), rtol=0, atol=0)
+
+
+@needs_torchrec
+def test_an_evals_own_pipeline_between_two_steps_leaves_the_steps_ids_waiting():
+    """A step sends batch 1's ids ahead; an eval then runs between the two steps with a pipeline of
+    its own (each of batches 2-4 sends the next one's ids ahead, under no_grad); batch 1's lookup
+    still takes the ids sent before the eval. Every lookup and the update equal the unpipelined
+    module's."""
+    ahead, plain_order = build("torchrec"), build("torchrec")
+    batches = [batch(seed) for seed in (11, 12, 13, 14, 15)]
+    ahead.distribute_ids(batches[1])
+    for module in (ahead, plain_order):
+        loss_of(module(batches[0])).backward()
+    ahead.settle_ids()
+    got, want = [], []
+    with torch.no_grad():
+        for i in (2, 3, 4):
+            got.append(ahead(batches[i]))
+            if i < 4:
+                ahead.distribute_ids(batches[i + 1])
+            want.append(plain_order(batches[i]))
+            ahead.settle_ids()
+    assert ahead.lookups_distributed_ahead == 2  # batches 3 and 4
+    assert len(ahead._distributed) == 1 and ahead._distributed[0].batch is batches[1]
+    step_got, step_want = ahead(batches[1]), plain_order(batches[1])
+    assert ahead.lookups_distributed_ahead == 3 and ahead._distributed == []
+    for a, b in zip(
+        [t for e in got + [step_got] for t in e.tensors()], [t for e in want + [step_want] for t in e.tensors()]
+    ):
+        assert torch.equal(a, b)
+    for module, emb in ((ahead, step_got), (plain_order, step_want)):
         loss_of(emb).backward()
     assert_tables_close(tables(ahead), tables(plain_order), rtol=0, atol=0)
 

@@ -17,7 +17,7 @@ from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.chunks import chunked_logits
 from dlrmv4.train.history import EvalRecord, RunHistory
 from dlrmv4.train.metrics import AucAccumulator, exact_auc
-from dlrmv4.train.prefetch import DevicePrefetcher
+from dlrmv4.train.prefetch import DevicePrefetcher, ready_point, with_next
 from dlrmv4.train.schedule import EvalSchedule
 
 
@@ -99,11 +99,22 @@ class Evaluator:
         assert isinstance(loader.dataset, WindowDataset)
         plan = loader.dataset.plan
         slicing = self.cfg.loader.rank_slicing
-        # The next batch's copy overlaps this one's forward, as in training.
-        for batch, part in zip(DevicePrefetcher(loader, self.cluster.device), plan):
+        # As in training: the next batch's copy overlaps this one's forward, and (train.sparse_pipeline)
+        # its ids travel to their tables' ranks while this one computes, so the host's wait for the
+        # ids' counts never drains the device between batches.
+        pipelined = self.cfg.train.sparse_pipeline
+        for (batch, upcoming), part in zip(with_next(DevicePrefetcher(loader, self.cluster.device)), plan):
+            ahead = upcoming if pipelined else None
+            ready = ready_point(ahead) if ahead is not None else None
+            emb = self.embeddings(batch)
+            if ahead is not None:
+                self.embeddings.distribute_ids(ahead, ready)
             mine = share_size(part.stop - part.start, rank, world, slicing)
-            logits = chunked_logits(self.model, batch, self.embeddings(batch), self.chunks)
+            logits = chunked_logits(self.model, batch, emb, self.chunks)
+            if ahead is not None:
+                self.embeddings.settle_ids()
             acc.update(logits[:mine], batch.label[:mine])  # a stand-in sample (no share) adds nothing
+            del emb  # before the next lookup: one batch's rows at a time
         self.model.train()
         if world == 1:
             return acc.compute()

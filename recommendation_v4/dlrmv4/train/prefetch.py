@@ -58,3 +58,13 @@ def with_next(items: Iterable[TorchJaggedBatch]) -> Iterator[tuple[TorchJaggedBa
         upcoming = next(stream, None)
         yield current, upcoming
         current = upcoming
+
+
+def ready_point(batch: TorchJaggedBatch) -> torch.cuda.Event | None:
+    """On a GPU, the point of the current stream from which ``batch`` (handed over by the prefetcher,
+    which made the stream wait for its copy) is on the device; None on the CPU."""
+    if not batch.history_lengths.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event

@@ -25,6 +25,7 @@ from dlrmv4.model.embeddings import SparseEmbeddings
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.chunks import ChunkedEmbeddings, chunk_bounds, chunk_context, gradient_sync
 from dlrmv4.train.optim import FiniteMonitor, WarmupSchedule, clip_dense_gradients, make_dense_optimizer
+from dlrmv4.train.prefetch import ready_point
 
 
 class TrainStep:
@@ -56,7 +57,7 @@ class TrainStep:
         ahead = upcoming if self.pipelined else None
         # On a GPU: the point of the stream from which ``upcoming`` is on the device (the prefetcher
         # made the stream wait for its copy before handing it over), before this step's work.
-        ready = _event_now() if ahead is not None and ahead.history_lengths.is_cuda else None
+        ready = ready_point(ahead) if ahead is not None else None
         self.schedule.apply(step, self.optimizer, self.embeddings.set_learning_rate)
         emb = self.embeddings(batch)
         if ahead is not None:
@@ -90,9 +91,3 @@ class TrainStep:
         self.embeddings.sparse_step()
         self.finite.update(loss, step, window)
         return loss
-
-
-def _event_now() -> torch.cuda.Event:
-    event = torch.cuda.Event()
-    event.record()
-    return event

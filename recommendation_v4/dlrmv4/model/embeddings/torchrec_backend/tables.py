@@ -47,7 +47,7 @@ from dlrmv4.model.embeddings.torchrec_backend.sharding import (
 )
 
 
-@dataclass
+@dataclass(eq=False)
 class _DistributedIds:
     """A batch's ids on their way to the ranks that hold their rows (TorchRec's input distribution),
     on the side stream ``stream`` on a GPU (None on the CPU)."""
@@ -167,7 +167,9 @@ class TorchRecEmbeddings(SparseEmbeddings):
         self.tables = self._model().tables
         if [f for s in specs for f in table_features(s.name)] != list(SPARSE_KEYS):
             raise ValueError("the tables' features are not the batch's SPARSE_KEYS")
-        self._distributed: _DistributedIds | None = None
+        # Batches whose ids are on their way, oldest first: the next training step's, and an eval's
+        # next batch while the eval runs between two steps.
+        self._distributed: list[_DistributedIds] = []
         # The ids' distribution runs on a stream of its own, as in TorchRec's pipeline: the host's
         # waits in it then wait for that stream's few kernels, not for the step's compute.
         self._dist_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -226,21 +228,21 @@ class TorchRecEmbeddings(SparseEmbeddings):
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             context = sharded.create_context()
             awaitable = sharded.input_dist(context, sparse_features(batch))
-        self._distributed = _DistributedIds(batch, context, awaitable, stream)
+        self._distributed.append(_DistributedIds(batch, context, awaitable, stream))
 
     def settle_ids(self) -> None:
-        if self._distributed is not None:
-            self._distributed.settle()
+        for distributed in self._distributed:
+            distributed.settle()
 
     def forward(self, batch: TorchJaggedBatch) -> SequenceEmbeddings:
-        distributed, self._distributed = self._distributed, None
         self.ids_looked_up += lookup_size(batch)
-        if distributed is not None and distributed.batch is batch:  # its ids are on their way
+        waiting = next((i for i, d in enumerate(self._distributed) if d.batch is batch), None)
+        if waiting is not None:  # its ids are on their way
+            distributed = self._distributed.pop(waiting)
             ids = distributed.take()
             self.lookups_distributed_ahead += 1
             looked_up = self._sharded().compute_and_output_dist(distributed.context, ids).wait()
-        else:  # another batch (an eval's) leaves the one on its way for its own step
-            self._distributed = distributed
+        else:  # a batch of its own: those on their way (another loop's) wait for their lookups
             looked_up = self._sharded()(sparse_features(batch)).wait()
         # The sequence rows in the sequence model's dtype; the candidate's rows also as they came (fp32
         # on the CPU, where the wire's rounding is all they carry) for the fp32 item tower.
