@@ -13,11 +13,12 @@ from dlrmv4.data.batch import unique_with_inverse
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.data.sparse_features import (
     HISTORY_KEYS,
+    SHARED_IDS,
     SPARSE_KEYS,
-    expand_history_rows,
     feature_ids,
     lookup_size,
     packed_ids,
+    sequence_rows,
     sparse_features,
 )
 
@@ -125,11 +126,23 @@ def test_a_deduplicated_batch_asks_for_each_distinct_history_id_once():
     ]
     assert lookup_size(b) == len(kjt.values()) < lookup_size(full) == len(sparse_features(full).values())
     rows = {key: torch.randn(len(jt.values()), 4) for key, jt in features.items()}
-    expanded = expand_history_rows(b, rows)
-    for i, key in enumerate(HISTORY_KEYS):
-        assert torch.equal(expanded[key], rows[key][b.history_inverse[i].long()])
+    full_rows = {key: rows[key][b.history_inverse[i].long()] for i, key in enumerate(HISTORY_KEYS)}
+    for name in SHARED_IDS:
+        want = torch.cat([full_rows[f"history_{name}_id"], rows[f"candidate_{name}_id"]])
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(sequence_rows(b, rows, name, dtype), want.to(dtype)), (name, dtype)
+            assert torch.equal(sequence_rows(full, {**rows, **full_rows}, name, dtype), want.to(dtype)), (name, dtype)
+    assert sequence_rows(b, rows, "uid", torch.bfloat16).equal(rows["uid"].to(torch.bfloat16))
+    # The gradient: a distinct row gets the sum of its tokens', a candidate's row its own.
+    leaves = {key: t.clone().requires_grad_() for key, t in rows.items()}
+    weight = torch.randn(b.total_tokens + b.num_samples, 4)
+    (sequence_rows(b, leaves, "item", torch.float32) * weight).sum().backward()
+    inverse = b.history_inverse[0].long()
+    want_grad = torch.zeros_like(rows["history_item_id"]).index_add_(0, inverse, weight[: b.total_tokens])
+    assert torch.allclose(leaves["history_item_id"].grad, want_grad, atol=1e-6)
+    assert torch.equal(leaves["candidate_item_id"].grad, weight[b.total_tokens :])
     moved = b.to("cpu")  # the field views move with the one buffer
     assert torch.equal(sparse_features(moved).values(), kjt.values())
     part = b.samples(1, 3)
-    assert part.lookup_ids is None and part.history_inverse is None and expand_history_rows(part, rows) is rows
+    assert part.lookup_ids is None and part.history_inverse is None
     _check(sparse_features(part), part)

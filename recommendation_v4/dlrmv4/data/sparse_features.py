@@ -8,7 +8,7 @@ batch the loader's worker packed (``TorchJaggedBatch.id_lengths`` set) its value
 the batch's own memory, already on the device; otherwise they are gathered. A batch packed with its
 ids deduplicated (``lookup_ids`` set) gives each history feature's distinct ids instead, counted
 over its samples evenly (which sample an id counts for does not matter): the lookup returns one row
-per distinct id, and ``expand_history_rows`` gives every token its row.
+per distinct id, and ``sequence_rows`` gives every token its row.
 """
 
 from __future__ import annotations
@@ -76,17 +76,22 @@ def lookup_size(batch: TorchJaggedBatch) -> int:
     return history + (len(SPARSE_KEYS) - len(HISTORY_KEYS)) * b
 
 
-def expand_history_rows(batch: TorchJaggedBatch, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The looked-up rows by feature with every history feature's rows per token: as they are for a
-    batch whose ids were not deduplicated, else each token's row picked from its feature's distinct
-    rows. The backward sums a distinct row's token gradients (sorted, deterministic) before the
-    lookup's backward sends them."""
+def sequence_rows(batch: TorchJaggedBatch, rows: dict[str, torch.Tensor], table: str, dtype: torch.dtype) -> torch.Tensor:
+    """Table ``table``'s looked-up rows (``rows`` by feature) as the sequence model takes them, in
+    ``dtype``: every history token's row, then every candidate's ([T + B, E]) for a shared table;
+    the feature's rows ([B, E]) for a contextual one. In a deduplicated batch the history feature's
+    rows are its distinct ids': one gather picks each token's row and places the candidates' after
+    them, so no [T, E] tensor is copied twice. Its backward sums a distinct row's token gradients
+    (sorted, deterministic) before the lookup's backward sends them."""
+    if table not in SHARED_IDS:
+        return rows[table].to(dtype)
+    history, candidate = (rows[f"{side}_{table}_id"].to(dtype) for side in ("history", "candidate"))
     if batch.lookup_ids is None or batch.history_inverse is None:
-        return rows
-    expanded = dict(rows)
-    for key, inverse in zip(HISTORY_KEYS, batch.history_inverse):
-        expanded[key] = torch.nn.functional.embedding(inverse, rows[key])
-    return expanded
+        return torch.cat([history, candidate])
+    inverse = batch.history_inverse[SHARED_IDS.index(table)]
+    distinct = history.shape[0]
+    candidates = torch.arange(distinct, distinct + candidate.shape[0], device=inverse.device, dtype=inverse.dtype)
+    return torch.nn.functional.embedding(torch.cat([inverse, candidates]), torch.cat([history, candidate]))
 
 
 def packed_ids(batch: TorchJaggedBatch) -> torch.Tensor | None:

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dlrmv4.config import EmbeddingConfig
 from dlrmv4.data.batch import TorchJaggedBatch
-from dlrmv4.data.sparse_features import SPARSE_KEYS, expand_history_rows, lookup_size, sparse_features
+from dlrmv4.data.sparse_features import SPARSE_KEYS, lookup_size, sequence_rows, sparse_features
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
 from dlrmv4.model.embeddings.tables import (
@@ -246,10 +246,10 @@ class TorchRecEmbeddings(SparseEmbeddings):
             looked_up = self._sharded()(sparse_features(batch)).wait()
         # The sequence rows in the sequence model's dtype; the candidate's rows also as they came (fp32
         # on the CPU, where the wire's rounding is all they carry) for the fp32 item tower.
-        out = expand_history_rows(batch, {k: jt.values() for k, jt in looked_up.items()})
+        rows = {k: jt.values() for k, jt in looked_up.items()}
         return assemble_embeddings(
-            {s.name: torch.cat([out[f].to(self.sequence_dtype) for f in table_features(s.name)]) for s in self.specs},
-            [out[f"candidate_{name}_id"] for name in SHARED_TABLES],
+            {s.name: sequence_rows(batch, rows, s.name, self.sequence_dtype) for s in self.specs},
+            [rows[f"candidate_{name}_id"] for name in SHARED_TABLES],
         )
 
     def sparse_step(self) -> None:
