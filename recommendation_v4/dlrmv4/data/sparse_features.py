@@ -17,6 +17,7 @@ import torch
 
 from dlrmv4.data.batch import HISTORY_ID_FIELDS, ID_FIELDS, TorchJaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
+from dlrmv4.ops.gather_rows import gather_rows
 
 # Ids that both the history and the candidate carry (each indexes one table for both).
 SHARED_IDS = ("item", "artist", "album")
@@ -76,13 +77,15 @@ def lookup_size(batch: TorchJaggedBatch) -> int:
     return history + (len(SPARSE_KEYS) - len(HISTORY_KEYS)) * b
 
 
-def sequence_rows(batch: TorchJaggedBatch, rows: dict[str, torch.Tensor], table: str, dtype: torch.dtype) -> torch.Tensor:
+def sequence_rows(
+    batch: TorchJaggedBatch, rows: dict[str, torch.Tensor], table: str, dtype: torch.dtype, kernels: str = "auto"
+) -> torch.Tensor:
     """Table ``table``'s looked-up rows (``rows`` by feature) as the sequence model takes them, in
     ``dtype``: every history token's row, then every candidate's ([T + B, E]) for a shared table;
     the feature's rows ([B, E]) for a contextual one. In a deduplicated batch the history feature's
     rows are its distinct ids': one gather picks each token's row and places the candidates' after
     them, so no [T, E] tensor is copied twice. Its backward sums a distinct row's token gradients
-    (sorted, deterministic) before the lookup's backward sends them."""
+    (``ops/gather_rows.py``: sorted, deterministic) before the lookup's backward sends them."""
     if table not in SHARED_IDS:
         return rows[table].to(dtype)
     history, candidate = (rows[f"{side}_{table}_id"].to(dtype) for side in ("history", "candidate"))
@@ -91,7 +94,7 @@ def sequence_rows(batch: TorchJaggedBatch, rows: dict[str, torch.Tensor], table:
     inverse = batch.history_inverse[SHARED_IDS.index(table)]
     distinct = history.shape[0]
     candidates = torch.arange(distinct, distinct + candidate.shape[0], device=inverse.device, dtype=inverse.dtype)
-    return torch.nn.functional.embedding(torch.cat([inverse, candidates]), torch.cat([history, candidate]))
+    return gather_rows(torch.cat([history, candidate]), torch.cat([inverse, candidates]), kernels)
 
 
 def packed_ids(batch: TorchJaggedBatch) -> torch.Tensor | None:

@@ -1,0 +1,43 @@
+"""Row gather with a fast deterministic backward: ``out[i] = rows[index[i]]``.
+
+The looked-up rows of a batch's distinct ids are spread to its tokens this way; the backward sums
+each distinct row's token gradients. autograd's embedding backward does that in about 2.4 ms per
+[730k, 512] bf16 gradient on an H100; the Triton segment sum (``triton/gather_rows.py``) reads the
+gradient once. Both sum in fp32 and are deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dlrmv4.ops.dispatch import resolve
+from dlrmv4.ops.reference import gather_rows as ref
+
+__all__ = ["gather_rows"]
+
+
+class _GatherRowsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, index):
+        ctx.save_for_backward(index)
+        ctx.num_rows = rows.shape[0]
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from dlrmv4.ops.triton import gather_rows as tri
+
+        (index,) = ctx.saved_tensors
+        grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+        return tri.segment_sum(grad, index, ctx.num_rows), None
+
+
+def gather_rows(rows: torch.Tensor, index: torch.Tensor, kernels: str = "auto") -> torch.Tensor:
+    """rows [N, E], index [M] (int32/int64, in [0, N)) -> [M, E]."""
+    if rows.dim() != 2 or index.dim() != 1:
+        raise ValueError(
+            f"gather_rows: rows must be [N, E] and index [M], got {tuple(rows.shape)}, {tuple(index.shape)}"
+        )
+    if resolve(kernels, rows.device) == "pytorch":
+        return ref.gather_rows(rows, index)
+    return _GatherRowsFn.apply(rows, index)
