@@ -9,8 +9,8 @@ A lookup is TorchRec's three stages: the input distribution (the ids to the rank
 rows: an all-to-all of the counts, which the host waits for, then one of the ids), the lookup
 itself, and the output distribution (the rows back). ``distribute_ids`` runs the first stage of
 the next batch while the current step (or eval batch) computes, as TorchRec's
-``TrainPipelineSparseDist`` does; ``forward`` of that batch then starts at the lookup. The first stage reads no table, so the
-numbers are those of the unpipelined lookup.
+``TrainPipelineSparseDist`` does; ``forward`` of that batch then starts at the lookup. The first
+stage reads no table, so the numbers are those of the unpipelined lookup.
 """
 
 from __future__ import annotations
