@@ -118,31 +118,6 @@ def test_reference_flops_match_the_spec():
     assert total.stu == pytest.approx(sum(dense_flops_per_sample(cfg, s).stu for s in lengths))
 
 
-@pytest.mark.parametrize("kernels", ["pytorch", "triton"])
-def test_tower_is_its_modules_in_turn(kernels):
-    """The tower hands each Linear's bias to the norm after it: the same function and gradients as
-    Linear -> SwishLayerNorm -> Linear -> LayerNorm run module by module."""
-    from dlrmv4.model.layers import Tower
-
-    torch.manual_seed(4)
-    dtype = torch.float64 if kernels == "pytorch" else torch.float32
-    tower = Tower(24, 16, 8, 1e-6, kernels).to(dtype)
-    for p in tower.parameters():  # biases and norm parameters away from their init
-        torch.nn.init.normal_(p, std=0.5)
-    x = torch.randn(37, 24, dtype=dtype, requires_grad=True)
-    weight = torch.randn(37, 8, dtype=dtype)
-    got = tower(x)
-    got_grads = torch.autograd.grad((got * weight).sum(), [x, *tower.parameters()])
-    h = x
-    for module in tower:
-        h = module(h)
-    want_grads = torch.autograd.grad((h * weight).sum(), [x, *tower.parameters()])
-    tol = 1e-12 if dtype == torch.float64 else 2e-5
-    torch.testing.assert_close(got, h, rtol=tol, atol=tol)
-    for g, w in zip(got_grads, want_grads):
-        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
-
-
 def test_tower_takes_its_input_in_column_blocks():
     """tower(a, b) is tower(cat([a, b], -1)) without the concatenation, gradients included."""
     from dlrmv4.model.layers import Tower

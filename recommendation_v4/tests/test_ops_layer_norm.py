@@ -116,41 +116,6 @@ def test_non_contiguous_and_batched_inputs(fn, gen, poison):
     check_layer_norm(fn, randn((3, 5, 24), gen).requires_grad_(), w, b, 1e-5, gen)
 
 
-@pytest.mark.parametrize("fn", [layer_norm, swish_layer_norm])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows,width", [(37, 48), (130, 7), (5, 300)])
-def test_input_bias(fn, dtype, rows, width, gen, poison):
-    """norm(x, input_bias=c) is norm(x + c): values and every gradient, c's summed by the kernel."""
-    x = randn((rows, width), gen, dtype, scale=2.0).requires_grad_()
-    w = randn(width, gen, scale=0.5, shift=1.0).requires_grad_()
-    b = randn(width, gen, scale=0.5).requires_grad_()
-    c = randn(width, gen, scale=1.5, shift=0.5).requires_grad_()
-    y = fn(x, w, b, 1e-5, kernels="triton", input_bias=c)
-    dy = randn(y.shape, gen, dtype)
-    y.backward(dy)
-    x64, w64, b64, c64 = leaf64(x), leaf64(w), leaf64(b), leaf64(c)
-    ref = fn(x64 + c64, w64, b64, 1e-5, kernels="pytorch")
-    ref.backward(dy.double())
-    assert_close(y, ref, dtype, "y")
-    assert_close(x.grad, x64.grad, dtype, "dx")
-    for got, want, what in ((w.grad, w64.grad, "dweight"), (b.grad, b64.grad, "dbias"), (c.grad, c64.grad, "dinput")):
-        assert got.dtype == torch.float32
-        assert_close(got, want, torch.float32 if dtype == torch.float32 else dtype, what)
-    ref_path = fn(x.detach().double(), w64, b64, 1e-5, kernels="pytorch", input_bias=c64)
-    torch.testing.assert_close(ref_path, ref, rtol=1e-12, atol=1e-12)
-
-
-def test_input_bias_shape_and_residual_are_checked(gen):
-    from dlrmv4.ops.triton.layer_norm import backward
-
-    x = randn((4, 8), gen)
-    with pytest.raises(ValueError, match="input_bias has shape"):
-        layer_norm(x, None, None, 1e-5, input_bias=torch.ones(7))
-    mean, rstd = torch.zeros(4), torch.ones(4)
-    with pytest.raises(ValueError, match="residual gradient and an input bias"):
-        backward(x, None, None, x, mean, rstd, False, residual_grad=x, input_bias=torch.ones(8))
-
-
 def test_empty_input(gen):
     x = randn((0, 16), gen).requires_grad_()
     w = randn(16, gen).requires_grad_()

@@ -29,16 +29,15 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
         self.eps, self.kernels = eps, kernels
 
-    def forward(self, x: torch.Tensor, input_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """LayerNorm(x + input_bias)."""
-        return layer_norm(x, self.weight, self.bias, self.eps, kernels=self.kernels, input_bias=input_bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps, kernels=self.kernels)
 
 
 class SwishLayerNorm(LayerNorm):
-    """z * sigmoid(LayerNorm(z)), z = x + input_bias."""
+    """x * sigmoid(LayerNorm(x))."""
 
-    def forward(self, x: torch.Tensor, input_bias: torch.Tensor | None = None) -> torch.Tensor:
-        return swish_layer_norm(x, self.weight, self.bias, self.eps, kernels=self.kernels, input_bias=input_bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swish_layer_norm(x, self.weight, self.bias, self.eps, kernels=self.kernels)
 
 
 class Tower(nn.Sequential):
@@ -46,9 +45,7 @@ class Tower(nn.Sequential):
 
     ``tower(a, b, ...)`` takes its input in column blocks, as if ``torch.cat([a, b, ...], -1)``: the
     first Linear multiplies each block by its slice of the weight and accumulates in the GEMM
-    (``addmm``), so the concatenation (a full copy of the token rows) is never built. Each Linear's
-    bias goes to the norm after it (``input_bias``), whose backward sums its gradient: the same
-    function, without a pass over the [N, hidden] and [N, out] gradients for the two bias sums.
+    (``addmm``), so the concatenation (a full copy of the token rows) is never built.
     """
 
     def __init__(self, in_dim: int, hidden: int, out_dim: int, eps: float, kernels: str, normal: bool = False) -> None:
@@ -66,10 +63,9 @@ class Tower(nn.Sequential):
         if sum(widths) != first.in_features:
             raise ValueError(f"Tower: input blocks of widths {widths} do not add up to {first.in_features}")
         weights = first.weight.split(widths, dim=1)
-        h = F.linear(blocks[0], weights[0])
+        h = F.linear(blocks[0], weights[0], first.bias)
         for x, w in zip(blocks[1:], weights[1:]):
             h = torch.addmm(h, x, w.t())
-        hidden_norm, second, out_norm = rest
-        assert isinstance(second, nn.Linear)
-        h = hidden_norm(h, input_bias=first.bias)
-        return out_norm(F.linear(h, second.weight), input_bias=second.bias)
+        for module in rest:
+            h = module(h)
+        return h

@@ -1,10 +1,7 @@
 """LayerNorm and SwishLayerNorm (x · sigmoid(LayerNorm(x))) over the last dim.
 
-Statistics in fp32, output in x's dtype; weight and bias may be None. ``input_bias`` (optional,
-[D]) is added to x first: a Linear before the norm hands its bias over (a GEMM without one), and the
-norm's backward sums that bias's gradient with its own parameters' instead of autograd reading the
-[N, D] gradient once more for it. ``kernels`` picks the Triton kernel or the PyTorch reference (see
-``dispatch.resolve``).
+Statistics in fp32, output in x's dtype; weight and bias may be None. ``kernels`` picks the
+Triton kernel or the PyTorch reference (see ``dispatch.resolve``).
 
 ``layer_norm_and_input`` also hands back x itself (or some of its rows), for a residual that adds
 x back after the layer: x then has one use, and the backward adds the residual's gradient inside
@@ -23,12 +20,12 @@ from dlrmv4.ops.reference import layer_norm as ref
 # Triton is optional (the reference runs without it): kernel modules are imported on first use.
 class _LayerNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, input_bias, eps, swish):
+    def forward(ctx, x, weight, bias, eps, swish):
         from dlrmv4.ops.triton import layer_norm as tri
 
         x2d = tri.rows_2d(x)
-        y, mean, rstd = tri.forward(x2d, weight, bias, eps, swish, input_bias=input_bias)
-        ctx.save_for_backward(x2d, weight, bias, input_bias, mean, rstd)
+        y, mean, rstd = tri.forward(x2d, weight, bias, eps, swish)
+        ctx.save_for_backward(x2d, weight, bias, mean, rstd)
         ctx.swish = swish
         return y.view(x.shape)
 
@@ -36,9 +33,9 @@ class _LayerNormFn(torch.autograd.Function):
     def backward(ctx, dy):
         from dlrmv4.ops.triton import layer_norm as tri
 
-        x2d, weight, bias, input_bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db, dib = tri.backward(x2d, weight, bias, tri.rows_2d(dy), mean, rstd, ctx.swish, input_bias=input_bias)
-        return dx.view(dy.shape), dw, db, dib, None, None
+        x2d, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dw, db = tri.backward(x2d, weight, bias, tri.rows_2d(dy), mean, rstd, ctx.swish)
+        return dx.view(dy.shape), dw, db, None, None
 
 
 class _LayerNormAndInputFn(torch.autograd.Function):
@@ -62,9 +59,9 @@ class _LayerNormAndInputFn(torch.autograd.Function):
             dy = torch.zeros_like(x2d)
         if ctx.all_rows:
             residual = tri.rows_2d(d_input) if d_input is not None else None
-            dx, dw, db, _ = tri.backward(x2d, weight, bias, tri.rows_2d(dy), mean, rstd, False, residual_grad=residual)
+            dx, dw, db = tri.backward(x2d, weight, bias, tri.rows_2d(dy), mean, rstd, False, residual_grad=residual)
         else:
-            dx, dw, db, _ = tri.backward(x2d, weight, bias, tri.rows_2d(dy), mean, rstd, False)
+            dx, dw, db = tri.backward(x2d, weight, bias, tri.rows_2d(dy), mean, rstd, False)
             if d_input is not None:
                 dx.index_add_(0, rows, d_input.to(dx.dtype))
         return dx, dw, db, None, None
@@ -89,11 +86,9 @@ def layer_norm_and_input(
     return _LayerNormAndInputFn.apply(x, weight, bias, eps, rows)
 
 
-def _check(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, input_bias: torch.Tensor | None = None
-) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:
     d = x.shape[-1]
-    for name, t in (("weight", weight), ("bias", bias), ("input_bias", input_bias)):
+    for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and tuple(t.shape) != (d,):
             raise ValueError(
                 f"layer_norm: {name} has shape {tuple(t.shape)}, expected ({d},) for x of shape {tuple(x.shape)}"
@@ -101,39 +96,21 @@ def _check(
 
 
 def layer_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    kernels: str = "auto",
-    input_bias: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, kernels: str = "auto"
 ) -> torch.Tensor:
-    """LayerNorm(x + input_bias)."""
-    return _norm(x, weight, bias, input_bias, eps, kernels, swish=False)
+    return _norm(x, weight, bias, eps, kernels, swish=False)
 
 
 def swish_layer_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    kernels: str = "auto",
-    input_bias: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, kernels: str = "auto"
 ) -> torch.Tensor:
-    """z * sigmoid(LayerNorm(z)), z = x + input_bias."""
-    return _norm(x, weight, bias, input_bias, eps, kernels, swish=True)
+    return _norm(x, weight, bias, eps, kernels, swish=True)
 
 
 def _norm(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    input_bias: torch.Tensor | None,
-    eps: float,
-    kernels: str,
-    swish: bool,
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, kernels: str, swish: bool
 ) -> torch.Tensor:
-    _check(x, weight, bias, input_bias)
+    _check(x, weight, bias)
     if resolve(kernels, x.device) == "pytorch":
-        return (ref.swish_layer_norm if swish else ref.layer_norm)(x, weight, bias, eps, input_bias)
-    return _LayerNormFn.apply(x, weight, bias, input_bias, eps, swish)
+        return (ref.swish_layer_norm if swish else ref.layer_norm)(x, weight, bias, eps)
+    return _LayerNormFn.apply(x, weight, bias, eps, swish)

@@ -189,7 +189,7 @@ class _CheapRecomputeFn(torch.autograd.Function):
         dn = grad.mm(w_uvqk)
         del grad, n
         # The residual's gradient (dout) is added inside the norm's backward.
-        dx, d_norm_w, d_norm_b, _ = tln.backward(
+        dx, d_norm_w, d_norm_b = tln.backward(
             x, norm_weight, norm_bias, dn, mean, rstd, swish=False, residual_grad=dout
         )
         return (

@@ -1,10 +1,7 @@
 """Triton LayerNorm / SwishLayerNorm over the last dim: one row block per program forward, a
 persistent grid backward that keeps the weight/bias gradient partials in registers.
 
-Statistics are fp32 and saved (8 bytes a row), so the backward re-reads only x and dy. An optional
-``input_bias`` [D] is added to every row first (the bias of the Linear before the norm): the norm's
-backward then sums its gradient's columns with the weight's and bias's, where autograd's Linear
-would read the [N, D] gradient once more for it.
+Statistics are fp32 and saved (8 bytes a row), so the backward re-reads only x and dy.
 """
 
 from __future__ import annotations
@@ -92,7 +89,6 @@ def _layer_norm_fwd(
     X,
     W,
     B,
-    IB,
     Y,
     Mean,
     Rstd,
@@ -103,7 +99,6 @@ def _layer_norm_fwd(
     eps,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
-    HAS_IB: tl.constexpr,
     SWISH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -115,8 +110,6 @@ def _layer_norm_fwd(
     mask = rmask[:, None] & cmask[None, :]
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_IB:
-        x += tl.where(mask, tl.load(IB + cols, mask=cmask, other=0.0).to(tl.float32)[None, :], 0.0)
     y, mean, rstd = normalize_rows(x, W, B, cols, mask, cmask, D, eps, HAS_W, HAS_B)
     if SWISH:
         y = x * tl.sigmoid(y)
@@ -130,13 +123,11 @@ def _layer_norm_bwd(
     X,
     W,
     B,
-    IB,
     DY,
     DR,
     DX,
     DWp,
     DBp,
-    DIBp,
     Mean,
     Rstd,
     N,
@@ -149,7 +140,6 @@ def _layer_norm_bwd(
     n_progs,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
-    HAS_IB: tl.constexpr,
     HAS_DR: tl.constexpr,
     SWISH: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -160,10 +150,8 @@ def _layer_norm_bwd(
     cmask = cols < D
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) if HAS_W else tl.full([BLOCK_D], 1.0, tl.float32)
     b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32) if HAS_B else tl.zeros([BLOCK_D], tl.float32)
-    ib = tl.load(IB + cols, mask=cmask, other=0.0).to(tl.float32) if HAS_IB else tl.zeros([BLOCK_D], tl.float32)
     dw_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dib_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Grid-stride over row blocks; a block past the end is fully masked. A while loop, because
     # the interpreter (numpy 2) cannot take range() over a run-time scalar argument.
     it = 0
@@ -173,8 +161,6 @@ def _layer_norm_bwd(
         mask = rmask[:, None] & cmask[None, :]
         r64 = rows.to(tl.int64)[:, None]
         x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_IB:
-            x = tl.where(mask, x + ib[None, :], 0.0)
         g = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(Mean + rows, mask=rmask, other=0.0)
         rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
@@ -196,15 +182,11 @@ def _layer_norm_bwd(
         tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         dw_acc += dz * xhat
         db_acc += dz
-        if HAS_IB:
-            dib_acc += tl.where(mask, dx, 0.0)
         it += 1
     if HAS_W:
         tl.store(DWp + pid * D + cols, tl.sum(dw_acc, axis=0), mask=cmask)
     if HAS_B:
         tl.store(DBp + pid * D + cols, tl.sum(db_acc, axis=0), mask=cmask)
-    if HAS_IB:
-        tl.store(DIBp + pid * D + cols, tl.sum(dib_acc, axis=0), mask=cmask)
 
 
 # Launch shapes (elements per program, per thread[, programs per SM]): the fastest of
@@ -220,10 +202,8 @@ def forward(
     eps: float,
     swish: bool,
     tile: tuple[int, int] = FWD_TILE,
-    input_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y [N, D] contiguous in x's dtype, mean [N] fp32, rstd [N] fp32) of the norm of x (+
-    ``input_bias``)."""
+    """(y [N, D] contiguous in x's dtype, mean [N] fp32, rstd [N] fp32)."""
     n, d = x2d.shape
     y = torch.empty((n, d), device=x2d.device, dtype=x2d.dtype)
     mean = torch.empty(n, device=x2d.device, dtype=torch.float32)
@@ -235,7 +215,6 @@ def forward(
         x2d,
         weight,
         bias,
-        input_bias,
         y,
         mean,
         rstd,
@@ -246,7 +225,6 @@ def forward(
         eps,
         HAS_W=weight is not None,
         HAS_B=bias is not None,
-        HAS_IB=input_bias is not None,
         SWISH=swish,
         BLOCK_M=block_m,
         BLOCK_D=block_d,
@@ -265,13 +243,9 @@ def backward(
     swish: bool,
     tile: tuple[int, int, int] = BWD_TILE,
     residual_grad: torch.Tensor | None = None,
-    input_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(dx [N, D], dweight, dbias, d input_bias; None for an absent parameter); the parameters'
-    grads are summed in fp32. ``residual_grad`` ([N, D], unit column stride): a gradient of x from
-    elsewhere, added into dx (not with an input bias: that gradient is of x + input_bias)."""
-    if residual_grad is not None and input_bias is not None:
-        raise ValueError("layer_norm backward: a residual gradient and an input bias do not go together")
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dx [N, D], dweight or None, dbias or None); weight/bias grads are summed in fp32.
+    ``residual_grad`` ([N, D], unit column stride): a gradient of x from elsewhere, added into dx."""
     n, d = x2d.shape
     dx = torch.empty((n, d), device=x2d.device, dtype=x2d.dtype)
     block_m, block_d, warps = row_tile(d, tile[0], tile[1], warp_lanes())
@@ -279,7 +253,6 @@ def backward(
     meta = dict(
         HAS_W=weight is not None,
         HAS_B=bias is not None,
-        HAS_IB=input_bias is not None,
         HAS_DR=residual_grad is not None,
         SWISH=swish,
         BLOCK_M=block_m,
@@ -288,17 +261,16 @@ def backward(
     )
     dr_stride = residual_grad.stride(0) if residual_grad is not None else 0
 
-    def args(progs: int, *parts: torch.Tensor | None) -> tuple:
-        pointers = (x2d, weight, bias, input_bias, dy, residual_grad, dx, *parts, mean, rstd)
+    def args(progs: int, dw_part: torch.Tensor | None, db_part: torch.Tensor | None) -> tuple:
+        pointers = (x2d, weight, bias, dy, residual_grad, dx, dw_part, db_part, mean, rstd)
         strides = (x2d.stride(0), dy.stride(0), dr_stride, dx.stride(0))
         return (*pointers, n, d, *strides, triton.cdiv(n_blocks, progs), progs)
 
     def partials(progs: int) -> tuple[torch.Tensor | None, ...]:
-        return weight_grad_partials(x2d.device, progs, d, n, weight, bias, input_bias)
+        return weight_grad_partials(x2d.device, progs, d, n, weight, bias)
 
-    dw_part, db_part, dib_part = launch_persistent(
+    dw_part, db_part = launch_persistent(
         _layer_norm_bwd, x2d.device, x2d.dtype, n_blocks, tile[2], meta, partials, args
     )
     dw, db = sum_weight_grads(dw_part, db_part, weight, bias)
-    dib = sum_weight_grads(dib_part, None, input_bias, None)[0]
-    return dx, dw, db, dib
+    return dx, dw, db
