@@ -427,6 +427,29 @@ def test_deduplicated_ids_give_the_same_rows_and_update():
     assert_tables_close(tables(dedup), tables(full), atol=1e-7)
 
 
+@needs_torchrec
+def test_the_distinct_rows_gather_follows_the_models_kernels(monkeypatch):
+    """The gather that spreads a deduplicated batch's rows to its tokens takes ``model.kernels``:
+    its backward is the Triton segment sum with "triton" (interpreted here), autograd's with
+    "pytorch"; the updates agree."""
+    from dlrmv4.ops.triton import gather_rows as tri
+
+    calls = []
+    real = tri.segment_sum
+    monkeypatch.setattr(tri, "segment_sum", lambda *a: calls.append(1) or real(*a))
+    updated = {}
+    for kernels in ("triton", "pytorch"):
+        cfg = config("torchrec")
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kernels=kernels))
+        module = make_embeddings(table_specs(cfg, 0, 0, 0), cfg, "cpu", 7)
+        calls.clear()
+        loss_of(module(batch(21, dedup_ids=True))).backward()
+        module.sparse_step()
+        assert bool(calls) == (kernels == "triton"), (kernels, len(calls))
+        updated[kernels] = tables(module)
+    assert_tables_close(updated["triton"], updated["pytorch"], atol=1e-6)
+
+
 def test_deduplicated_ids_are_for_torchrec_only():
     """On by default; the plain backend, which exchanges no rows, takes every token's id."""
     cfg = config("plain")

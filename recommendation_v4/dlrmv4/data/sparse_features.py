@@ -85,7 +85,8 @@ def sequence_rows(
     the feature's rows ([B, E]) for a contextual one. In a deduplicated batch the history feature's
     rows are its distinct ids': one gather picks each token's row and places the candidates' after
     them, so no [T, E] tensor is copied twice. Its backward sums a distinct row's token gradients
-    (``ops/gather_rows.py``: sorted, deterministic) before the lookup's backward sends them."""
+    (``ops/gather_rows.py``: sorted, deterministic; ``kernels`` is the model's choice) before the
+    lookup's backward sends them."""
     if table not in SHARED_IDS:
         return rows[table].to(dtype)
     history, candidate = (rows[f"{side}_{table}_id"].to(dtype) for side in ("history", "candidate"))

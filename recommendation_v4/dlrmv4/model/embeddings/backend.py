@@ -67,6 +67,7 @@ def make_embeddings(
         device=device,
         cluster=cluster or Cluster.single(device),
         sequence_dtype=DTYPES[cfg.model.sequence_dtype],
+        kernels=cfg.model.kernels,
     )
     if resolve_backend(cfg, device) == "torchrec":
         torchrec_compat.install()  # checks the installed versions once, then patches the unbucketize step
@@ -76,4 +77,4 @@ def make_embeddings(
             "embeddings.sharding_types and placement are TorchRec settings: the plain backend "
             "keeps a replica of every table on each rank"
         )
-    return PlainEmbeddings(settings, kernels=cfg.model.kernels, wire_dtype=WIRE_DTYPES[cfg.embeddings.qcomm])
+    return PlainEmbeddings(settings, wire_dtype=WIRE_DTYPES[cfg.embeddings.qcomm])

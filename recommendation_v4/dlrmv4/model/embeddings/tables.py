@@ -129,6 +129,7 @@ class TableSettings:
     device: torch.device
     cluster: Cluster
     sequence_dtype: torch.dtype = torch.float32  # the looked-up rows' dtype, the sequence model's
+    kernels: str = "auto"  # the model's ops choice (``model.kernels``), for the embeddings' own ops
 
 
 class SparseEmbeddings(nn.Module, abc.ABC):
@@ -149,6 +150,7 @@ class SparseEmbeddings(nn.Module, abc.ABC):
         self.lr = settings.lr
         # The sequence rows come in the sequence model's dtype: its first layers would cast them anyway.
         self.sequence_dtype = settings.sequence_dtype
+        self.kernels = settings.kernels
         self.lookups_distributed_ahead = 0  # lookups whose ids ``distribute_ids`` had sent ahead
         self.ids_looked_up = 0  # ids the lookups asked for (TorchRec; fewer than the tokens' with dedup_ids)
 

@@ -67,10 +67,9 @@ class PlainEmbeddings(SparseEmbeddings):
     backend = "plain"
     lr_tensor: torch.Tensor  # a registered buffer
 
-    def __init__(self, settings: TableSettings, kernels: str = "auto", wire_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, settings: TableSettings, wire_dtype: torch.dtype | None = None) -> None:
         super().__init__(settings)
         specs, dim, seed, device, lr = settings.specs, settings.dim, settings.seed, settings.device, settings.lr
-        self.kernels = kernels  # the update's implementation (ops/rowwise_adagrad.py)
         # The all-to-all's precision where TorchRec's would have one: on one rank it sends nothing
         # (TorchRec skips the all-to-all and its codecs there, and so does the reference).
         self.wire_dtype = wire_dtype if settings.cluster.world_size > 1 else None

@@ -248,7 +248,7 @@ class TorchRecEmbeddings(SparseEmbeddings):
         # on the CPU, where the wire's rounding is all they carry) for the fp32 item tower.
         rows = {k: jt.values() for k, jt in looked_up.items()}
         return assemble_embeddings(
-            {s.name: sequence_rows(batch, rows, s.name, self.sequence_dtype) for s in self.specs},
+            {s.name: sequence_rows(batch, rows, s.name, self.sequence_dtype, self.kernels) for s in self.specs},
             [rows[f"candidate_{name}_id"] for name in SHARED_TABLES],
         )
 
