@@ -16,6 +16,7 @@ import torch
 from .attention import check_triton_attention_inputs
 from .dispatch import resolve
 from .reference import candidate_attention as ref
+from .strides import unit_cols
 
 
 class _TritonCandidateAttention(torch.autograd.Function):
@@ -70,8 +71,6 @@ def candidate_attention(
         return ref.candidate_attention(q, vk, seq_offsets, int(max_seq_len), num_heads, qk_dim, v_dim, alpha)
     v, _ = ref.split_vk(vk, num_heads, qk_dim, v_dim)
     check_triton_attention_inputs(q, v)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    vk = vk if vk.stride(-1) == 1 else vk.contiguous()
     return _TritonCandidateAttention.apply(
-        q, vk, seq_offsets, (num_heads, qk_dim, v_dim), int(max_seq_len), float(alpha)
+        unit_cols(q), unit_cols(vk), seq_offsets, (num_heads, qk_dim, v_dim), int(max_seq_len), float(alpha)
     )

@@ -12,6 +12,7 @@ import torch
 
 from dlrmv4.ops.dispatch import resolve
 from dlrmv4.ops.reference import gather_rows as ref
+from dlrmv4.ops.strides import unit_cols
 
 __all__ = ["gather_rows"]
 
@@ -28,8 +29,7 @@ class _GatherRowsFn(torch.autograd.Function):
         from dlrmv4.ops.triton import gather_rows as tri
 
         (index,) = ctx.saved_tensors
-        grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-        return tri.segment_sum(grad, index, ctx.num_rows), None
+        return tri.segment_sum(unit_cols(grad), index, ctx.num_rows), None
 
 
 def gather_rows(rows: torch.Tensor, index: torch.Tensor, kernels: str = "auto") -> torch.Tensor:

@@ -13,12 +13,9 @@ import torch
 from dlrmv4.ops.dispatch import resolve
 from dlrmv4.ops.reference import jagged as ref
 from dlrmv4.ops.reference.jagged import concat_sequence_timestamps
+from dlrmv4.ops.strides import unit_cols
 
 __all__ = ["concat_sequences", "take_last", "concat_sequence_timestamps"]
-
-
-def _unit_cols(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 # Triton is optional (the reference runs without it): kernel modules are imported on first use.
@@ -27,9 +24,9 @@ class _ConcatFn(torch.autograd.Function):
     def forward(ctx, contextual, tokens, history_offsets, max_history_len):
         from dlrmv4.ops.triton import jagged as tri
 
-        tokens = _unit_cols(tokens)
+        tokens = unit_cols(tokens)
         values = tri.concat_forward(
-            _unit_cols(contextual),
+            unit_cols(contextual),
             *_history_and_candidate(tokens, contextual.shape[0]),
             history_offsets,
             max_history_len,
@@ -47,7 +44,7 @@ class _ConcatFn(torch.autograd.Function):
         # One gradient buffer for the tokens: the kernel writes its history and candidate rows.
         dctx, dtokens = (torch.empty(s, device=grad.device, dtype=grad.dtype) for s in ctx.shapes)
         tri.concat_backward(
-            _unit_cols(grad),
+            unit_cols(grad),
             history_offsets,
             dctx,
             *_history_and_candidate(dtokens, dctx.shape[0]),
@@ -99,14 +96,14 @@ class _TakeLastFn(torch.autograd.Function):
 
         ctx.save_for_backward(seq_offsets)
         ctx.num_rows = values.shape[0]
-        return tri.take_last_forward(_unit_cols(values), seq_offsets)
+        return tri.take_last_forward(unit_cols(values), seq_offsets)
 
     @staticmethod
     def backward(ctx, grad):
         from dlrmv4.ops.triton import jagged as tri
 
         (seq_offsets,) = ctx.saved_tensors
-        return tri.take_last_backward(_unit_cols(grad), seq_offsets, ctx.num_rows), None
+        return tri.take_last_backward(unit_cols(grad), seq_offsets, ctx.num_rows), None
 
 
 def take_last(values: torch.Tensor, seq_offsets: torch.Tensor, kernels: str = "auto") -> torch.Tensor:

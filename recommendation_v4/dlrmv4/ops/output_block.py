@@ -17,10 +17,7 @@ import torch
 from dlrmv4.ops.dispatch import resolve
 from dlrmv4.ops.reference import output_block as ref
 from dlrmv4.ops.reference.philox import check_dropout
-
-
-def _unit_cols(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+from dlrmv4.ops.strides import unit_cols
 
 
 # Triton is optional (the reference runs without it): kernel modules are imported on first use.
@@ -29,7 +26,7 @@ class _OutputBlockFn(torch.autograd.Function):
     def forward(ctx, u, attn, weight, bias, eps, dropout_p, seed, training, row_offset):
         from dlrmv4.ops.triton import output_block as tri
 
-        u, attn = _unit_cols(u), _unit_cols(attn)
+        u, attn = unit_cols(u), unit_cols(attn)
         y, mean, rstd, keep = tri.forward(u, attn, weight, bias, eps, dropout_p, seed, training, row_offset)
         ctx.save_for_backward(u, attn, weight, bias, mean, rstd, keep)
         ctx.dropout_p = dropout_p
@@ -40,7 +37,7 @@ class _OutputBlockFn(torch.autograd.Function):
         from dlrmv4.ops.triton import output_block as tri
 
         u, attn, weight, bias, mean, rstd, keep = ctx.saved_tensors
-        du, da, dw, db = tri.backward(u, attn, weight, bias, _unit_cols(dy), mean, rstd, keep, ctx.dropout_p)
+        du, da, dw, db = tri.backward(u, attn, weight, bias, unit_cols(dy), mean, rstd, keep, ctx.dropout_p)
         return du, da, dw, db, None, None, None, None, None
 
 

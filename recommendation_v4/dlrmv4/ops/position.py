@@ -24,6 +24,7 @@ from dlrmv4.ops.dispatch import resolve
 from dlrmv4.ops.reference import position as ref
 from dlrmv4.ops.reference.philox import check_dropout
 from dlrmv4.ops.reference.position import input_dropout_keep_mask  # noqa: F401  (re-exported for tests)
+from dlrmv4.ops.strides import unit_cols
 
 
 # Triton is optional (the reference runs without it): kernel modules are imported on first use.
@@ -45,13 +46,13 @@ class _PositionTimeFn(torch.autograd.Function):
         from dlrmv4.ops.triton import position as tri
 
         out = tri.forward(
-            _unit_cols(x),
+            unit_cols(x),
             seq_offsets,
             timestamps,
             query_time,
             num_contextual,
-            _unit_cols(pos_table),
-            _unit_cols(time_table),
+            unit_cols(pos_table),
+            unit_cols(time_table),
             x_scale,
             time_bucket_seconds,
             dropout,
@@ -74,13 +75,9 @@ class _PositionTimeFn(torch.autograd.Function):
         from dlrmv4.ops.triton import position as tri
 
         seq_offsets, timestamps, query_time = ctx.saved_tensors
-        dx, dpt, dtt = tri.backward(_unit_cols(grad), seq_offsets, timestamps, query_time, *ctx.args)
+        dx, dpt, dtt = tri.backward(unit_cols(grad), seq_offsets, timestamps, query_time, *ctx.args)
         pt_dtype, tt_dtype = ctx.table_dtypes
         return dx, None, None, None, None, dpt.to(pt_dtype), dtt.to(tt_dtype), None, None, None
-
-
-def _unit_cols(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def position_time_encode(

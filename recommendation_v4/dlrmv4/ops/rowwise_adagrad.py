@@ -18,6 +18,7 @@ import torch
 
 from dlrmv4.ops.dispatch import resolve
 from dlrmv4.ops.reference import rowwise_adagrad as ref
+from dlrmv4.ops.strides import unit_cols
 
 
 def rowwise_adagrad_(
@@ -61,4 +62,4 @@ def rowwise_adagrad_(
 
     if len(pieces) > 2:
         pieces = [torch.cat([v.to(weight.dtype) for v in pieces])]
-    tri.rowwise_adagrad_(weight, momentum, ids, [v if v.stride(-1) == 1 else v.contiguous() for v in pieces], lr, eps)
+    tri.rowwise_adagrad_(weight, momentum, ids, [unit_cols(v) for v in pieces], lr, eps)

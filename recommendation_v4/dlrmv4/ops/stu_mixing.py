@@ -25,10 +25,7 @@ from dlrmv4.ops.dispatch import resolve
 from dlrmv4.ops.reference import stu_mixing as ref
 from dlrmv4.ops.reference.philox import check_dropout
 from dlrmv4.ops.reference.stu_mixing import split_uvqk
-
-
-def _unit_cols(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+from dlrmv4.ops.strides import unit_cols
 
 
 def _bias_grad_slices(
@@ -68,7 +65,7 @@ def output_block_backward(
         attn,
         weight,
         bias,
-        _unit_cols(dy),
+        unit_cols(dy),
         mean,
         rstd,
         keep,
@@ -243,7 +240,7 @@ def stu_mixing(
             seed=seed,
             row_offset=row_offset,
         )
-    uvqk = _unit_cols(uvqk)
+    uvqk = unit_cols(uvqk)
     _, v, q, _ = split_uvqk(uvqk, num_heads, qk_dim, v_dim)
     check_triton_attention_inputs(q, v)
     return _STUMixingFn.apply(

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import interpreting
+from ..strides import unit_cols
 from .targets import KernelTarget, current_target
 
 DQ_MODES = ("separate", "atomic")
@@ -813,11 +814,6 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    # Kernels take row and head strides; the feature dim must be dense (it is for slices of a projection).
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _silu_form(target: KernelTarget | None, dtype: torch.dtype, silu: str | None, kind: str) -> str:
     """Which SiLU a kernel evaluates (see ``_weights``), by target. Measured on an H200
     (notes_attention.md): packed bf16 pays in the dK/dV kernel (fewer FMA-pipe instructions); the
@@ -860,7 +856,7 @@ def attention_fwd(
     q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: float, *, silu: str | None = None
 ) -> torch.Tensor:
     """out [T, H, Dv] in q's dtype."""
-    q, k, v = (_unit_stride(t) for t in (q, k, v))
+    q, k, v = (unit_cols(t) for t in (q, k, v))
     total, heads, _ = q.shape
     out = _empty((total, heads, v.shape[2]), dtype=q.dtype, device=q.device)
     if _empty_batch(q, seq_offsets, max_seq_len):
@@ -960,7 +956,7 @@ def attention_bwd(
             "attention_bwd: dq_mode='atomic' adds with atomics, in no fixed order; "
             "torch.use_deterministic_algorithms(True) needs dq_mode='separate'"
         )
-    do, q, k, v = (_unit_stride(t) for t in (do, q, k, v))
+    do, q, k, v = (unit_cols(t) for t in (do, q, k, v))
     sums = _sum_buffers(col_sums, q, v)
     if out is None:
         dq_out = None

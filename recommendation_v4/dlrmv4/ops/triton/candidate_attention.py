@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import interpreting
+from ..strides import unit_cols
 
 
 @triton.jit
@@ -187,7 +188,7 @@ def backward(
     batch = q.shape[0]
     if batch == 0:
         return dq, dvk.zero_()
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dout = unit_cols(dout)
     _candidate_attention_bwd[(batch, num_heads)](
         q,
         vk,
