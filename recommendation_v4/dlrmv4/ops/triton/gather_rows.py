@@ -45,9 +45,9 @@ class Pieces:
     num_partials: int  # rows the partial buffer needs
 
 
-def plan_pieces(index: torch.Tensor, num_rows: int, chunk: int) -> Pieces:
+def _plan_pieces(index: torch.Tensor, num_rows: int) -> Pieces:
     """Cut the stably sorted positions of ``index`` (M > 0) into pieces (module docstring)."""
-    m = index.shape[0]
+    m, chunk = index.shape[0], CHUNK
     device = index.device
     sorted_rows, order = torch.sort(index, stable=True)
     positions = torch.arange(m, device=device)
@@ -150,18 +150,10 @@ def _join_partials(
         tl.store(OUT + row * stride_o + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=cmask)
 
 
-def sum_pieces(
-    grad: torch.Tensor,
-    pieces: Pieces,
-    out: torch.Tensor,
-    block_r: int,
-    num_warps: int,
-    block_k: int = _BLOCK_K,
-    block_e: int = _BLOCK_E,
-) -> None:
+def _sum_pieces(grad: torch.Tensor, pieces: Pieces, out: torch.Tensor, block_r: int, num_warps: int) -> None:
     """Write into ``out`` (zeros) every named row's sum of ``grad``'s rows (the two passes)."""
     m, e = grad.shape
-    block_e = min(triton.next_power_of_2(max(e, 16)), block_e)
+    block_e = min(triton.next_power_of_2(max(e, 16)), _BLOCK_E)
     partial = torch.empty((pieces.num_partials, e), device=grad.device, dtype=torch.float32)
     grid = (pieces.whole.shape[0], triton.cdiv(e, block_e))
     _piece_sums[grid](
@@ -191,7 +183,7 @@ def sum_pieces(
         partial,
         e,
         out.stride(0),
-        BLOCK_K=block_k,
+        BLOCK_K=_BLOCK_K,
         BLOCK_E=block_e,
         num_warps=num_warps,
     )
@@ -205,5 +197,5 @@ def segment_sum(grad: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch
     if m == 0 or e == 0 or num_rows == 0:
         return out
     block_r, num_warps = _TILES_SHORT if num_rows * _SHORT_SEGMENTS > m else _TILES_LONG
-    sum_pieces(grad, plan_pieces(index, num_rows, CHUNK), out, block_r, num_warps)
+    _sum_pieces(grad, _plan_pieces(index, num_rows), out, block_r, num_warps)
     return out
