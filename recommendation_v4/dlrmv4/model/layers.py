@@ -65,7 +65,9 @@ class Tower(nn.Sequential):
         weights = first.weight.split(widths, dim=1)
         h = F.linear(blocks[0], weights[0], first.bias)
         for x, w in zip(blocks[1:], weights[1:]):
-            h = torch.addmm(h, x, w.t())
+            # In place, so h is not copied first (the GEMM's backward needs only x and w); autocast
+            # leaves in-place ops alone, so the operands take h's dtype here as it would give them.
+            h = h.addmm_(x.to(h.dtype), w.t().to(h.dtype))
         for module in rest:
             h = module(h)
         return h
