@@ -69,11 +69,17 @@ CATEGORIES = [
 
 
 def random_batch(
-    cfg: BenchmarkConfig, lengths: np.ndarray, rows: int | dict[str, int], rng: np.random.Generator, skew: float = 0.0
+    cfg: BenchmarkConfig,
+    lengths: np.ndarray,
+    rows: int | dict[str, int],
+    rng: np.random.Generator,
+    skew: float = 0.0,
+    dedup_ids: bool = False,
 ):
     """A jagged batch with the given sequence lengths (history = length - 9) and each table's ids below
     its row count (``rows``: one count for every table, or one per table name): uniform, or
-    Zipf-distributed with exponent ``skew`` (> 1: a few very popular rows, as in real listening data)."""
+    Zipf-distributed with exponent ``skew`` (> 1: a few very popular rows, as in real listening data);
+    ``dedup_ids``: with the lookup's distinct ids packed, as the loader packs them for TorchRec."""
     rows = rows if isinstance(rows, dict) else {name: rows for name in TABLE_NAMES}
     hist = np.maximum(lengths - 9, 1).astype(np.int32)
     b, t = len(hist), int(hist.sum())
@@ -104,7 +110,7 @@ def random_batch(
         anchor_index=np.arange(b, dtype=np.int64),
     )
     batch.validate()
-    return batch.to_torch()
+    return batch.to_torch(dedup_ids=dedup_ids)
 
 
 def reference_config(

@@ -6,8 +6,9 @@ Zipf-skewed ids, at the chunk count, recompute mode and table placement the memo
 The memory plan is made for 8 ranks of this GPU (``--host-memory-gib``: the host RAM of one
 8-GPU node, for tables the plan puts in host memory). This process then holds rank 0's share of
 every table (the plan's rows on its fullest rank, each table's rows / 8) with TorchRec, row-wise
-over one rank, the plan's placements, and runs ``TrainStep`` over 1,024-sample slices: one lookup,
-the planned chunks, one fused sparse update, one Adam step. What a single GPU cannot show: the
+over one rank, the plan's placements, and runs ``TrainStep`` over 1,024-sample slices packed as
+the loader packs them (each distinct history id looked up once, with ``embeddings.dedup_ids``): one
+lookup, the planned chunks, one fused sparse update, one Adam step. What a single GPU cannot show: the
 embedding all-to-all (one rank sends nothing).
 
     python benchmarks/bench_rehearsal.py --steps 50             # on a GPU (TorchRec installed)
@@ -32,7 +33,7 @@ from length_mix import jagged_lengths
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.config_loading import load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
-from dlrmv4.model.embeddings import make_embeddings, table_specs
+from dlrmv4.model.embeddings import looks_up_distinct_ids, make_embeddings, table_specs
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.plan.explain import describe, refusal
 from dlrmv4.plan.resolve import resolved_config
@@ -146,7 +147,13 @@ def main() -> None:
     rng = np.random.default_rng(0)
     max_len = rcfg.sampler.max_seq_len
     lengths = [jagged_lengths("jagged", SLICE, rng, max_len) for _ in range(POOL)]
-    pool = [random_batch(rcfg, n, rows, rng, args.id_skew).to(device) for n in lengths]
+    # The lookup's ids as the loader packs them for this backend (each distinct history id once).
+    dedup = looks_up_distinct_ids(rcfg, "torchrec")
+
+    def batches(size: int) -> list:
+        return [random_batch(rcfg, n[:size], rows, rng, args.id_skew, dedup).to(device) for n in lengths]
+
+    pool = batches(SLICE)
     for i in range(WARM_STEPS):
         step(pool[i % POOL], i, 0)
     sync(device)
@@ -172,7 +179,7 @@ def main() -> None:
     baseline = []
     for batch in args.baseline_batches:
         single = TrainStep(model, embeddings, dataclasses.replace(rcfg.train, chunks=1), FiniteMonitor(device))
-        cut = [b.samples(0, min(batch, SLICE)) for b in pool]
+        cut = batches(min(batch, SLICE))  # the pool's first lengths, ids drawn alike
         try:
             for i in range(2):
                 single(cut[i], 1000 + i, 0)
@@ -199,6 +206,7 @@ def main() -> None:
         "init_s": init_s,
         "id_skew": args.id_skew,
         "sparse_pipeline": rcfg.train.sparse_pipeline,
+        "dedup_ids": dedup,
         "steps": args.steps,
         "rehearsal": rehearsal,
         "baseline": baseline,
@@ -221,6 +229,7 @@ def _table(result: dict) -> str:
         f"{result['commit']}): rank 0's share of the row-wise plan, {result['table_gib']:.1f} GiB of fp32 tables "
         f"(placement: {result['placement'] or 'all in HBM'}), 1,024 samples per step, jagged length mix (mean "
         f"{r['mean_tokens']:,.0f} tokens), Zipf({result['id_skew']:g}) ids, {result['steps']} timed steps"
+        + (", each distinct history id looked up once" if result.get("dedup_ids") else "")
         + (", the next batch's ids distributed during each step" if result.get("sparse_pipeline") else "")
         + ".",
         "",

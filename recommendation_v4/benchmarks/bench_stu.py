@@ -37,6 +37,7 @@ from length_mix import jagged_lengths
 
 from dlrmv4.config import ModelConfig
 from dlrmv4.config_loading import load_config
+from dlrmv4.model.embeddings import SequenceEmbeddings
 from dlrmv4.model.flops import batch_flops
 from dlrmv4.model.stu import STUStack
 
@@ -131,7 +132,7 @@ def model_parity(device: torch.device) -> dict:
             model = DlrmHSTU(dataclasses.replace(base, kernels=kernels, sequence_dtype=dtype)).to(device)
             emb = random_embeddings(batch, base.embedding_dim, seed=3)
             emb = dataclasses.replace(
-                emb, **{f.name: getattr(emb, f.name).detach().to(device) for f in dataclasses.fields(emb)}
+                emb, **{n: getattr(emb, n).detach().to(device) for n in SequenceEmbeddings.TENSORS}
             )
             result = model(batch, emb)
             result.loss.backward()

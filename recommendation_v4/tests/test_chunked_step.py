@@ -30,6 +30,7 @@ import torch
 from model_inputs import random_batch
 from step_setup import small_table_config
 
+from dlrmv4.model.embeddings import SequenceEmbeddings
 from dlrmv4.train.chunks import chunk_bounds, chunked_logits
 from dlrmv4.train.trainer import build_step
 
@@ -120,6 +121,49 @@ def test_one_chunked_step_equals_the_unchunked_step(backend):
         assert_tables_equal(runs[k], runs[1], f"{k} chunks")
         torch.testing.assert_close(runs[k]["losses"], runs[1]["losses"], rtol=1e-6, atol=0)
         assert_dense_close(runs[k], runs[1], f"{k} chunks")
+
+
+@pytest.mark.parametrize("dedup_ids", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_lookup_lays_the_rows_out_chunk_by_chunk(backend, dedup_ids):
+    """A chunked step asks the lookup for its chunks' layout. TorchRec's lookup gives it (each chunk's
+    history rows, then its candidates'), so a chunk's rows are a view of the slice's, equal to the
+    rows the whole batch's layout gives; the plain backend keeps the whole batch's layout, whose
+    chunks are copies of two pieces."""
+    step = build_step(config(backend, 3), (0, 0, 0), "cpu", seed=3)
+    batch = random_batch(LENGTHS, seed=5, dedup_ids=dedup_ids)
+    bounds = tuple(chunk_bounds(batch.num_samples, 3))
+    laid_out = []
+    lookup = step.embeddings.forward
+    with torch.no_grad():  # the rows before the step's update
+        whole = lookup(batch)
+    step.embeddings.forward = lambda *args: laid_out.append(lookup(*args)) or laid_out[-1]
+    step(batch, 0, 0)
+    (chunked,) = laid_out
+    assert whole.chunks == () and chunked.chunks == (bounds if backend == "torchrec" else ())
+    for start, stop in bounds:
+        rows = batch.history_row(start), batch.history_row(stop)
+        a, b = whole.samples(start, stop, *rows), chunked.samples(start, stop, *rows)
+        for name in SequenceEmbeddings.TENSORS:
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        shares = b.item.untyped_storage().data_ptr() == chunked.item.untyped_storage().data_ptr()
+        assert shares == (backend == "torchrec")
+    if backend == "torchrec":
+        with pytest.raises(ValueError, match="not one of the layout's chunks"):
+            chunked.samples(0, 2, 0, batch.history_row(2))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_chunked_step_with_distinct_ids_is_the_unchunked_step(backend):
+    """Ids deduplicated (TorchRec looks each distinct history id up once, and its gather's backward
+    sums the row's token gradients): in the chunks' layout a candidate's gradient joins its row's
+    sum with its chunk rather than after every history token, so the tables agree to fp32 rounding."""
+    batch = random_batch(LENGTHS, seed=5, dedup_ids=True)
+    runs = {k: run_steps(backend, k, [batch]) for k in (1, 3)}
+    start = build_step(config(backend, 1), (0, 0, 0), "cpu", seed=3).embeddings.state_for_checkpoint()["tables"]
+    assert_tables_close(runs[3], runs[1], start, "3 chunks")
+    torch.testing.assert_close(runs[3]["losses"], runs[1]["losses"], rtol=1e-6, atol=0)
+    assert_dense_close(runs[3], runs[1], "3 chunks")
 
 
 def assert_tables_close(run: dict, reference: dict, start: dict, label: str) -> None:

@@ -96,8 +96,8 @@ def loss_of(emb) -> torch.Tensor:
     """A fixed nonlinear loss, so every occurrence of a row gets its own gradient."""
     gen = torch.Generator().manual_seed(3)
     total = torch.zeros(())
-    for field in dataclasses.fields(emb):
-        x = getattr(emb, field.name)
+    for name in SequenceEmbeddings.TENSORS:
+        x = getattr(emb, name)
         total = total + (torch.tanh(x) * torch.randn(x.shape, generator=gen)).sum()
     return total
 
@@ -158,8 +158,8 @@ def test_same_seed_same_tables_on_both_backends():
         assert torch.equal(a[name]["momentum"], torch.zeros(ROWS[name])), name
         assert torch.equal(b[name]["momentum"], torch.zeros(ROWS[name])), name
     out_p, out_t = plain(batch(0)), torchrec(batch(0))
-    for field in dataclasses.fields(out_p):
-        assert torch.equal(getattr(out_p, field.name), getattr(out_t, field.name)), field.name
+    for name in SequenceEmbeddings.TENSORS:
+        assert torch.equal(getattr(out_p, name), getattr(out_t, name)), name
 
 
 def test_plain_update_is_fbgemm_rowwise_adagrad_with_duplicates_summed():
@@ -199,8 +199,8 @@ def test_training_matches_across_backends_and_spares_untouched_rows():
         assert torch.equal(b[name]["weight"][~touched], init[name]["weight"][~touched]), name
         assert not torch.equal(a[name]["weight"][touched], init[name]["weight"][touched]), name
     out_p, out_t = plain(batch(99)), torchrec(batch(99))
-    for field in dataclasses.fields(out_p):
-        torch.testing.assert_close(getattr(out_p, field.name), getattr(out_t, field.name), rtol=1e-6, atol=1e-7)
+    for name in SequenceEmbeddings.TENSORS:
+        torch.testing.assert_close(getattr(out_p, name), getattr(out_t, name), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("backend", ["plain", TORCHREC])
@@ -239,8 +239,8 @@ def test_checkpoint_round_trip_and_resume(source, target):
     resumed.load_from_checkpoint(saved)
     assert_tables_close(tables(resumed), saved["tables"], rtol=0)
     after_load = resumed(batch(40))
-    for field in dataclasses.fields(lookup):
-        assert torch.equal(getattr(lookup, field.name), getattr(after_load, field.name)), field.name
+    for name in SequenceEmbeddings.TENSORS:
+        assert torch.equal(getattr(lookup, name), getattr(after_load, name)), name
     train(resumed, [33, 34])
     # Across backends a row's duplicate gradients add up in another order: a few fp32 ulps.
     assert_tables_close(tables(resumed), tables(reference), rtol=0 if source == target else 1e-6, atol=1e-8)
@@ -304,13 +304,13 @@ def test_plain_step_on_gpu_has_no_host_sync_and_matches_cpu():
     try:
         for step, b in enumerate(on_gpu):
             gpu.set_learning_rate(0.01 * (step + 1))
-            sum(torch.tanh(getattr(gpu(b), f.name)).sum() for f in dataclasses.fields(SequenceEmbeddings)).backward()
+            sum(torch.tanh(getattr(gpu(b), n)).sum() for n in SequenceEmbeddings.TENSORS).backward()
             gpu.sparse_step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     for step, b in enumerate(batches):
         cpu.set_learning_rate(0.01 * (step + 1))
-        sum(torch.tanh(getattr(cpu(b), f.name)).sum() for f in dataclasses.fields(SequenceEmbeddings)).backward()
+        sum(torch.tanh(getattr(cpu(b), n)).sum() for n in SequenceEmbeddings.TENSORS).backward()
         cpu.sparse_step()
     # CUDA's tanh differs from the CPU's in the last bits: the tolerance is relative to weights ~0.1.
     assert_tables_close(tables(gpu), tables(cpu), rtol=1e-5, atol=1e-7)
@@ -335,8 +335,7 @@ def test_plain_sequence_rows_in_the_sequence_dtype():
     gen = torch.Generator().manual_seed(5)
     # bf16-exact weights: both gradients are exactly these numbers, in either dtype.
     weights = {
-        f.name: torch.randn(getattr(out32, f.name).shape, generator=gen).to(torch.bfloat16)
-        for f in dataclasses.fields(out32)
+        n: torch.randn(getattr(out32, n).shape, generator=gen).to(torch.bfloat16) for n in SequenceEmbeddings.TENSORS
     }
     for out in (out32, out16):
         sum((getattr(out, n).float() * w.float()).sum() for n, w in weights.items()).backward()

@@ -16,6 +16,7 @@ from test_ops_layer_norm import gen, poison, randn, rel_err  # noqa: F401  (fixt
 from test_ops_stu_layer import HEADS, LENGTHS, QK, D, V, make_params, needs_interpreter
 
 from dlrmv4.config_loading import load_config
+from dlrmv4.model.embeddings import SequenceEmbeddings
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.ops.reference.jagged import take_last
 from dlrmv4.ops.stu_candidate_layer import stu_candidate_layer
@@ -100,7 +101,7 @@ def test_the_model_is_the_same_with_either_last_layer(gen):
         torch.manual_seed(0)
         model = DlrmHSTU(dataclasses.replace(base, last_layer=last_layer), seed=11).train()
         emb = random_embeddings(batch, base.embedding_dim, seed=3)
-        leaves = {f.name: getattr(emb, f.name).detach().requires_grad_() for f in dataclasses.fields(emb)}
+        leaves = {n: getattr(emb, n).detach().requires_grad_() for n in SequenceEmbeddings.TENSORS}
         output = model(batch, dataclasses.replace(emb, **leaves))
         output.loss.backward()
         grads = {name: p.grad for name, p in model.named_parameters()}

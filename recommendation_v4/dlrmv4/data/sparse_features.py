@@ -78,24 +78,38 @@ def lookup_size(batch: TorchJaggedBatch) -> int:
 
 
 def sequence_rows(
-    batch: TorchJaggedBatch, rows: dict[str, torch.Tensor], table: str, dtype: torch.dtype, kernels: str = "auto"
+    batch: TorchJaggedBatch,
+    rows: dict[str, torch.Tensor],
+    table: str,
+    dtype: torch.dtype,
+    kernels: str = "auto",
+    chunks: tuple[tuple[int, int], ...] = (),
 ) -> torch.Tensor:
     """Table ``table``'s looked-up rows (``rows`` by feature) as the sequence model takes them, in
-    ``dtype``: every history token's row, then every candidate's ([T + B, E]) for a shared table;
-    the feature's rows ([B, E]) for a contextual one. In a deduplicated batch the history feature's
-    rows are its distinct ids': one gather picks each token's row and places the candidates' after
-    them, so no [T, E] tensor is copied twice. Its backward sums a distinct row's token gradients
-    (``ops/gather_rows.py``: sorted, deterministic; ``kernels`` is the model's choice) before the
-    lookup's backward sends them."""
+    ``dtype``: every history token's row, then every candidate's ([T + B, E]) for a shared table,
+    chunk after chunk for the sample ranges ``chunks`` (``SequenceEmbeddings.chunks``); the
+    feature's rows ([B, E]) for a contextual one. In a deduplicated batch the history feature's rows
+    are its distinct ids': one gather picks each token's row and places the candidates' after them
+    (the chunks' order is the gather's index), so no [T, E] tensor is copied twice. Its backward
+    sums a distinct row's token gradients (``ops/gather_rows.py``: sorted, deterministic, in the
+    layout's order; ``kernels`` is the model's choice) before the lookup's backward sends them."""
     if table not in SHARED_IDS:
         return rows[table].to(dtype)
     history, candidate = (rows[f"{side}_{table}_id"].to(dtype) for side in ("history", "candidate"))
+    ranges = chunks or ((0, batch.num_samples),)
+
+    def laid_out(tokens: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        pieces = []
+        for start, stop in ranges:
+            pieces += [tokens[batch.history_row(start) : batch.history_row(stop)], candidates[start:stop]]
+        return torch.cat(pieces)
+
     if batch.lookup_ids is None or batch.history_inverse is None:
-        return torch.cat([history, candidate])
+        return laid_out(history, candidate)
     inverse = batch.history_inverse[SHARED_IDS.index(table)]
     distinct = history.shape[0]
     candidates = torch.arange(distinct, distinct + candidate.shape[0], device=inverse.device, dtype=inverse.dtype)
-    return gather_rows(torch.cat([history, candidate]), torch.cat([inverse, candidates]), kernels)
+    return gather_rows(torch.cat([history, candidate]), laid_out(inverse, candidates), kernels)
 
 
 def packed_ids(batch: TorchJaggedBatch) -> torch.Tensor | None:

@@ -1,8 +1,9 @@
 """Chunked steps: one optimizer step over a rank's slice of the global batch, the dense model run
 over it in chunks of consecutive samples that fit in memory.
 
-The slice's ids are looked up once (one TorchRec input/output distribution). Each chunk gets its
-rows of the looked-up embeddings as leaves of a graph of its own; its backward fills the leaves'
+The slice's ids are looked up once (one TorchRec input/output distribution), its rows laid out
+chunk by chunk where the backend can (``SequenceEmbeddings.chunks``). Each chunk gets its rows of
+the looked-up embeddings as leaves of a graph of its own; its backward fills the leaves'
 gradients, which are copied into one gradient buffer per looked-up tensor (every row belongs to
 exactly one chunk). After the last chunk, one backward through the lookup with those buffers:
 TorchRec's fused row-wise Adagrad runs once, and the plain backend's pending rows are those of the
@@ -15,6 +16,7 @@ the slice's attention normaliser and draws the dropout masks of its own rows of 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -43,16 +45,17 @@ class ChunkedEmbeddings:
     def leaves(self, start: int, stop: int) -> SequenceEmbeddings:
         rows = self.batch.history_row(start), self.batch.history_row(stop)
         part = self.emb.samples(start, stop, *rows)
-        return SequenceEmbeddings(*(t.detach().requires_grad_() for t in part.tensors()))
+        return dataclasses.replace(part, **{n: getattr(part, n).detach().requires_grad_() for n in part.TENSORS})
 
     def store(self, start: int, stop: int, leaves: SequenceEmbeddings) -> None:
         """Copy the chunk's leaf gradients into their rows of the slice's buffers."""
-        h0, h1 = self.batch.history_row(start), self.batch.history_row(stop)
-        t = self.emb.num_history_rows
+        pieces = self.emb.shared_rows(start, stop, self.batch.history_row(start), self.batch.history_row(stop))
         for buffer, leaf in zip(self.grads[:3], leaves.tensors()[:3]):
-            grad = _grad_or_zeros(leaf)
-            buffer[h0:h1].copy_(grad[: h1 - h0])
-            buffer[t + start : t + stop].copy_(grad[h1 - h0 :])
+            grad, first = _grad_or_zeros(leaf), 0
+            for rows in pieces:
+                last = first + rows.stop - rows.start
+                buffer[rows].copy_(grad[first:last])
+                first = last
         for buffer, leaf in zip(self.grads[3:], leaves.tensors()[3:]):
             buffer[start:stop].copy_(_grad_or_zeros(leaf))
 

@@ -14,7 +14,7 @@ from dlrmv4.data.store import Store
 from dlrmv4.distributed import Cluster
 from dlrmv4.mlperf.runlog import RunLog
 from dlrmv4.model.hstu import DlrmHSTU
-from dlrmv4.train.chunks import chunked_logits
+from dlrmv4.train.chunks import chunk_bounds, chunked_logits
 from dlrmv4.train.history import EvalRecord, RunHistory
 from dlrmv4.train.metrics import AucAccumulator, exact_auc
 from dlrmv4.train.prefetch import DevicePrefetcher, ready_point, with_next
@@ -106,7 +106,7 @@ class Evaluator:
         for (batch, upcoming), part in zip(with_next(DevicePrefetcher(loader, self.cluster.device)), plan):
             ahead = upcoming if pipelined else None
             ready = ready_point(ahead) if ahead is not None else None
-            emb = self.embeddings(batch)
+            emb = self.embeddings(batch, tuple(chunk_bounds(batch.num_samples, self.chunks)))
             if ahead is not None:
                 self.embeddings.distribute_ids(ahead, ready)
             mine = share_size(part.stop - part.start, rank, world, slicing)

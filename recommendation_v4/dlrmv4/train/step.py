@@ -59,12 +59,12 @@ class TrainStep:
         # made the stream wait for its copy before handing it over), before this step's work.
         ready = ready_point(ahead) if ahead is not None else None
         self.schedule.apply(step, self.optimizer, self.embeddings.set_learning_rate)
-        emb = self.embeddings(batch)
+        bounds = tuple(chunk_bounds(batch.num_samples, self.chunks))
+        emb = self.embeddings(batch, bounds)
         if ahead is not None:
             self.embeddings.distribute_ids(ahead, ready)
         context = self.model.slice_context(batch)
         self.optimizer.zero_grad(set_to_none=True)
-        bounds = chunk_bounds(batch.num_samples, self.chunks)
         if len(bounds) == 1:
             loss = self.train_model(batch, emb, context).loss
             loss.backward()

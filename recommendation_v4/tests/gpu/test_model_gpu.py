@@ -10,6 +10,7 @@ import torch
 from model_inputs import random_batch, random_embeddings
 
 from dlrmv4.config_loading import load_config
+from dlrmv4.model.embeddings import SequenceEmbeddings
 from dlrmv4.model.hstu import DlrmHSTU
 
 
@@ -18,7 +19,7 @@ def _run(cfg, batch, seed):
     model = DlrmHSTU(cfg).cuda()
     emb = random_embeddings(batch, cfg.embedding_dim, seed=seed)
     emb = dataclasses.replace(
-        emb, **{f.name: getattr(emb, f.name).detach().cuda().requires_grad_() for f in dataclasses.fields(emb)}
+        emb, **{n: getattr(emb, n).detach().cuda().requires_grad_() for n in SequenceEmbeddings.TENSORS}
     )
     out = model(batch, emb)
     out.loss.backward()

@@ -105,15 +105,18 @@ def table_features(name: str) -> tuple[str, ...]:
     return (f"history_{name}_id", f"candidate_{name}_id") if name in SHARED_TABLES else (name,)
 
 
-def assemble_embeddings(sequence: dict[str, torch.Tensor], candidate: list[torch.Tensor]) -> SequenceEmbeddings:
-    """SequenceEmbeddings from per-table sequence rows ([T + B, E] for the shared tables, [B, E]
-    for the contextual ones) and the candidate's fp32 (item, artist, album) rows."""
+def assemble_embeddings(
+    sequence: dict[str, torch.Tensor], candidate: list[torch.Tensor], chunks: tuple[tuple[int, int], ...] = ()
+) -> SequenceEmbeddings:
+    """SequenceEmbeddings from per-table sequence rows ([T + B, E] for the shared tables, laid out by
+    ``chunks``; [B, E] for the contextual ones) and the candidate's fp32 (item, artist, album) rows."""
     return SequenceEmbeddings(
         item=sequence["item"],
         artist=sequence["artist"],
         album=sequence["album"],
         contextual=torch.stack([sequence[name] for name in CONTEXTUAL_FEATURES], dim=1),
         candidate=torch.cat(candidate, -1),
+        chunks=chunks if len(chunks) > 1 else (),
     )
 
 
@@ -167,8 +170,11 @@ class SparseEmbeddings(nn.Module, abc.ABC):
                     )
 
     @abc.abstractmethod
-    def forward(self, batch: TorchJaggedBatch) -> SequenceEmbeddings:
-        """One lookup of every id feature; history and candidate share the item/artist/album tables."""
+    def forward(self, batch: TorchJaggedBatch, chunks: tuple[tuple[int, int], ...] = ()) -> SequenceEmbeddings:
+        """One lookup of every id feature; history and candidate share the item/artist/album tables.
+        ``chunks``: the sample ranges the caller takes the rows by (``train/chunks.py``), which a
+        backend may lay the shared tables' rows out by (``SequenceEmbeddings.chunks`` says whether it
+        did)."""
 
     @property
     def holds_pinned_host_memory(self) -> bool:

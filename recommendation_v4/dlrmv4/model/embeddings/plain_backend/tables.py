@@ -82,7 +82,9 @@ class PlainEmbeddings(SparseEmbeddings):
         self.register_buffer("lr_tensor", torch.tensor(lr, dtype=torch.float32, device=device))
         self.pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {s.name: [] for s in specs}
 
-    def forward(self, batch: TorchJaggedBatch) -> SequenceEmbeddings:
+    def forward(self, batch: TorchJaggedBatch, chunks: tuple[tuple[int, int], ...] = ()) -> SequenceEmbeddings:
+        # The whole batch's layout whatever the chunks: the backward splits each table's rows into
+        # history and candidate gradients by it.
         ids = feature_ids(batch)
         no_ids = torch.zeros(0, dtype=torch.int64, device=self.lr_tensor.device)
         sequence, candidate = {}, []

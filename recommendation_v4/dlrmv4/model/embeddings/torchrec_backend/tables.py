@@ -234,7 +234,7 @@ class TorchRecEmbeddings(SparseEmbeddings):
         for distributed in self._distributed:
             distributed.settle()
 
-    def forward(self, batch: TorchJaggedBatch) -> SequenceEmbeddings:
+    def forward(self, batch: TorchJaggedBatch, chunks: tuple[tuple[int, int], ...] = ()) -> SequenceEmbeddings:
         self.ids_looked_up += lookup_size(batch)
         waiting = next((i for i, d in enumerate(self._distributed) if d.batch is batch), None)
         if waiting is not None:  # its ids are on their way
@@ -244,12 +244,14 @@ class TorchRecEmbeddings(SparseEmbeddings):
             looked_up = self._sharded().compute_and_output_dist(distributed.context, ids).wait()
         else:  # a batch of its own: those on their way (another loop's) wait for their lookups
             looked_up = self._sharded()(sparse_features(batch)).wait()
-        # The sequence rows in the sequence model's dtype; the candidate's rows also as they came (fp32
-        # on the CPU, where the wire's rounding is all they carry) for the fp32 item tower.
+        # The sequence rows in the sequence model's dtype, laid out by the chunks; the candidate's rows
+        # also as they came (fp32 on the CPU, where the wire's rounding is all they carry) for the fp32
+        # item tower.
         rows = {k: jt.values() for k, jt in looked_up.items()}
         return assemble_embeddings(
-            {s.name: sequence_rows(batch, rows, s.name, self.sequence_dtype, self.kernels) for s in self.specs},
+            {s.name: sequence_rows(batch, rows, s.name, self.sequence_dtype, self.kernels, chunks) for s in self.specs},
             [rows[f"candidate_{name}_id"] for name in SHARED_TABLES],
+            chunks,
         )
 
     def sparse_step(self) -> None:
