@@ -75,9 +75,9 @@ def test_torchrec_steps_wait_only_in_torchrecs_input_distribution(sharding, chun
     waits_in_lookups: list[int] = []
     lookup = step.embeddings.forward
 
-    def counted_lookup(batch):
+    def counted_lookup(batch, *chunks):
         before = len(seen)
-        out = lookup(batch)
+        out = lookup(batch, *chunks)
         waits_in_lookups.append(sum("synchroniz" in str(w.message) for w in seen[before:]))
         return out
 
