@@ -158,6 +158,28 @@ def test_next_window_mode_scores_the_window_after_each_train_window(data_path, t
         assert record.eval_window == record.window + 1 and record.samples_count == ends[record.window]
 
 
+def test_writing_a_profiler_trace_is_left_out_of_the_training_rate(data_path, tmp_path, monkeypatch):
+    """The first window's profiled steps take 4 s more to write their trace here: the run's time
+    holds them, the window's training rate does not (as with evals and checkpoints)."""
+    from dlrmv4.train.run import run_training
+
+    export = torch.profiler.profile.export_chrome_trace
+
+    def slow_export(self, path):
+        export(self, path)
+        time.sleep(4.0)
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", slow_export)
+    values = _overrides(data_path, tmp_path / "run")
+    values.update({"train.profile_steps": "2-4"})
+    cfg = load_config(None, None, {tuple(k.split(".")): v for k, v in values.items()})
+    history, _ = run_training(cfg, log=lambda m: None)
+    assert (tmp_path / "run" / "traces" / "steps-2-4.rank0.json").exists()
+    ends = [samples for _, samples, _ in history.window_losses]
+    train_seconds = [(b - a) / rate for a, b, (_, rate) in zip([0] + ends, ends, history.throughput)]
+    assert history.seconds > 4.0 and train_seconds[0] < 3.0, train_seconds
+
+
 def test_max_steps_stops_the_run(data_path, tmp_path):
     values = _overrides(data_path, tmp_path / "run")
     values["train.max_steps"] = 9

@@ -100,18 +100,17 @@ class Evaluator:
         plan = loader.dataset.plan
         slicing = self.cfg.loader.rank_slicing
         # As in training: the next batch's copy overlaps this one's forward, and (train.sparse_pipeline)
-        # its ids travel to their tables' ranks while this one computes, so the host's wait for the
-        # ids' counts never drains the device between batches.
+        # its ids travel to their tables' ranks while this one computes, so the host's waits for the
+        # ids' counts never drain the device between batches.
         pipelined = self.cfg.train.sparse_pipeline
         for (batch, upcoming), part in zip(with_next(DevicePrefetcher(loader, self.cluster.device)), plan):
             ahead = upcoming if pipelined else None
             ready = ready_point(ahead) if ahead is not None else None
             emb = self.embeddings(batch, tuple(chunk_bounds(batch.num_samples, self.chunks)))
-            if ahead is not None:
-                self.embeddings.distribute_ids(ahead, ready)
             mine = share_size(part.stop - part.start, rank, world, slicing)
             logits = chunked_logits(self.model, batch, emb, self.chunks)
-            if ahead is not None:
+            if ahead is not None:  # with the forward queued, the host's waits leave the device work
+                self.embeddings.distribute_ids(ahead, ready)
                 self.embeddings.settle_ids()
             acc.update(logits[:mine], batch.label[:mine])  # a stand-in sample (no share) adds nothing
             del emb  # before the next lookup: one batch's rows at a time

@@ -10,9 +10,10 @@ Nothing reads the device back: ``tests/gpu/test_zero_sync.py`` runs steps under
 ``torch.cuda.set_sync_debug_mode("error")``.
 
 Given the next batch (``upcoming``) and ``train.sparse_pipeline``, the step starts that batch's id
-distribution right after its own lookup and takes it past its host wait after its own backward,
-when the device is still busy with this step: the next step's lookup starts from ids already on
-their ranks (``SparseEmbeddings.distribute_ids``). The numbers are the same either way.
+distribution once its own (first) forward is queued and takes it past its host wait after its own
+backward: the host waits for the ids' counts twice, each time with the device busy on this step's
+queued work, and the next step's lookup starts from ids already on their ranks
+(``SparseEmbeddings.distribute_ids``). The numbers are the same either way.
 """
 
 from __future__ import annotations
@@ -61,12 +62,11 @@ class TrainStep:
         self.schedule.apply(step, self.optimizer, self.embeddings.set_learning_rate)
         bounds = tuple(chunk_bounds(batch.num_samples, self.chunks))
         emb = self.embeddings(batch, bounds)
-        if ahead is not None:
-            self.embeddings.distribute_ids(ahead, ready)
         context = self.model.slice_context(batch)
         self.optimizer.zero_grad(set_to_none=True)
         if len(bounds) == 1:
             loss = self.train_model(batch, emb, context).loss
+            self._send_ahead(ahead, ready)
             loss.backward()
             loss = loss.detach()
         else:
@@ -78,6 +78,8 @@ class TrainStep:
                     part = self.train_model(
                         batch.samples(start, stop), leaves, chunk_context(self.model, batch, context, start)
                     ).loss
+                    if i == 0:
+                        self._send_ahead(ahead, ready)
                     part.backward()
                 chunked.store(start, stop, leaves)
                 parts.append(part.detach())
@@ -91,3 +93,9 @@ class TrainStep:
         self.embeddings.sparse_step()
         self.finite.update(loss, step, window)
         return loss
+
+    def _send_ahead(self, ahead: TorchJaggedBatch | None, ready: torch.cuda.Event | None) -> None:
+        """Start ``ahead``'s id distribution. Called with a forward queued: the host's wait for the
+        ids' counts here would otherwise leave the device with nothing to run."""
+        if ahead is not None:
+            self.embeddings.distribute_ids(ahead, ready)

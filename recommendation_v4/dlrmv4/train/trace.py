@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +46,18 @@ class StepProfiler:
     """Starts the profiler before the first step of a window and writes the trace after its last.
 
     Ask ``before_step(step)`` ahead of every step and ``after_step(step)`` after it; windows that a
-    resumed run has already passed are skipped, one that it is inside of starts at once.
+    resumed run has already passed are skipped, one that it is inside of starts at once. The host's
+    work of stopping the profiler and writing the trace, after the window's device work has ended,
+    adds up in ``writing_seconds``: the trainer leaves it out of the training rate, as it does
+    checkpoints.
     """
 
     def __init__(self, windows: list[tuple[int, int]], run_dir: Path, rank: int, device: torch.device) -> None:
         self.windows = list(windows)
         self.out_dir = Path(run_dir) / TRACE_DIR
         self.rank = rank
+        self.device = device
+        self.writing_seconds = 0.0
         self.activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             self.activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -80,10 +86,14 @@ class StepProfiler:
             return None
         (start, end), prof = self._active
         self._active = None
+        if self.device.type == "cuda":  # the window's steps end here, on the training clock
+            torch.cuda.synchronize(self.device)
+        began = time.perf_counter()
         prof.__exit__(None, None, None)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"steps-{start}-{end}.rank{self.rank}.json"
         prof.export_chrome_trace(str(path))
+        self.writing_seconds += time.perf_counter() - began
         return path
 
 

@@ -244,10 +244,11 @@ class Trainer:
         pairs = with_next(batches) if self.step.pipelined else ((batch, None) for batch in batches)
         for i, (batch, upcoming) in enumerate(pairs, start=history.steps):
             window = plan[i].window
+            writing = self.profiler.writing_seconds
             self._train_step(history, batch, window, upcoming)
-            # Train time of this window: waiting for the batch plus the step; evals and checkpoints
-            # are left out, so the per-window rate is the training rate.
-            self.train_clock.add(time.perf_counter() - tick)
+            # Train time of this window: waiting for the batch plus the step; evals, checkpoints and
+            # writing profiler traces are left out, so the per-window rate is the training rate.
+            self.train_clock.add(time.perf_counter() - tick - (self.profiler.writing_seconds - writing))
             last_of_window = i + 1 == len(plan) or plan[i + 1].window != window
             done = self.evaluator.holdout_due(history.samples) and self._eval(history, window, self.holdout, started)
             if last_of_window:

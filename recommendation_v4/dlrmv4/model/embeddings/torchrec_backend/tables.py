@@ -171,8 +171,9 @@ class TorchRecEmbeddings(SparseEmbeddings):
         # next batch while the eval runs between two steps.
         self._distributed: list[_DistributedIds] = []
         # The ids' distribution runs on a stream of its own, as in TorchRec's pipeline: the host's
-        # waits in it then wait for that stream's few kernels, not for the step's compute.
-        self._dist_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # waits in it then wait for that stream's few kernels, not for the step's compute. High
+        # priority: its kernels take the next free SMs instead of queueing behind the step's.
+        self._dist_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         with torch.no_grad():
             for i, s in enumerate(specs):
                 for shard in self._weight(s.name).local_shards():
