@@ -12,7 +12,7 @@ import secrets
 import pytest
 import torch
 
-from dlrmv4.ops.layer_norm import layer_norm, layer_norm_and_input, swish_layer_norm
+from dlrmv4.ops.layer_norm import layer_norm, layer_norm_and_input, layer_norm_plus, swish_layer_norm
 
 # ‖out − ref‖ / ‖ref‖ against a float64 reference: fp32 arithmetic lands near 1e-7.
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -114,6 +114,44 @@ def test_non_contiguous_and_batched_inputs(fn, gen, poison):
     check_layer_norm(fn, wide[:, 50:74], w, b, 1e-5, gen)  # a column slice: row stride 80
     check_layer_norm(fn, randn((24, 17), gen).t().requires_grad_(), w, b, 1e-5, gen)  # column stride 17
     check_layer_norm(fn, randn((3, 5, 24), gen).requires_grad_(), w, b, 1e-5, gen)
+
+
+def check_norm_plus(x, addend, weight, bias, dy):
+    """``layer_norm_plus`` against LayerNorm then a separate add (the same kernels): the output and
+    every gradient bit for bit, the output also against the float64 reference."""
+    outs = []
+    for fused in (True, False):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, addend, weight, bias)]
+        xl, al, wl, bl = leaves
+        if fused:
+            y = layer_norm_plus(xl, wl, bl, 1e-5, al, kernels="triton")
+        else:
+            y = layer_norm(xl, wl, bl, 1e-5, kernels="triton") + al
+        y.backward(dy)
+        outs.append([y.detach()] + [t.grad for t in leaves])
+    for what, fused, apart in zip(("y", "dx", "d_addend", "dweight", "dbias"), *outs):
+        assert fused.dtype == apart.dtype and torch.equal(fused, apart), what
+    reference = layer_norm_plus(*(leaf64(t) for t in (x, weight, bias)), 1e-5, leaf64(addend), kernels="pytorch")
+    assert_close(outs[0][0], reference, x.dtype, "y against the float64 reference")
+
+
+# bf16 runs on the GPU (tests/gpu/test_ops_gpu.py): the interpreter truncates fp32 -> bf16 casts.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape,sliced", [((37, 48), False), ((21, 24), True), ((3, 5, 24), False)])
+def test_norm_plus_an_addend_is_the_two_ops_bit_for_bit(dtype, shape, sliced, gen, poison):
+    width = shape[-1]
+    x = randn(shape, gen, dtype, scale=2.0, shift=0.5)
+    addend = randn((shape[0], 80), gen, dtype)[:, 50 : 50 + width] if sliced else randn(shape, gen, dtype)
+    w, b = randn(width, gen, scale=0.5, shift=1.0), randn(width, gen, scale=0.5)
+    check_norm_plus(x, addend, w, b, randn(shape, gen, dtype))
+
+
+def test_norm_plus_checks_the_addend(gen):
+    x = randn((4, 8), gen)
+    with pytest.raises(ValueError, match=r"addend has shape \(4, 7\)"):
+        layer_norm_plus(x, None, None, 1e-5, randn((4, 7), gen))
+    wider = randn((4, 8), gen, torch.float64)  # another dtype: the add's own promotion
+    assert layer_norm_plus(x, None, None, 1e-5, wider).dtype == torch.float64
 
 
 def test_empty_input(gen):

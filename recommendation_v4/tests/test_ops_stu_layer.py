@@ -112,6 +112,36 @@ def test_triton_recompute_is_the_same_layer(mode, gen, poison):
         assert rel_err(base[2][name], grad) < 1e-4 and rel_err(other[2][name], grad) < 1e-4, name
 
 
+@pytest.mark.parametrize("kernels", ["pytorch", pytest.param("triton", marks=needs_interpreter)])
+def test_a_consumed_input_holds_the_same_output(kernels, gen, poison):
+    """Without gradients, ``consume_input`` writes the layer's output over x (no copy of it for
+    the residual) and gives the same bits; with gradients, or asked not to, x is left alone."""
+    x, params, offsets, _ = inputs(gen)
+    params = {k: v.detach() for k, v in params.items()}
+    common = dict(
+        norm_eps=1e-6,
+        num_heads=HEADS,
+        qk_dim=QK,
+        v_dim=V,
+        alpha=1 / math.sqrt(QK),
+        attn_eps=1e-6,
+        dropout_p=0.1,
+        seed=3,
+        training=False,
+        kernels=kernels,
+    )
+    with torch.no_grad():
+        kept = x.clone()
+        apart = stu_layer(kept, offsets, max(LENGTHS), **params, **common)
+        assert torch.equal(kept, x)
+        consumed = x.clone()
+        out = stu_layer(consumed, offsets, max(LENGTHS), **params, **common, consume_input=True)
+    assert out.data_ptr() == consumed.data_ptr() and torch.equal(out, apart)
+    leaf = x.clone().requires_grad_()
+    out = stu_layer(leaf, offsets, max(LENGTHS), **params, **common, consume_input=True)
+    assert out.data_ptr() != leaf.data_ptr() and torch.equal(leaf.detach(), x) and torch.equal(out.detach(), apart)
+
+
 def saved_activation_bytes(mode: str, x, params, offsets, seed: int) -> int:
     """Bytes of the [T, ...] tensors the layer's graph keeps for its backward (parameters and the
     [B+1] offsets excluded), each storage counted once."""

@@ -98,7 +98,10 @@ class DlrmHSTU(nn.Module):
                 context.dropout_seeds[0],
                 context.row_offset,
             )
-            return self.stu(x, seq_offsets, context.max_seq_len, context.dropout_seeds[1:], context.row_offset)
+            # x is this forward's own: without gradients the layers may write over it.
+            return self.stu(
+                x, seq_offsets, context.max_seq_len, context.dropout_seeds[1:], context.row_offset, consume_input=True
+            )
 
     def forward(
         self, batch: TorchJaggedBatch, emb: SequenceEmbeddings, context: SliceContext | None = None

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlrmv4.ops.layer_norm import layer_norm, swish_layer_norm
+from dlrmv4.ops.layer_norm import layer_norm, layer_norm_plus, swish_layer_norm
 
 
 def init_linear(linear: nn.Linear, normal: bool = False) -> nn.Linear:
@@ -32,6 +32,10 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps, kernels=self.kernels)
 
+    def plus(self, x: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
+        """forward(x) + addend in one pass (``layer_norm_plus``)."""
+        return layer_norm_plus(x, self.weight, self.bias, self.eps, addend, kernels=self.kernels)
+
 
 class SwishLayerNorm(LayerNorm):
     """x * sigmoid(LayerNorm(x))."""
@@ -46,6 +50,7 @@ class Tower(nn.Sequential):
     ``tower(a, b, ...)`` takes its input in column blocks, as if ``torch.cat([a, b, ...], -1)``: the
     first Linear multiplies each block by its slice of the weight and accumulates in the GEMM
     (``addmm``), so the concatenation (a full copy of the token rows) is never built.
+    ``tower(..., plus=t)`` is ``tower(...) + t``, the sum taken inside the last norm.
     """
 
     def __init__(self, in_dim: int, hidden: int, out_dim: int, eps: float, kernels: str, normal: bool = False) -> None:
@@ -56,9 +61,9 @@ class Tower(nn.Sequential):
             LayerNorm(out_dim, eps, kernels),
         )
 
-    def forward(self, *blocks: torch.Tensor) -> torch.Tensor:
-        first, *rest = self
-        assert isinstance(first, nn.Linear)  # __init__ puts the Linear first
+    def forward(self, *blocks: torch.Tensor, plus: torch.Tensor | None = None) -> torch.Tensor:
+        first, *middle, norm = self
+        assert isinstance(first, nn.Linear) and isinstance(norm, LayerNorm)  # as __init__ lays them out
         widths = [x.shape[-1] for x in blocks]
         if sum(widths) != first.in_features:
             raise ValueError(f"Tower: input blocks of widths {widths} do not add up to {first.in_features}")
@@ -68,6 +73,6 @@ class Tower(nn.Sequential):
             # In place, so h is not copied first (the GEMM's backward needs only x and w); autocast
             # leaves in-place ops alone, so the operands take h's dtype here as it would give them.
             h = h.addmm_(x.to(h.dtype), w.t().to(h.dtype))
-        for module in rest:
+        for module in middle:
             h = module(h)
-        return h
+        return norm(h) if plus is None else norm.plus(h, plus)

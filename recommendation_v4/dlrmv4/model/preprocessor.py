@@ -66,12 +66,13 @@ class Preprocessor(nn.Module):
         b = emb.num_candidates
         # History and candidate tokens share the branch MLPs: one matmul per layer for both (the
         # embeddings come as [history rows; candidate rows] per table).
+        # content + extra + action, each sum taken inside the next tower's last norm.
         content = self.content(emb.item)
-        extra = self.extra_ids(emb.artist, emb.album)
+        extra = self.extra_ids(emb.artist, emb.album, plus=content)
         actions = torch.cat(
             [self._action_features(history_action), self.target_action.expand(b, -1).to(self.action_vectors.dtype)]
         )
-        tokens = content + extra + self.action(actions)
+        tokens = self.action(actions, plus=extra)
         contextual = torch.stack([proj(emb.contextual[:, i]) for i, proj in enumerate(self.contextual)], 1)
         values, seq_offsets = concat_sequences(
             contextual.to(tokens.dtype), tokens, history_offsets, max_history_length, kernels=self.cfg.kernels

@@ -53,10 +53,13 @@ class STULayer(nn.Module):
         dropout_seed: int,
         row_offset: int = 0,
         candidates_only: bool = False,
+        consume_input: bool = False,
     ) -> torch.Tensor:
-        """x [T, D] -> [T, D], or [B, D] (each sequence's last row) with ``candidates_only``."""
+        """x [T, D] -> [T, D], or [B, D] (each sequence's last row) with ``candidates_only``;
+        ``consume_input``: without gradients the output may be written over x (``stu_layer``)."""
         cfg = self.cfg
         # One candidate per sequence: the target-aware mask equals the causal one stu_mixing applies.
+        extra = {} if candidates_only else {"consume_input": consume_input}
         op = stu_candidate_layer if candidates_only else stu_layer
         return op(
             x,
@@ -81,6 +84,7 @@ class STULayer(nn.Module):
             row_offset=row_offset,
             recompute="none" if cfg.recompute == "auto" else cfg.recompute,
             kernels=cfg.kernels,
+            **extra,
         )
 
 
@@ -97,16 +101,19 @@ class STUStack(nn.Module):
         max_seq_len: int,
         dropout_seeds: Sequence[int],
         row_offset: int = 0,
+        consume_input: bool = False,
     ) -> torch.Tensor:
         """x [T, D] -> the candidate rows [B, D]. ``max_seq_len``: the attention's N (the longest
         sequence of the step's slice); dropout masks are drawn per sequence row, counting from
-        ``row_offset``."""
+        ``row_offset``. ``consume_input``: without gradients (the eval) x's memory may hold the
+        layers' outputs, each written over its input instead of into a copy."""
         *body, last = self.layers
         seeds = list(dropout_seeds)
         if len(seeds) != len(self.layers):
             raise ValueError(f"STUStack: {len(seeds)} dropout seeds for {len(self.layers)} layers")
-        for layer, seed in zip(body, seeds):
-            x = layer(x, seq_offsets, max_seq_len, seed, row_offset)
+        for i, (layer, seed) in enumerate(zip(body, seeds)):
+            # Past the first layer x is the stack's own: only the caller's input needs its leave.
+            x = layer(x, seq_offsets, max_seq_len, seed, row_offset, consume_input=consume_input or i > 0)
         if self.cfg.last_layer == "candidates":
             return last(x, seq_offsets, max_seq_len, seeds[-1], row_offset, candidates_only=True)
         return take_last(

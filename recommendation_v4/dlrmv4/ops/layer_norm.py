@@ -3,6 +3,9 @@
 Statistics in fp32, output in x's dtype; weight and bias may be None. ``kernels`` picks the
 Triton kernel or the PyTorch reference (see ``dispatch.resolve``).
 
+``layer_norm_plus`` adds a tensor to the norm inside the kernel (rounded as the two ops would
+round): a sum of norms (the preprocessor's towers) takes no [N, D] add pass of its own.
+
 ``layer_norm_and_input`` also hands back x itself (or some of its rows), for a residual that adds
 x back after the layer: x then has one use, and the backward adds the residual's gradient inside
 the norm's backward (or into the rows it took) instead of autograd summing two [N, D] gradients
@@ -20,13 +23,15 @@ from dlrmv4.ops.reference import layer_norm as ref
 # Triton is optional (the reference runs without it): kernel modules are imported on first use.
 class _LayerNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, swish):
+    def forward(ctx, x, weight, bias, eps, swish, addend):
         from dlrmv4.ops.triton import layer_norm as tri
 
         x2d = tri.rows_2d(x)
-        y, mean, rstd = tri.forward(x2d, weight, bias, eps, swish)
+        plus = tri.rows_2d(addend) if addend is not None else None
+        y, mean, rstd = tri.forward(x2d, weight, bias, eps, swish, addend=plus)
         ctx.save_for_backward(x2d, weight, bias, mean, rstd)
         ctx.swish = swish
+        ctx.addend_shape = addend.shape if addend is not None else None
         return y.view(x.shape)
 
     @staticmethod
@@ -35,7 +40,8 @@ class _LayerNormFn(torch.autograd.Function):
 
         x2d, weight, bias, mean, rstd = ctx.saved_tensors
         dx, dw, db = tri.backward(x2d, weight, bias, tri.rows_2d(dy), mean, rstd, ctx.swish)
-        return dx.view(dy.shape), dw, db, None, None
+        d_addend = dy.view(ctx.addend_shape) if ctx.addend_shape is not None else None
+        return dx.view(dy.shape), dw, db, None, None, d_addend
 
 
 class _LayerNormAndInputFn(torch.autograd.Function):
@@ -101,6 +107,23 @@ def layer_norm(
     return _norm(x, weight, bias, eps, kernels, swish=False)
 
 
+def layer_norm_plus(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    addend: torch.Tensor,
+    kernels: str = "auto",
+) -> torch.Tensor:
+    """LayerNorm(x) + addend (addend of x's shape), bit for bit as the two ops give it; one pass
+    where both are in x's dtype (see the module docstring)."""
+    if addend.shape != x.shape:
+        raise ValueError(f"layer_norm_plus: addend has shape {tuple(addend.shape)}, x has {tuple(x.shape)}")
+    if addend.dtype != x.dtype:  # the add's type promotion is the two ops' own
+        return layer_norm(x, weight, bias, eps, kernels) + addend
+    return _norm(x, weight, bias, eps, kernels, swish=False, addend=addend)
+
+
 def swish_layer_norm(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, kernels: str = "auto"
 ) -> torch.Tensor:
@@ -108,9 +131,16 @@ def swish_layer_norm(
 
 
 def _norm(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, kernels: str, swish: bool
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    kernels: str,
+    swish: bool,
+    addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check(x, weight, bias)
     if resolve(kernels, x.device) == "pytorch":
-        return (ref.swish_layer_norm if swish else ref.layer_norm)(x, weight, bias, eps)
-    return _LayerNormFn.apply(x, weight, bias, eps, swish)
+        y = (ref.swish_layer_norm if swish else ref.layer_norm)(x, weight, bias, eps)
+        return y if addend is None else y + addend
+    return _LayerNormFn.apply(x, weight, bias, eps, swish, addend)

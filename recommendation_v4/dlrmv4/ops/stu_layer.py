@@ -235,10 +235,13 @@ def stu_layer(
     row_offset: int = 0,
     recompute: str = "none",
     kernels: str = "auto",
+    consume_input: bool = False,
 ) -> torch.Tensor:
     """x [T, D] (jagged by seq_offsets) -> x + STU(x), in x's dtype; ``max_seq_len`` is the
     attention's N; dropout masks from (``seed``, ``row_offset`` + row); ``recompute`` as in the
-    module docstring."""
+    module docstring. ``consume_input``: without gradients (nothing keeps x for a backward) the
+    output is written over x, the residual GEMM adding into x instead of into a copy of it (the
+    same GEMM: torch.addmm copies its C operand into the output first)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"stu_layer: recompute={recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
     if x.dim() != 2 or x.shape[1] != uvqk_weight.shape[1]:
@@ -248,6 +251,8 @@ def stu_layer(
 
     def project(x: torch.Tensor) -> torch.Tensor:
         return F.linear(layer_norm(x, norm_weight, norm_bias, norm_eps, kernels=kernels), uvqk_weight, uvqk_bias)
+
+    grads = torch.is_grad_enabled() and (x.requires_grad or uvqk_weight.requires_grad)
 
     def mix_and_project(residual: torch.Tensor, uvqk: torch.Tensor) -> torch.Tensor:
         y = stu_mixing(
@@ -268,6 +273,10 @@ def stu_layer(
             row_offset=row_offset,
         )
         # x + y W_out^T in one GEMM: the residual is the GEMM's C operand, not a separate pass.
+        same = residual.data_ptr() == x.data_ptr() and residual.dtype == _compute_dtype(x)
+        if consume_input and not grads and same:
+            # In place, operands in x's dtype as autocast gives them (it leaves in-place ops alone).
+            return residual.addmm_(y.to(residual.dtype), out_weight.t().to(residual.dtype))
         return torch.addmm(residual, y, out_weight.t())
 
     def whole(x: torch.Tensor) -> torch.Tensor:
@@ -280,7 +289,6 @@ def stu_layer(
         y = _ProjectedMixingFn.apply(n, uvqk_weight, uvqk_bias, attn_norm_weight, attn_norm_bias, seq_offsets, args)
         return torch.addmm(residual, y, out_weight.t())
 
-    grads = torch.is_grad_enabled() and (x.requires_grad or uvqk_weight.requires_grad)
     if recompute == "none" or not grads:
         return whole(x)
     if recompute == "layer":

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from sync_guard import run_without_syncs
-from test_ops_layer_norm import assert_close, gen, leaf64, poison, randn  # noqa: F401  (fixtures)
+from test_ops_layer_norm import assert_close, check_norm_plus, gen, leaf64, poison, randn  # noqa: F401  (fixtures)
 from test_ops_output_block import check_du_sums
 
 from dlrmv4.ops.gather_rows import gather_rows
@@ -82,6 +82,15 @@ def test_layer_norm(fn, width, dtype, gen, poison):
     assert_close(x.grad, x64.grad, dtype, "dx")
     assert_close(w.grad, w64.grad, dtype, "dweight")
     assert_close(b.grad, b64.grad, dtype, "dbias")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_plus(dtype, gen, poison):
+    """The preprocessor's sums of tower outputs at full size: bit for bit the norm then the add."""
+    shape = (B * 2850, 512)
+    x = randn(shape, gen, dtype, CUDA, scale=2.0, shift=0.5)
+    w, b = randn(512, gen, device=CUDA, shift=1.0), randn(512, gen, device=CUDA)
+    check_norm_plus(x, randn(shape, gen, dtype, CUDA), w, b, randn(shape, gen, dtype, CUDA))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

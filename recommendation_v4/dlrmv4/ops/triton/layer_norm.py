@@ -89,16 +89,19 @@ def _layer_norm_fwd(
     X,
     W,
     B,
+    A,
     Y,
     Mean,
     Rstd,
     N,
     D,
     stride_x,
+    stride_a,
     stride_y,
     eps,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
+    HAS_A: tl.constexpr,
     SWISH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -113,6 +116,9 @@ def _layer_norm_fwd(
     y, mean, rstd = normalize_rows(x, W, B, cols, mask, cmask, D, eps, HAS_W, HAS_B)
     if SWISH:
         y = x * tl.sigmoid(y)
+    if HAS_A:  # + an addend, rounded as the norm and a separate add would round: norm first, then the sum
+        a = tl.load(A + r64 * stride_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = y.to(Y.dtype.element_ty).to(tl.float32) + a
     tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     tl.store(Mean + rows, mean, mask=rmask)
     tl.store(Rstd + rows, rstd, mask=rmask)
@@ -202,8 +208,10 @@ def forward(
     eps: float,
     swish: bool,
     tile: tuple[int, int] = FWD_TILE,
+    addend: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y [N, D] contiguous in x's dtype, mean [N] fp32, rstd [N] fp32)."""
+    """(y [N, D] contiguous in x's dtype, mean [N] fp32, rstd [N] fp32). ``addend`` ([N, D] in x's
+    dtype, unit column stride): y is the norm plus it, rounded as two ops would round."""
     n, d = x2d.shape
     y = torch.empty((n, d), device=x2d.device, dtype=x2d.dtype)
     mean = torch.empty(n, device=x2d.device, dtype=torch.float32)
@@ -215,16 +223,19 @@ def forward(
         x2d,
         weight,
         bias,
+        addend,
         y,
         mean,
         rstd,
         n,
         d,
         x2d.stride(0),
+        addend.stride(0) if addend is not None else 0,
         y.stride(0),
         eps,
         HAS_W=weight is not None,
         HAS_B=bias is not None,
+        HAS_A=addend is not None,
         SWISH=swish,
         BLOCK_M=block_m,
         BLOCK_D=block_d,
