@@ -20,6 +20,8 @@ from dlrmv4.plan.activations import ActivationShape, stu_kept_bytes_per_token
 
 HEADS, QK, V, D = 2, 16, 16, 32
 LENGTHS = [5, 17, 1, 9, 30]
+# The layer's shape arguments in every test here.
+SHAPE = dict(norm_eps=1e-6, num_heads=HEADS, qk_dim=QK, v_dim=V, alpha=1 / math.sqrt(QK), attn_eps=1e-6)
 needs_interpreter = pytest.mark.skipif(
     not INTERPRET, reason="Triton interpreter tests (tests/gpu/ covers the compiled kernels)"
 )
@@ -60,12 +62,7 @@ def run(
         offsets,
         max(LENGTHS) + 3,
         **params,
-        norm_eps=1e-6,
-        num_heads=HEADS,
-        qk_dim=QK,
-        v_dim=V,
-        alpha=1 / math.sqrt(QK),
-        attn_eps=1e-6,
+        **SHAPE,
         dropout_p=dropout_p,
         seed=seed,
         training=True,
@@ -118,18 +115,7 @@ def test_a_consumed_input_holds_the_same_output(kernels, gen, poison):
     the residual) and gives the same bits; with gradients, or asked not to, x is left alone."""
     x, params, offsets, _ = inputs(gen)
     params = {k: v.detach() for k, v in params.items()}
-    common = dict(
-        norm_eps=1e-6,
-        num_heads=HEADS,
-        qk_dim=QK,
-        v_dim=V,
-        alpha=1 / math.sqrt(QK),
-        attn_eps=1e-6,
-        dropout_p=0.1,
-        seed=3,
-        training=False,
-        kernels=kernels,
-    )
+    common = dict(SHAPE, dropout_p=0.1, seed=3, training=False, kernels=kernels)
     with torch.no_grad():
         kept = x.clone()
         apart = stu_layer(kept, offsets, max(LENGTHS), **params, **common)

@@ -112,7 +112,7 @@ class STUStack(nn.Module):
         if len(seeds) != len(self.layers):
             raise ValueError(f"STUStack: {len(seeds)} dropout seeds for {len(self.layers)} layers")
         for i, (layer, seed) in enumerate(zip(body, seeds)):
-            # Past the first layer x is the stack's own: only the caller's input needs its leave.
+            # Past the first layer x is the stack's own; only the caller's input may need keeping.
             x = layer(x, seq_offsets, max_seq_len, seed, row_offset, consume_input=consume_input or i > 0)
         if self.cfg.last_layer == "candidates":
             return last(x, seq_offsets, max_seq_len, seeds[-1], row_offset, candidates_only=True)
