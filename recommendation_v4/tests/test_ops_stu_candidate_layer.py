@@ -111,4 +111,7 @@ def test_the_model_is_the_same_with_either_last_layer(gen):
     assert rel_err(loss, loss_all) < TOLERANCE and rel_err(logits, logits_all) < TOLERANCE
     assert grads.keys() == grads_all.keys() and len(grads) > 20
     for name, grad in grads_all.items():
-        assert rel_err(grads[name], grad) < TOLERANCE, name
+        # A parameter's gradient sums per-token terms in another order on each path; where they
+        # nearly cancel (a contextual projection's bias) fp32 leaves ~1e-6 of it (1.1e-6 at one
+        # generator seed in 40): 10x that still tells a real difference from rounding.
+        assert rel_err(grads[name], grad) < 10 * TOLERANCE, name
