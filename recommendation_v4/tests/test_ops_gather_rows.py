@@ -47,6 +47,14 @@ def test_segment_sum_of_nothing(gen, poison):
     assert tri.segment_sum(torch.zeros((3, 8)), torch.zeros(3, dtype=torch.int64), 0).shape == (0, 8)
 
 
+def assert_row_sums(got: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> None:
+    """got = the fp32 sums of ``weight``'s rows by ``index``, within fp32 summation's error, which
+    grows with a row's sum of magnitudes (row 1 of ``skewed_index`` sums half the tokens)."""
+    want = torch.zeros(got.shape, dtype=torch.float64).index_add_(0, index, weight.double())
+    magnitude = torch.zeros(got.shape, dtype=torch.float64).index_add_(0, index, weight.double().abs())
+    assert ((got.double() - want).abs() <= 1e-5 + 1e-5 * want.abs() + 1e-6 * magnitude).all()
+
+
 @pytest.mark.parametrize("kernels", ["triton", "pytorch"])
 def test_gather_rows_forward_and_backward(kernels, gen, poison):
     rows = randn((30, 20), gen).requires_grad_()
@@ -55,14 +63,12 @@ def test_gather_rows_forward_and_backward(kernels, gen, poison):
     assert torch.equal(out, rows.detach()[index])
     weight = randn((700, 20), gen)
     (out * weight).sum().backward()
-    want = torch.zeros(30, 20, dtype=torch.float64).index_add_(0, index, weight.double())
-    assert torch.allclose(rows.grad.double(), want, rtol=1e-5, atol=1e-5)
+    assert_row_sums(rows.grad, index, weight)
     # A column slice of the gradient (strided rows) gives the same sums.
     rows.grad = None
     wide = randn((700, 40), gen)
     (gather_rows(rows, index, kernels) * wide[:, 10:30]).sum().backward()
-    want = torch.zeros(30, 20, dtype=torch.float64).index_add_(0, index, wide[:, 10:30].double())
-    assert torch.allclose(rows.grad.double(), want, rtol=1e-5, atol=1e-5)
+    assert_row_sums(rows.grad, index, wide[:, 10:30])
 
 
 def test_gather_rows_checks_its_shapes():
