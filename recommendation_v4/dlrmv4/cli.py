@@ -35,15 +35,15 @@ def _raw_files(cfg: BenchmarkConfig, progress: bool):
 
     ds = cfg.dataset
     if ds.source == "synthetic":
+        from dlrmv4.data.synthetic import generate, truth_path
+
         root = synthetic_raw_root(ds)
         files = RawFiles.under(root, ds.size)
         for folder in {p.parent for p in files.all()}:
             remove_dead_temps(folder, _say)
-        if all(p.exists() for p in files.all()):
+        if all(p.exists() for p in (*files.all(), truth_path(files))):
             _say(f"synthetic raw data already at {root}")
         else:
-            from dlrmv4.data.synthetic import generate
-
             _say(f"generating synthetic Yambda-schema data ({ds.size}, seed {ds.synthetic_seed}) into {root}")
             files = generate(root, ds.size, ds.synthetic_seed, progress=progress)
         return files, None
@@ -69,8 +69,19 @@ def cmd_preprocess(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     out = store_dir(cfg.dataset)
     remove_dead_temps(out.parent, _say)
     _say(f"preprocessing into {out}")
+    truth = None
+    if cfg.dataset.source == "synthetic":
+        from dlrmv4.data.synthetic import truth_path
+
+        truth = truth_path(files)
     meta = preprocess(
-        files, out, cfg.dataset, cfg.preprocess, resolved_revision=revision, progress=_show_progress(args)
+        files,
+        out,
+        cfg.dataset,
+        cfg.preprocess,
+        resolved_revision=revision,
+        progress=_show_progress(args),
+        truth=truth,
     )
     c = meta["counts"]
     n = meta["split"]["num_windows"]
@@ -81,6 +92,9 @@ def cmd_preprocess(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
         f"{c['num_items']:,} items ({meta['seconds']:.1f} s, "
         f"{c['raw_events'] / max(meta['seconds'], 1e-9) / 1e6:.2f} M raw events/s)"
     )
+    from dlrmv4.data.holdout_quality import describe_quality
+
+    _say(f"{describe_quality(meta)} ({meta['quality_seconds']:.1f} s)")
     if c["dropped_null_ratio_listens"]:
         _say(f"dropped {c['dropped_null_ratio_listens']:,} listens with a null played_ratio_pct")
     elif c["null_ratio_listens"]:
@@ -136,6 +150,10 @@ def cmd_verify(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
             print(f"[dlrmv4]   also: {p}", file=sys.stderr)
         raise UserError(f"verification failed: {problems[0]}")
     _say(f"verified {path}: md5 sums and store invariants OK")
+    from dlrmv4.data.holdout_quality import describe_quality
+    from dlrmv4.data.store import read_meta
+
+    _say(describe_quality(read_meta(path)))
 
 
 def _store_current(cfg: BenchmarkConfig) -> bool:

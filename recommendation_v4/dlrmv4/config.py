@@ -226,6 +226,13 @@ class TrainConfig:
     learning_rate: float = _field(
         1e-6, "peak learning rate of both optimizers (closed division: [0.5, 1.5] x 1e-6 x GBS/8192)", min=0.0, max=10.0
     )
+    sparse_learning_rate: float = _field(
+        0.0,
+        "peak learning rate of the tables' row-wise Adagrad, warmed up with the dense one (0: the dense "
+        "learning_rate, as the closed division requires)",
+        min=0.0,
+        max=10.0,
+    )
     warmup_steps: int = _field(24_000, "linear warm-up from 0 to the peak over this many steps", min=0)
     adam_beta1: float = _field(0.95, "Adam beta1 (dense parameters)", min=0.0, max=1.0)
     adam_beta2: float = _field(0.999, "Adam beta2", min=0.0, max=1.0)
@@ -278,6 +285,11 @@ class TrainConfig:
         "seed, data, model, optimizers, schedule) differ from the ones it was "
         "written with (they are named in the log); without it such a resume stops",
     )
+
+    @property
+    def sparse_peak_lr(self) -> float:
+        """The tables' peak learning rate: ``sparse_learning_rate``, or the dense one where that is 0."""
+        return self.sparse_learning_rate or self.learning_rate
 
 
 @dataclass(frozen=True)

@@ -385,14 +385,29 @@ def test_cadence_steps():
 def test_cadence_seconds_restarts_after_each_checkpoint():
     c = _cadence(checkpoint_every_seconds=10.0)
     times = [100.0, 105.0, 110.0, 115.0, 119.9, 120.0, 135.0]
-    assert [c.due(i, t, False) for i, t in enumerate(times)] == [False, False, True, False, False, True, True]
+    assert [c.due(i, t, False) for i, t in enumerate(times)] == [
+        None,
+        None,
+        "seconds",
+        None,
+        None,
+        "seconds",
+        "seconds",
+    ]
 
 
 def test_cadence_window_and_off():
     c = _cadence(checkpoint_every_window=True)
-    assert c.due(5, 0.0, True) and not c.due(6, 1e9, False)
+    assert c.due(5, 0.0, True) == "window" and c.due(6, 1e9, False) is None
     off = _cadence()
     assert not any(off.due(s, float(s), s % 2 == 0) for s in range(1, 20))
+
+
+def test_cadence_names_the_explicit_cadence_before_the_window():
+    """A window end that is also a step of the step cadence is due by the steps: only window-end-only
+    checkpoints may be skipped while a write is in flight."""
+    c = _cadence(checkpoint_every_steps=4, checkpoint_every_window=True)
+    assert [c.due(s, 0.0, s in (3, 4)) for s in range(1, 6)] == [None, None, "window", "steps", None]
 
 
 def test_a_write_failure_names_the_path_and_the_cause(tmp_path):

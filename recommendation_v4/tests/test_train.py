@@ -485,3 +485,41 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line(data_path, tmp_path):
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000007"]
     resumed = subprocess.run([*flags, *_cli_flags(values)], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and "resumed from step-00000007: step 7" in resumed.stdout, resumed.stderr
+
+
+def test_a_window_end_checkpoint_never_waits_for_the_previous_write(data_path, tmp_path, monkeypatch):
+    """Writes made slow (1.5 s each, in the background): the window-end checkpoints that come while one
+    is in flight are skipped and said in the log, so the run's saves wait for no write; the steps cadence
+    is never skipped (each of its saves waits for the one before), and the last checkpoint resumes."""
+    from dlrmv4.checkpoint import files as checkpoint_files
+    from dlrmv4.train.run import run_training
+
+    real = checkpoint_files.save_checkpoint
+
+    def slow(*args, **kwargs):
+        time.sleep(1.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_files, "save_checkpoint", slow)
+
+    def run(run_dir: Path, **train) -> tuple:
+        values = _overrides(data_path, run_dir)
+        values.update({f"train.{k}": v for k, v in train.items()})
+        cfg = load_config(None, None, {tuple(k.split(".")): v for k, v in values.items()})
+        lines: list[str] = []
+        history, _ = run_training(cfg, log=lines.append)
+        return history, lines
+
+    history, lines = run(tmp_path / "window", checkpoint_every_window=True, checkpoint_every_steps=0)
+    skipped = [line for line in lines if "checkpoint skipped: the previous one is still being written" in line]
+    saves = [line for line in lines if "writing in the background" in line]
+    assert history.checkpoints_skipped == len(skipped) > 0 and len(saves) >= 2, lines
+    # The saves before the last waited only for their copies: no 1.5 s write among them.
+    assert history.checkpoint_seconds < 1.5 * (len(saves) - 1), (history.checkpoint_seconds, lines)
+    assert _report(tmp_path / "window")["checkpoints_skipped"] == history.checkpoints_skipped
+
+    history, lines = run(tmp_path / "steps", checkpoint_every_window=False, checkpoint_every_steps=7)
+    assert history.checkpoints_skipped == 0 and not [line for line in lines if "skipped" in line]
+    saved = sorted(p.name for p in (tmp_path / "steps" / "checkpoints").iterdir())
+    assert saved[-1] == f"step-{history.steps:08d}" and len(saved) == 2  # keep_last_checkpoints
+    assert history.checkpoint_seconds > 1.5 * (history.steps // 7 - 1)  # each save waited for its predecessor

@@ -368,6 +368,25 @@ class CheckpointWriter:
         self.stage_seconds = 0.0  # the last save's time in the caller
         self.write_seconds = 0.0  # the last finished write's time in the background
 
+    @property
+    def writing(self) -> bool:
+        """True while a background write is in flight."""
+        return self._pending is not None and not self._pending.done()
+
+    def stage_ahead(self, state: dict[str, Any]) -> float:
+        """Copy ``state``'s tensors once into the staging buffer, allocating (and, on a GPU, pinning) it
+        now rather than in the first save; returns the seconds it took. Only asynchronous writers stage."""
+        if self._thread is None:
+            return 0.0
+        started = time.perf_counter()
+        self.wait()
+        self._stage(state)
+        return time.perf_counter() - started
+
+    def _stage(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        tensor_state, small_state = _split_state(state)
+        return self._stager.stage({key: value.state_dict() for key, value in tensor_state.items()}), small_state
+
     def save(self, position: CheckpointPosition, state: dict[str, Any], rank_state: Any = None) -> Path:
         """Write (or start writing) ``state`` as ``save_checkpoint`` does; returns its final path."""
         started = time.perf_counter()
@@ -376,8 +395,7 @@ class CheckpointWriter:
             self.stage_seconds = time.perf_counter() - started
             return path
         self.wait()  # the staging buffer is the previous write's until it is done
-        tensor_state, small_state = _split_state(state)
-        staged = self._stager.stage({key: value.state_dict() for key, value in tensor_state.items()})
+        staged, small_state = self._stage(state)
         # The run goes on changing its objects: the write gets copies as they are now.
         small_state, rank_state = pickle.loads(pickle.dumps((small_state, rank_state)))
         snapshot = {**{key: _Staged(value) for key, value in staged.items()}, **small_state}
@@ -409,10 +427,13 @@ class CheckpointWriter:
 class CheckpointCadence:
     """When to checkpoint: every N steps, every N seconds, and/or at the end of each train window.
 
-    Ask once per finished step; a True answer is taken as a checkpoint written at ``now_seconds``
-    (the seconds clock restarts from it). The clock starts at the first question, so a resumed
-    run waits a full interval before its first timed checkpoint.
+    Ask once per finished step; the answer says why one is due (``STEPS``, ``SECONDS`` or ``WINDOW``,
+    in that order when several apply) or None, and a due answer is taken as a checkpoint written at
+    ``now_seconds`` (the seconds clock restarts from it). The clock starts at the first question, so
+    a resumed run waits a full interval before its first timed checkpoint.
     """
+
+    STEPS, SECONDS, WINDOW = "steps", "seconds", "window"
 
     def __init__(self, cfg: TrainConfig):
         self.every_steps = cfg.checkpoint_every_steps
@@ -420,13 +441,15 @@ class CheckpointCadence:
         self.every_window = cfg.checkpoint_every_window
         self._last_seconds: float | None = None
 
-    def due(self, step: int, now_seconds: float, end_of_window: bool) -> bool:
+    def due(self, step: int, now_seconds: float, end_of_window: bool) -> str | None:
         if self._last_seconds is None:
             self._last_seconds = now_seconds
-        by_steps = self.every_steps > 0 and step > 0 and step % self.every_steps == 0
-        by_seconds = self.every_seconds > 0 and now_seconds - self._last_seconds >= self.every_seconds
-        by_window = self.every_window and end_of_window
-        if by_steps or by_seconds or by_window:
+        reasons = (
+            (self.STEPS, self.every_steps > 0 and step > 0 and step % self.every_steps == 0),
+            (self.SECONDS, self.every_seconds > 0 and now_seconds - self._last_seconds >= self.every_seconds),
+            (self.WINDOW, self.every_window and end_of_window),
+        )
+        reason = next((name for name, due in reasons if due), None)
+        if reason is not None:
             self._last_seconds = now_seconds
-            return True
-        return False
+        return reason

@@ -52,6 +52,7 @@ from tqdm import tqdm
 
 from dlrmv4.config import DatasetConfig, PreprocessConfig
 from dlrmv4.data import store as st
+from dlrmv4.data.holdout_quality import holdout_quality
 from dlrmv4.data.raw_chunks import (
     Chunk,
     check_items_mapped,
@@ -237,8 +238,10 @@ class _AnchorBuckets:
 
 
 def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessConfig, *,
-               resolved_revision: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """Build the store at ``out_dir`` atomically; returns its meta.json content."""
+               resolved_revision: str | None = None, progress: bool = True,
+               truth: Path | None = None) -> dict[str, Any]:
+    """Build the store at ``out_dir`` atomically; returns its meta.json content. ``truth``: the synthetic
+    generator's listen_plus probabilities, which give the holdout's ceiling (holdout_quality.py)."""
     started = time.perf_counter()
     check_writable(out_dir.parent, "data path")
     pf = open_parquet(raw.multi_event)
@@ -278,10 +281,14 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
                          "train_start": bounds.train_start, "t_min": layout.t_min, "t_last": layout.t_last,
                          "num_windows": layout.num_windows}
         write_json(tmp / st.META_FILE, meta)
+        quality_started = time.perf_counter()
+        meta["quality"] = holdout_quality(st.open_store(tmp), cfg, raw.multi_event, truth, cfg.workers)
+        quality_seconds = time.perf_counter() - quality_started
+        write_json(tmp / st.META_FILE, meta)
         st.write_md5s(tmp)
     # Not in meta.json (the store must not depend on timing): what the run took, for the caller.
     meta["seconds"] = time.perf_counter() - started
-    meta["append_seconds"], meta["workers"] = append_seconds, workers
+    meta["append_seconds"], meta["workers"], meta["quality_seconds"] = append_seconds, workers, quality_seconds
     return meta
 
 

@@ -22,6 +22,9 @@ The generative story (docs/synthetic_data.md says it in full):
   listens have a null played_ratio_pct (the reference reads them as skips).
 * Likes follow some listen_plus (same or next 5-s bin), dislikes follow some skips, and a few
   likes/dislikes are undone later (unlike/undislike at a later listen of the same user).
+* The truth beside the data: ``listen_plus_probability.parquet`` (next to the events file, one
+  float32 row per event row, NaN for non-listens) holds each listen's true probability of
+  listen_plus, from which ``prepare`` computes the holdout's best possible AUC (quality_bounds.py).
 
 Randomness: one ``SeedSequence`` per user (spawn key ``(_USER_STREAM, user index)``), one for the
 catalog and one for the uids, so the output depends on the seed only, never on the block size or
@@ -121,6 +124,18 @@ _P_FULL, _P_REPLAY = 0.55, 0.08  # of listen_plus: exactly 100 %, or a replay 10
 # New columns go last: a user's earlier columns then keep their values.
 (_C_CHOICE, _C_PICK_A, _C_PICK_B, _C_ORGANIC, _C_PLUS, _C_RATIO_A, _C_RATIO_B, _C_FEEDBACK,
  _C_FEEDBACK_BIN, _C_UNDO, _C_UNDO_DELAY, _C_BREAK, _C_INTRA, _C_INTER, _C_TIE, _C_NULL_RATIO, _N_COLS) = range(17)
+
+
+TRUTH_FILE = "listen_plus_probability.parquet"
+TRUTH_COLUMN = "listen_plus_probability"
+TRUTH_SCHEMA = pa.schema([pa.field(TRUTH_COLUMN, pa.float32(), nullable=False)])
+# The probability is of played_ratio_pct >= 50: the generator's listen_plus boundary.
+TRUTH_THRESHOLD_PCT = 50
+
+
+def truth_path(files: RawFiles) -> Path:
+    """Where the generator's per-event listen_plus probabilities lie: beside the events file."""
+    return files.multi_event.parent / TRUTH_FILE
 
 
 def spec_for(size: str) -> SyntheticSpec:
@@ -320,7 +335,8 @@ def _block_events(users: range, uid_of: np.ndarray, seed: int, cat: _Catalog, sp
     organic = u[_C_ORGANIC] < np.where(popular, _P_ORGANIC_POPULAR, _P_ORGANIC_CHOSEN)
     logit = (_PLUS_BASE + _PLUS_AFFINE * affine + _PLUS_REPEAT * repeat + _PLUS_ORGANIC * organic
              + cat.quality[item] + d.bias[user])
-    plus = u[_C_PLUS] < 1.0 / (1.0 + np.exp(-logit))
+    p_plus = 1.0 / (1.0 + np.exp(-logit))
+    plus = u[_C_PLUS] < p_plus
     ra, rb = u[_C_RATIO_A], u[_C_RATIO_B]
     ratio = np.where(ra < _P_REPLAY, 101 + (199 * rb ** 2).astype(np.int64),
                      np.where(ra < _P_REPLAY + _P_FULL, 100, 50 + (50 * rb).astype(np.int64)))
@@ -376,6 +392,7 @@ def _block_events(users: range, uid_of: np.ndarray, seed: int, cat: _Catalog, sp
         "ratio_null": ~is_listen | (u[_C_NULL_RATIO][src_idx] < _P_NULL_RATIO),
         "track_length_seconds": cat.track_length[row_item],
         "length_null": ~is_listen,
+        TRUTH_COLUMN: np.where(is_listen, p_plus[src_idx], np.nan).astype(np.float32),
     }
 
 
@@ -428,23 +445,52 @@ def _write_mapping(path: Path, id_name: str, ids: np.ndarray, items: np.ndarray)
     write_atomically(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
 
 
-def _write_events(tmp: Path, blocks, bar: tqdm) -> None:
-    pending: list[pa.Table] = []
+def _truth_table(c: dict[str, np.ndarray]) -> pa.Table:
+    return pa.Table.from_arrays([pa.array(c[TRUTH_COLUMN])], schema=TRUTH_SCHEMA)
+
+
+def _write_events(tmp: Path, tmp_truth: Path, blocks, bar: tqdm) -> None:
+    """The events and, row for row in the same row groups, their truth."""
+    pending: list[tuple[pa.Table, pa.Table]] = []
     buffered = 0
-    with pq.ParquetWriter(tmp, MULTI_EVENT_SCHEMA, compression="zstd") as writer:
+    with pq.ParquetWriter(tmp, MULTI_EVENT_SCHEMA, compression="zstd") as writer, \
+            pq.ParquetWriter(tmp_truth, TRUTH_SCHEMA, compression="zstd") as truth_writer:
+
+        def write(events: pa.Table, truth: pa.Table) -> None:
+            writer.write_table(events, row_group_size=ROW_GROUP_ROWS)
+            truth_writer.write_table(truth, row_group_size=ROW_GROUP_ROWS)
+
         # Row groups are cut from the concatenated stream, so they do not depend on the block size.
         for columns in blocks:
-            table = _as_table(columns)
-            pending.append(table)
-            buffered += table.num_rows
+            pending.append((_as_table(columns), _truth_table(columns)))
+            buffered += pending[-1][0].num_rows
             if buffered >= ROW_GROUP_ROWS:
-                stream = pa.concat_tables(pending)
+                events, truth = (pa.concat_tables(part) for part in zip(*pending))
                 full = buffered - buffered % ROW_GROUP_ROWS
-                writer.write_table(stream.slice(0, full), row_group_size=ROW_GROUP_ROWS)
-                pending, buffered = [stream.slice(full)], buffered - full
+                write(events.slice(0, full), truth.slice(0, full))
+                pending, buffered = [(events.slice(full), truth.slice(full))], buffered - full
             bar.update(1)
         if buffered:
-            writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
+            write(*(pa.concat_tables(part) for part in zip(*pending)))
+
+
+def _generation_args(spec: SyntheticSpec, seed: int, days: int) -> tuple:
+    """What ``_block_events`` takes besides the users: (uids, seed, catalog, span, ramp, listen cap, mean listens)."""
+    span_bins = days * 86_400 // TIMESTAMP_BIN_SECONDS
+    ramp = ramp_bins(span_bins)
+    span_bins -= ramp * (_RAMP_STRETCH - 1)  # users live in virtual time; the ramp stretches it back
+    per_listen = (1 + _INTRA_GAP_BINS) / 2 + _MIN_SESSION_GAP_BINS / _SESSION_MEAN_LISTENS
+    max_listens = max(_MIN_LISTENS, int(_SPAN_FILL * span_bins / per_listen))
+    return (user_ids(spec, seed), seed, _catalog(spec, seed), span_bins, ramp, max_listens, spec.mean_listens)
+
+
+def users_events(size: str, seed: int, users: range) -> dict[str, np.ndarray]:
+    """The events (as numpy columns, ``TRUTH_COLUMN`` among them) of the user indices ``users`` of a size:
+    the same rows ``generate`` writes for them, without writing the rest."""
+    spec = spec_for(size)
+    if not 0 <= users.start <= users.stop <= spec.users:
+        raise UserError(f"users {users.start}..{users.stop} outside the {spec.users:,} users of synthetic {size}")
+    return _block_events(users, *_generation_args(spec, seed, spec.days))
 
 
 def generate(root: Path, size: str, seed: int, *, num_days: int | None = None, progress: bool = True,
@@ -460,22 +506,20 @@ def generate(root: Path, size: str, seed: int, *, num_days: int | None = None, p
         check_writable(path, "synthetic data directory")
     # A stale events file must not pair with freshly written mappings if this run fails.
     files.multi_event.unlink(missing_ok=True)
-    cat = _catalog(spec, seed)
+    truth = truth_path(files)
+    truth.unlink(missing_ok=True)
+    args = _generation_args(spec, seed, days)
+    cat = args[2]
     _write_mapping(files.artist_mapping, "artist_id", *cat.artist_map)
     _write_mapping(files.album_mapping, "album_id", *cat.album_map)
-
-    span_bins = days * 86_400 // TIMESTAMP_BIN_SECONDS
-    ramp = ramp_bins(span_bins)
-    span_bins -= ramp * (_RAMP_STRETCH - 1)  # users live in virtual time; the ramp stretches it back
-    per_listen = (1 + _INTRA_GAP_BINS) / 2 + _MIN_SESSION_GAP_BINS / _SESSION_MEAN_LISTENS
-    max_listens = max(_MIN_LISTENS, int(_SPAN_FILL * span_bins / per_listen))
-    uid_of = user_ids(spec, seed)
     step = max(1, BLOCK_LISTENS // spec.mean_listens)
     users = [range(s, min(s + step, spec.users)) for s in range(0, spec.users, step)]
-    args = (uid_of, seed, cat, span_bins, ramp, max_listens, spec.mean_listens)
     # closing: a failed write stops the workers at once.
     with contextlib.closing(_blocks_in_order(users, args, workers or usable_cores())) as blocks, tqdm(
         total=len(users), desc=f"synthetic {size}", unit="block", disable=not progress
     ) as bar:
-        write_atomically(files.multi_event, lambda tmp: _write_events(tmp, blocks, bar))
+        # Both files get their names only once both are whole (a crash between the two renames leaves
+        # the events without their truth, which the CLI regenerates).
+        write_atomically(truth, lambda tmp_truth: write_atomically(
+            files.multi_event, lambda tmp: _write_events(tmp, tmp_truth, blocks, bar)))
     return files

@@ -107,7 +107,7 @@ CHECKS = """\
 - KEY:
     NAME:  opt_sparse_base_learning_rate
     REQ:   EXACTLY_ONE
-    CHECK: " v['value'] == s['opt_base_learning_rate'] "
+    CHECK: " v['value'] == {sparse_lr!r} "
 
 - KEY:
     NAME:  opt_learning_rate_warmup_steps
@@ -194,6 +194,7 @@ def write_dataset_rules(
             global_batch_size=cfg.loader.batch_size * world_size,
             max_seq_len=cfg.sampler.max_seq_len,
             warmup_steps=cfg.train.warmup_steps,
+            sparse_lr=cfg.train.sparse_peak_lr,
             eval_pct=cfg.train.eval_every_data_pct,
         )
     )
@@ -255,6 +256,11 @@ def closed_division_problems(cfg: BenchmarkConfig, world_size: int = 1) -> list[
         "warmup_steps": 24_000,
         "eval_every_data_pct": 0.001,
     }
+    if tr.sparse_peak_lr != tr.learning_rate:
+        problems.append(
+            f"train.sparse_learning_rate = {tr.sparse_learning_rate!r}, the closed division pins the dense learning "
+            "rate (0)"
+        )
     problems += [
         f"train.{name} = {getattr(tr, name)!r}, the closed division pins {value!r}"
         for name, value in pinned.items()

@@ -216,7 +216,7 @@ def hyperparameters(cfg: BenchmarkConfig, facts: RunFacts) -> dict[str, Any]:
         C.OPT_WEIGHT_DECAY: tr.weight_decay,
         C.OPT_GRADIENT_CLIP_NORM: tr.grad_clip_norm,
         C.OPT_SPARSE_NAME: "RowWiseAdagrad",
-        C.OPT_SPARSE_BASE_LR: tr.learning_rate,
+        C.OPT_SPARSE_BASE_LR: tr.sparse_peak_lr,
         C.OPT_LR_WARMUP_STEPS: tr.warmup_steps,
         C.OPT_LR_WARMUP_START_LR: 0.0,
         "eval_every_data_pct": tr.eval_every_data_pct,

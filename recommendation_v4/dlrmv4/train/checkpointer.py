@@ -56,11 +56,35 @@ class Checkpointer:
         train = cfg.train
         self.writer = CheckpointWriter(train.run_dir, train.keep_last_checkpoints, cluster, train.async_checkpoints)
 
-    def due(self, steps: int, last_of_window: bool) -> bool:
-        due = self.cadence.due(steps, time.perf_counter(), last_of_window)
+    def due(self, history: RunHistory, window: int, last_of_window: bool) -> bool:
+        """Whether a checkpoint is due after ``history.steps``. A window-end checkpoint (and no other cadence's)
+        is skipped while the previous one is still being written in the background, on every rank
+        alike: the run never waits for a write to make the next one, and the next window's end tries
+        again. A skipped one is said in the log and counted in ``history.checkpoints_skipped``."""
+        reason = self.cadence.due(history.steps, time.perf_counter(), last_of_window)
         if self.cadence.every_seconds > 0:
-            due = self.cluster.any(due)  # clocks differ between ranks; the save is collective
-        return due
+            # Clocks differ between ranks and the save is collective.
+            due = self.cluster.any(reason is not None)
+            reason = reason or (CheckpointCadence.SECONDS if due else None)
+        if reason == CheckpointCadence.WINDOW and self.writer.asynchronous:
+            if self.cluster.any(self.writer.writing):
+                history.checkpoints_skipped += 1
+                self.log(
+                    f"window {window}'s checkpoint skipped: the previous one is still being written in the "
+                    f"background ({history.checkpoints_skipped} skipped so far; the next window's end tries again)"
+                )
+                return False
+        return reason is not None
+
+    def stage_ahead(self) -> None:
+        """Allocate (and pin) the asynchronous checkpoints' staging copy now, before the run's clock
+        starts, instead of in its first save: pinning tens of GiB takes tens of seconds."""
+        cadence = self.cadence
+        in_run = cadence.every_window or cadence.every_steps > 0 or cadence.every_seconds > 0
+        if not (in_run and self.writer.asynchronous and self.cluster.device.type == "cuda"):
+            return  # (the final checkpoint alone comes after RUN_STOP: staging it then costs the run nothing)
+        seconds = self.writer.stage_ahead(self._state(RunHistory(), torch.zeros(()), 0, {}))
+        self.log(f"checkpoint staging copy in host memory allocated before the run starts ({seconds:.1f} s)")
 
     def save(
         self,
@@ -74,15 +98,7 @@ class Checkpointer:
         # This rank's own streams and loss sum: a resume on the same world size continues them exactly.
         own = {"rng": capture_rng_state({"dropout": self.model.dropout_generator}), "window_loss": float(window_loss)}
         # The mean over ranks: a resume on another world size continues the same number.
-        mean_loss = self.cluster.mean(window_loss)
-        state = {
-            "dense": ModelAndOptimizers(self.model, [self.optimizer]),
-            "sparse": self.embeddings.checkpoint_state(),
-            "window_accumulator": (mean_loss, window_steps),
-            "runlog": runlog_state,
-            "history": history,
-            "settings": run_settings(self.cfg),
-        }
+        state = self._state(history, self.cluster.mean(window_loss), window_steps, runlog_state)
         self.wait()
         path = self.writer.save(position, state, rank_state=own)
         if self.writer.asynchronous:
@@ -92,6 +108,18 @@ class Checkpointer:
             )
         else:
             self.log(f"checkpoint {path.name} at step {history.steps}")
+
+    def _state(
+        self, history: RunHistory, mean_loss: torch.Tensor | float, window_steps: int, runlog_state: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {
+            "dense": ModelAndOptimizers(self.model, [self.optimizer]),
+            "sparse": self.embeddings.checkpoint_state(),
+            "window_accumulator": (mean_loss, window_steps),
+            "runlog": runlog_state,
+            "history": history,
+            "settings": run_settings(self.cfg),
+        }
 
     def wait(self) -> None:
         """Wait for a checkpoint being written in the background, if any."""

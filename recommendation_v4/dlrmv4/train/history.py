@@ -29,6 +29,7 @@ class RunHistory:
     throughput: list[tuple[float, float]] = field(default_factory=list)  # (seconds, samples/s) per window
     seconds: float = 0.0
     checkpoint_seconds: float = 0.0  # spent writing checkpoints (this process)
+    checkpoints_skipped: int = 0  # window-end checkpoints skipped while the previous one was being written
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

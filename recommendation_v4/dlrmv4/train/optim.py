@@ -59,13 +59,14 @@ def make_dense_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig)
 
 
 class WarmupSchedule:
-    """Linear warm-up from 0 to ``cfg.learning_rate`` over ``cfg.warmup_steps`` steps, then constant.
+    """Linear warm-up from 0 to ``cfg.learning_rate`` over ``cfg.warmup_steps`` steps, then constant;
+    the tables' rate follows the same ramp to ``cfg.sparse_peak_lr``.
 
     ``step`` is the 0-based index of the optimizer update about to be taken, so step 0 trains
     at 0 (the checker's ``opt_learning_rate_warmup_start_lr`` 0.0) and step ``warmup_steps``
     and later at the peak. With ``warmup_steps`` 0 the peak applies from step 0. The schedule is
-    a pure function of the step: a resumed run needs only the step count, and ``state_dict``
-    holds the two constants only so that a resume under a different schedule is caught.
+    a pure function of the step: a resumed run needs only the step count (the resume contract
+    refuses one under a different schedule).
     """
 
     def __init__(self, cfg: TrainConfig):
@@ -74,17 +75,25 @@ class WarmupSchedule:
                 f"learning_rate and warmup_steps must be >= 0, got {cfg.learning_rate} and {cfg.warmup_steps}"
             )
         self.peak_lr = float(cfg.learning_rate)
+        self.sparse_peak_lr = float(cfg.sparse_peak_lr)
         self.warmup_steps = int(cfg.warmup_steps)
 
     def lr_at(self, step: int) -> float:
+        return self._ramp(self.peak_lr, step)
+
+    def sparse_lr_at(self, step: int) -> float:
+        return self._ramp(self.sparse_peak_lr, step)
+
+    def _ramp(self, peak: float, step: int) -> float:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         if step >= self.warmup_steps:
-            return self.peak_lr
-        return self.peak_lr * step / self.warmup_steps
+            return peak
+        return peak * step / self.warmup_steps
 
     def apply(self, step: int, dense_opt: torch.optim.Optimizer, set_sparse_lr: Callable[[float], None]) -> float:
-        """Set the learning rate of step ``step`` on both optimizers (one rate, SPEC §6).
+        """Set the learning rates of step ``step`` on both optimizers (one rate, SPEC §6, unless
+        ``sparse_learning_rate`` gives the tables their own); returns the dense one.
 
         Called every step, also past the warm-up, so a resumed run and a fresh one set the same
         rate without either keeping track of what was set before.
@@ -92,7 +101,7 @@ class WarmupSchedule:
         lr = self.lr_at(step)
         for group in dense_opt.param_groups:
             group["lr"] = lr
-        set_sparse_lr(lr)
+        set_sparse_lr(self.sparse_lr_at(step))
         return lr
 
 

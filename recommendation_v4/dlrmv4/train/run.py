@@ -37,6 +37,7 @@ from dlrmv4.plan.explain import describe, refusal, summary
 from dlrmv4.plan.machine import plan_for_run
 from dlrmv4.plan.resolve import resolved_config
 from dlrmv4.train.history import RunHistory
+from dlrmv4.train.recipe_checks import recipe_warnings
 from dlrmv4.train.report import AUC_PLOT, REPORT_FILE, THROUGHPUT_PLOT, parameter_digest, write_report
 from dlrmv4.train.run_lock import RunDirectoryLock
 from dlrmv4.train.trainer import build_trainer
@@ -141,6 +142,8 @@ def _run(
     check_store_settings(store_path, store.meta, cfg)
     train_samples, eval_samples = sample_counts(store)
     check_closed_division(cfg, train_samples, eval_samples)
+    for warning in recipe_warnings(cfg, store.meta, train_samples):
+        log(warning)
     # The memory plan, before anything is allocated: a run that cannot fit stops here with one line.
     plan = plan_for_run(cfg, cluster, store_table_counts(store))
     if not plan.fits:

@@ -217,6 +217,8 @@ class Trainer:
         """The newest checkpoint's history (its MLPerf log reopened if the run goes on), or a fresh
         run's, whose MLPerf log gets INIT_STOP and RUN_START here."""
         resumed = self.checkpointer.restore(self.resume_from)
+        if resumed is None or resumed.history.status in ("running", "stopped"):
+            self.checkpointer.stage_ahead()  # before RUN_START: outside the timed run
         facts = RunFacts(
             self.train_samples, self.eval_samples, self.config_filename, self.cluster.world_size, self.step.chunks
         )
@@ -257,7 +259,7 @@ class Trainer:
                     done = self._eval(history, window, window + 1, started)
             history.status = self._status(history, done, data_left=i + 1 < len(plan))
             finished = history.status != "running"
-            if finished or self.checkpointer.due(history.steps, last_of_window):
+            if finished or self.checkpointer.due(history, window, last_of_window):
                 now = time.perf_counter()
                 history.seconds += now - started
                 started = now  # the checkpoint's own time counts in the next stretch of the run's seconds

@@ -61,7 +61,7 @@ def make_embeddings(
     settings = TableSettings(
         specs=tuple(specs),
         dim=cfg.model.embedding_dim,
-        lr=cfg.train.learning_rate,
+        lr=cfg.train.sparse_peak_lr,
         eps=cfg.train.adagrad_eps,
         seed=seed,
         device=device,
