@@ -35,13 +35,13 @@ def _raw_files(cfg: BenchmarkConfig, progress: bool):
 
     ds = cfg.dataset
     if ds.source == "synthetic":
-        from dlrmv4.data.synthetic import generate, truth_path
+        from dlrmv4.data.synthetic import generate
 
         root = synthetic_raw_root(ds)
         files = RawFiles.under(root, ds.size)
         for folder in {p.parent for p in files.all()}:
             remove_dead_temps(folder, _say)
-        if all(p.exists() for p in (*files.all(), truth_path(files))):
+        if all(p.exists() for p in files.all()):
             _say(f"synthetic raw data already at {root}")
         else:
             _say(f"generating synthetic Yambda-schema data ({ds.size}, seed {ds.synthetic_seed}) into {root}")

@@ -99,12 +99,14 @@ def test_a_truth_file_that_does_not_line_up_is_refused(tiny, tmp_path):
 
 
 def test_no_ceiling_without_the_generators_truth_or_with_another_label(tiny, tmp_path):
-    """Real data has no truth; labels at another listen threshold are not what the probabilities describe.
-    Both stores still get their baseline."""
+    """Real data has no truth, raw data written without it has none either; labels at another listen
+    threshold are not what the probabilities describe. Every store still gets its baseline."""
     cfg, raw, _, _ = tiny
     real = preprocess(raw, tmp_path / "real", cfg.dataset, cfg.preprocess, progress=False, truth=None)["quality"]
     assert real["ceiling_auc"] is None and real["ceiling"] == "real data: no generator's truth"
     assert real["baseline_auc"] > 0.7
+    absent = preprocess(raw, tmp_path / "absent", cfg.dataset, cfg.preprocess, progress=False, truth=tmp_path / "none")
+    assert absent["quality"]["ceiling_auc"] is None and "no none beside the events" in absent["quality"]["ceiling"]
     other = dataclasses.replace(cfg.preprocess, listen_threshold_pct=80)
     moved = preprocess(raw, tmp_path / "t80", cfg.dataset, other, progress=False, truth=synthetic.truth_path(raw))
     assert moved["quality"]["ceiling_auc"] is None

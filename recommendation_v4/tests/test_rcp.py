@@ -129,8 +129,11 @@ def test_generator_runs_and_reads_convergence_from_the_log(tmp_path):
 def test_a_committed_run_converges_the_same_when_made_again(tmp_path):
     """Not only re-reading committed logs: the fresh set's GBS 256 seed 101 is trained again with the
     script, from the same store the committed runs used (the default synthetic-tiny), on one thread
-    as they were, and must reach the target at the same samples_count (the CPU run is deterministic;
-    the committed runs were made on this kind of machine)."""
+    as they were. It is the same run up to the CPU's rounding: its first evals agree with the log's
+    to 1e-5. The run is deterministic on one kind of CPU, but rounding differs between kinds (AVX-512
+    or not) and grows over the run: on a 2-core Xeon with AVX-512 this run reaches the target at
+    68,608 samples, where the committed log (another kind) says 102,912. So the convergence point is
+    held to the RCP's own range at this batch size, where every run of it must land."""
     from dlrmv4.config_loading import load_config
     from dlrmv4.data.paths import synthetic_raw_root
     from dlrmv4.data.preprocess import preprocess
@@ -174,11 +177,15 @@ def test_a_committed_run_converges_the_same_when_made_again(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     spec = importlib.util.spec_from_file_location("generate_rcps", REPO / "rcp" / "generate_rcps.py")
     script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # its dataclasses look their module up
     spec.loader.exec_module(script)
     committed = script.read_result(FRESH / "256" / "result_101.txt")
     again = script.read_result(tmp_path / "rcp" / "256" / "result_101.txt")
-    assert committed is not None and committed.converged_at is not None
-    assert again is not None and (again.converged_at, again.curve) == (committed.converged_at, committed.curve)
+    assert committed is not None and again is not None and again.converged_at is not None
+    for (samples, auc), (committed_samples, committed_auc) in zip(again.curve[:2], committed.curve[:2]):
+        assert samples == committed_samples and abs(auc - committed_auc) < 1e-5, (again.curve, committed.curve)
+    points = json.loads(RCP_JSON.read_text())["dlrmv4_ref_256"]["Epochs to converge"]
+    assert min(points) <= again.converged_at <= max(points), (again.converged_at, points)
 
 
 def test_generator_resumes_from_finished_logs_only(tmp_path):

@@ -42,7 +42,12 @@ def holdout_quality(
     if not len(holdout) or labels.all() or not labels.any():
         quality.update(ceiling_auc=None, ceiling="the holdout has one class only", baseline_auc=None)
         return quality
-    reason = "real data: no generator's truth" if truth is None else ceiling_unavailable(cfg)
+    if truth is None:
+        reason = "real data: no generator's truth"
+    elif not truth.exists():
+        reason = f"no {truth.name} beside the events (delete the raw files to generate them again with it)"
+    else:
+        reason = ceiling_unavailable(cfg)
     if reason is None and events is not None and truth is not None:
         quality["ceiling_auc"] = _rounded(holdout_ceiling(store, events, truth, cfg))
         quality["ceiling"] = "the generator's true listen_plus probabilities"

@@ -519,7 +519,7 @@ def generate(root: Path, size: str, seed: int, *, num_days: int | None = None, p
         total=len(users), desc=f"synthetic {size}", unit="block", disable=not progress
     ) as bar:
         # Both files get their names only once both are whole (a crash between the two renames leaves
-        # the events without their truth, which the CLI regenerates).
+        # the events without their truth: the store then records no ceiling, and says why).
         write_atomically(truth, lambda tmp_truth: write_atomically(
             files.multi_event, lambda tmp: _write_events(tmp, tmp_truth, blocks, bar)))
     return files
