@@ -42,7 +42,8 @@ def holdout_quality(
     if not len(holdout) or labels.all() or not labels.any():
         quality.update(ceiling_auc=None, ceiling="the holdout has one class only", baseline_auc=None)
         return quality
-    if truth is None:
+    reason: str | None
+    if truth is None or events is None:
         reason = "real data: no generator's truth"
     elif not truth.exists():
         reason = f"no {truth.name} beside the events (delete the raw files to generate them again with it)"
