@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
+import time
 from collections import deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, TypeVar
@@ -37,3 +39,18 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list
         return [fn(x) for x in items]
     with ThreadPoolExecutor(max_workers=min(workers, len(items))) as pool:
         return list(pool.map(fn, items))
+
+
+def exit_with_parent(parent: int, poll_seconds: float = 0.5) -> None:
+    """In a worker process: end it when its parent ends, however the parent ends (SIGKILL included),
+    instead of waiting for work that will never come. ``parent`` is the pid of the process that started
+    the pool (passed in, not read here: a worker that starts after its parent died already has another
+    parent). A daemon thread sees the worker re-parented within ``poll_seconds``. Call it from a pool's
+    initializer."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()

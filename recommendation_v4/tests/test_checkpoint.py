@@ -450,14 +450,15 @@ def test_a_file_written_whole_names_itself_when_the_write_fails(tmp_path):
     assert final.read_text() == "previous" and sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
 
 
-def test_writer_thread_tracebacks_stay_silent_after_the_save(monkeypatch, capsys):
-    """DCP's writer threads may end (and print) after the save has raised their error: the filter
-    stays installed, drops their tracebacks only, and is installed once."""
+def test_writer_thread_errors_are_kept_for_the_save_and_stay_silent(monkeypatch, capsys):
+    """DCP's writer threads' errors reach only threading.excepthook: the hook keeps them for the save to
+    raise, prints no traceback of theirs (other threads' still print), and is installed once."""
+    from dlrmv4.checkpoint.dcp_io import writer_thread_errors
+
     monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
-    checkpoint_module._silence_writer_thread_tracebacks()
+    kept = writer_thread_errors()
     installed = threading.excepthook
-    checkpoint_module._silence_writer_thread_tracebacks()
-    assert threading.excepthook is installed
+    assert writer_thread_errors() is kept and threading.excepthook is installed
 
     def fail() -> None:
         raise OSError("File too large")
@@ -468,3 +469,77 @@ def test_writer_thread_tracebacks_stay_silent_after_the_save(monkeypatch, capsys
         thread.join()
     err = capsys.readouterr().err
     assert "some other thread" in err and "_write_files_from_queue" not in err
+    assert len(kept) == 1 and str(kept[0]) == "File too large"
+
+
+# Two files per save (8 MB and 2 MB of tensors), the second save under a file-size limit between them:
+# one of the two writer threads' files is cut, whichever thread writes it.
+_CUT_SAVE = textwrap.dedent("""
+    import resource, sys, torch
+    from dlrmv4.checkpoint import dcp_io
+    from dlrmv4.checkpoint.files import CheckpointPosition, CheckpointWriter, save_checkpoint
+    from dlrmv4.distributed import Cluster
+    from dlrmv4.errors import UserError
+    dcp_io.io_threads = lambda: 2
+    run_dir, mode = sys.argv[1], sys.argv[2]
+    state = {"model": torch.nn.ParameterDict({"big": torch.nn.Parameter(torch.rand(2_000_000)),
+                                               "small": torch.nn.Parameter(torch.rand(500_000))})}
+    def save(step):
+        position = CheckpointPosition(step=step, samples_seen=step, window=0)
+        if mode == "blocking":
+            return save_checkpoint(run_dir, position, state, keep_last=3)
+        writer = CheckpointWriter(run_dir, 3, Cluster.single(torch.device("cpu")), asynchronous=True)
+        try:
+            writer.save(position, state)
+            return writer.wait()
+        finally:
+            writer.close()
+    save(1)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (5_000_000, 5_000_000))
+    try:
+        save(2)
+    except UserError as exc:
+        print(exc)
+        sys.exit(1)
+""")
+
+
+@pytest.mark.parametrize("mode", ["blocking", "asynchronous"])
+def test_a_checkpoint_cut_short_is_never_marked_complete(tmp_path, mode):
+    """The issue's reproduction (a file-size limit that cuts one of a save's files): the save ends in one
+    line naming the checkpoint and the cause, whichever writer thread met it; no COMPLETE marker covers a
+    cut file, and the previous checkpoint stays the resume point."""
+    for attempt in range(3):  # which thread writes the cut file varies: a few tries meet both
+        run_dir = tmp_path / f"{mode}{attempt}"
+        proc = subprocess.run(
+            [sys.executable, "-c", _CUT_SAVE, str(run_dir), mode], capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 1, (proc.stdout, proc.stderr)
+        assert proc.stdout.strip() == f"cannot write {run_dir / 'checkpoints' / 'step-00000002'}: File too large"
+        assert proc.stderr == ""
+        assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-00000001"]
+        assert resume_point(run_dir).name == "step-00000001"
+
+
+def _cut_under_a_new_marker(ckpt) -> None:
+    """What code before the writes were checked left: a data file cut short, its marker made over it."""
+    data = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as fh:
+        fh.truncate(data.stat().st_size // 2)
+    checkpoint_module._write_small_files(ckpt, _position(int(ckpt.name[5:])), checkpoint_module.load_small_state(ckpt))
+
+
+def test_a_resume_falls_back_from_a_checkpoint_whose_marker_covers_cut_files(tmp_path, capsys):
+    net = torch.nn.Linear(256, 256)
+    for step in (1, 2):
+        save_checkpoint(tmp_path, _position(step), {"model": net}, keep_last=3)
+    _cut_under_a_new_marker(tmp_path / "checkpoints" / "step-00000002")
+    capsys.readouterr()
+    assert resume_point(tmp_path).name == "step-00000001"
+    (warning,) = capsys.readouterr().err.strip().splitlines()
+    assert "skipping checkpoint" in warning and "step-00000002" in warning and ".metadata needs" in warning
+    _cut_under_a_new_marker(tmp_path / "checkpoints" / "step-00000001")
+    with pytest.raises(UserError) as err:
+        resume_point(tmp_path)
+    assert "none is usable" in str(err.value) and ".metadata needs" in str(err.value)
+    assert "--restart" in str(err.value) and "\n" not in str(err.value)

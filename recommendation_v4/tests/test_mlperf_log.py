@@ -223,23 +223,89 @@ def test_training_refuses_a_closed_yambda_5b_store_with_other_counts(tmp_path, c
     assert not (tmp_path / "run" / "mlperf_log.txt").exists()  # no log claims the pinned counts
 
 
-def test_a_log_that_cannot_be_written_stops_the_run_in_one_line(tmp_path):
-    """logging's own FileHandler prints a traceback per failed event and goes on; the run log's
-    raises: one line naming the log and the cause (here a full disk)."""
-    import errno
+# Events written until the file-size limit stops one: what a full disk does, in a process of its own.
+_FILL = """
+import resource, sys
+from pathlib import Path
+from dlrmv4.errors import UserError
+from dlrmv4.mlperf.runlog import RunLog
+log = RunLog(Path(sys.argv[1]))
+log.open(0)
+log.init_start()
+resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
+try:
+    for i in range(100):
+        log.event("eval_accuracy", 0.7, {"samples_count": i})
+except UserError as exc:
+    print(exc)
+    log.close()
+    sys.exit(1)
+"""
 
-    log = RunLog(tmp_path / "mlperf_log.txt")
+
+def test_a_log_that_cannot_be_written_stops_the_run_in_one_line(tmp_path):
+    """logging's FileHandler prints a traceback per failed event and goes on, and its buffer leaves a
+    partial line (and mllog a "Failed to encode" one): the run log stops at the first event it cannot
+    write, in one line naming the file and the cause, and the file ends with the last whole event."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "mlperf_log.txt"
+    proc = subprocess.run([sys.executable, "-c", _FILL, str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr
+    assert proc.stdout.strip() == f"cannot write {path}: File too large"
+    data = path.read_bytes()
+    assert data.endswith(b"\n") and len(data) <= 3000
+    events = [json.loads(line[len(":::MLLOG ") :]) for line in data.decode().splitlines()]
+    counts = [e["metadata"]["samples_count"] for e in events if e["key"] == "eval_accuracy"]
+    assert counts == list(range(len(counts))) and len(counts) > 5
+
+
+def _logged_run(path: Path) -> dict:
+    """A run log of the embedded default's shape up to a checkpoint's moment; returns that state."""
+    cfg = load_config("synthetic-tiny")
+    log = RunLog(path)
     log.open(0)
     log.init_start()
+    log.init_stop_and_run_start(cfg, RunFacts(135_239, 16_059, "synthetic-tiny.toml"))
+    log.evaluation(17_024, 135_239, lambda: 0.6)
+    log.block_start(17_024, 135_239)
+    state = log.state()
+    log.evaluation(34_048, 135_239, lambda: 0.62)  # after the checkpoint: a resume repeats it
+    log.close()
+    return state
 
-    class FullDisk:
-        def write(self, text: str) -> None:
-            raise OSError(errno.ENOSPC, "No space left on device")
 
-        def flush(self) -> None:
-            pass
+def _delete_a_middle_line(data: bytes) -> bytes:
+    lines = data.splitlines(keepends=True)
+    return b"".join(lines[:5] + lines[6:])
 
-    log._handler.stream = FullDisk()
+
+def _overwrite_bytes(data: bytes) -> bytes:
+    middle = len(data) // 2
+    return data[:middle] + b"#" * 20 + data[middle + 20 :]
+
+
+@pytest.mark.parametrize("edit", [_delete_a_middle_line, _overwrite_bytes, lambda data: data[: len(data) // 3]])
+def test_a_resume_refuses_a_log_edited_since_its_checkpoint(tmp_path, edit):
+    """A deleted line, overwritten bytes or a cut tail: one line naming the file, nothing rewritten."""
+    path = tmp_path / "mlperf_log.txt"
+    state = _logged_run(path)
+    path.write_bytes(edit(path.read_bytes()))
+    edited = path.read_bytes()
     with pytest.raises(UserError) as info:
-        log.event("eval_accuracy", 0.7)
-    assert str(info.value) == f"cannot write {tmp_path / 'mlperf_log.txt'}: No space left on device"
+        RunLog(path).resume(state, load_config("synthetic-tiny"), RunFacts(135_239, 16_059, "synthetic-tiny.toml"))
+    assert str(info.value).startswith(f"MLPerf log {path} ") and "\n" not in str(info.value)
+    assert path.read_bytes() == edited
+
+
+def test_a_resume_continues_the_log_it_recorded_event_for_event(tmp_path):
+    """Untouched, the log is cut back to the checkpoint and continued: the events after it appear once."""
+    path = tmp_path / "mlperf_log.txt"
+    state = _logged_run(path)
+    log = RunLog(path)
+    log.resume(state, load_config("synthetic-tiny"), RunFacts(135_239, 16_059, "synthetic-tiny.toml"))
+    log.evaluation(34_048, 135_239, lambda: 0.62)
+    log.close()
+    keys = [json.loads(line[len(":::MLLOG ") :])["key"] for line in path.read_text().splitlines()]
+    assert keys.count("eval_accuracy") == 2 and keys.count("init_start") == 1 and keys.count("run_start") == 1

@@ -23,6 +23,10 @@ from dlrmv4.ops.stu_candidate_layer import stu_candidate_layer
 from dlrmv4.ops.stu_layer import stu_layer
 
 TOLERANCE = 1e-6
+# A parameter's gradient is a sum over every row, taken in another order by each path: fp32 leaves
+# about 1e-6 of the largest term on nearly cancelling sums (norm_weight reached 1.13e-6 for generator
+# seed 2106640851 in a CI-like run), so parameter gradients are held to 1e-5.
+PARAMETER_GRADIENT_TOLERANCE = 1e-5
 
 
 def run(layer: str, mode: str, kernels: str, x, params, offsets, dout, seed: int, row_offset: int):
@@ -55,7 +59,7 @@ def assert_same(trimmed, full, tolerance: float = TOLERANCE) -> None:
     assert rel_err(trimmed[0], full[0]) < tolerance
     assert rel_err(trimmed[1], full[1]) < tolerance
     for name, grad in full[2].items():
-        assert rel_err(trimmed[2][name], grad) < tolerance, name
+        assert rel_err(trimmed[2][name], grad) < max(tolerance, PARAMETER_GRADIENT_TOLERANCE), name
 
 
 def inputs(gen):
@@ -67,6 +71,7 @@ def inputs(gen):
 def test_reference_trimmed_layer_is_the_full_layers_last_rows(mode, gen):
     x, params, offsets, dout = inputs(gen)
     seed = secrets.randbits(31)
+    print(f"dropout seed {seed}")
     full = run("all", "none", "pytorch", x, params, offsets, dout, seed, 17)
     assert_same(run("candidates", mode, "pytorch", x, params, offsets, dout, seed, 17), full)
 

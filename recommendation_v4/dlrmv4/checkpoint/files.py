@@ -32,7 +32,6 @@ import shutil
 import sys
 import threading
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,18 +39,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from dlrmv4.checkpoint.dcp_io import dcp_load, dcp_save, io_threads, missing_pieces
 from dlrmv4.config import TrainConfig
 from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
-from dlrmv4.files import atomic_directory, remove_dead_temps, write_errors_in_one_line
-from dlrmv4.parallel import usable_cores
+from dlrmv4.files import atomic_directory, remove_dead_temps, write_errors_in_one_line, write_failure
 
 MARKER = "COMPLETE"
 POSITION_FILE = "position.json"
@@ -59,7 +55,6 @@ PICKLE_FILE = "state.pkl"
 CHECKPOINT_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _HASH_CHUNK = 1 << 20
-WRITE_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -101,51 +96,6 @@ def _split_state(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
             raise TypeError(f"state[{key!r}] is a bare optimizer: wrap it as ModelAndOptimizers(model, [optimizer])")
     tensor_state = {k: v for k, v in state.items() if isinstance(v, Stateful)}
     return tensor_state, {k: v for k, v in state.items() if k not in tensor_state}
-
-
-def _io_threads() -> int:
-    """Threads a rank writes (and hashes) its checkpoint files with: one stream does not fill a disk."""
-    return max(1, min(WRITE_THREADS, usable_cores()))
-
-
-def _silence_writer_thread_tracebacks() -> None:
-    """DCP's file-writer threads hand their error to the save, which raises it (one line, through
-    ``write_errors_in_one_line``); Python would also print each thread's traceback. Installed for
-    the process once and left in place: a hook swapped in only around the save raced the failing
-    thread, which may end (and print) after the save has already raised and restored the hook."""
-    previous = threading.excepthook
-    if getattr(previous, "dlrmv4_quiet_writers", False):
-        return
-
-    def hook(args: Any) -> None:
-        if args.thread is None or "_write_files_from_queue" not in args.thread.name:
-            previous(args)
-
-    hook.dlrmv4_quiet_writers = True  # type: ignore[attr-defined]
-    threading.excepthook = hook
-
-
-def _dcp_quietly(fn: Any, state_dict: dict[str, Any], path: Path, cluster: Cluster | None = None) -> None:
-    """Run DCP save/load; without a process group it works in one process (``no_dist`` is implied
-    in torch 2.13) but warns on every call, which says nothing new here. With several ranks it is
-    a collective over the cluster's control group. A save writes ``_io_threads()`` files per rank."""
-    where: dict[str, Any] = {"checkpoint_id": str(path)}
-    if fn is dcp.save:
-        where = {"storage_writer": FileSystemWriter(path, thread_count=_io_threads())}
-    if cluster is not None and cluster.world_size > 1:
-        # Keep ShardedTensors whole: flattening drops those with no shard on this rank (table-wise
-        # plans), and a key missing that way sends DCP down its pre-2.4 key format.
-        planner = {"planner": DefaultLoadPlanner(flatten_sharded_tensors=False)} if fn is dcp.load else {}
-        _silence_writer_thread_tracebacks()
-        with cluster.guard(f"checkpoint {fn.__name__}"):
-            fn(state_dict, process_group=cluster.control, **where, **planner)
-        return
-    single = not (dist.is_available() and dist.is_initialized())
-    _silence_writer_thread_tracebacks()
-    with warnings.catch_warnings():
-        if single:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        fn(state_dict, no_dist=single, **where)
 
 
 def _sha256(path: Path) -> str:
@@ -219,21 +169,26 @@ def save_checkpoint(
             root.mkdir(parents=True, exist_ok=True)
             remove_dead_temps(root)
             with atomic_directory(final) as tmp:
-                _dcp_quietly(dcp.save, tensor_state, tmp)
+                _raise_for(final, _written_problem(final, tmp, dcp_save(tensor_state, tmp)))
                 _write_small_files(tmp, position, {**small_state, "rank_states": [rank_state]})
         elif cluster.is_main:
             root.mkdir(parents=True, exist_ok=True)
             remove_dead_temps(root)
             with atomic_directory(final) as tmp:
                 cluster.broadcast(str(tmp))
-                _dcp_quietly(dcp.save, tensor_state, tmp, cluster)
-                rank_states = cluster.gather(rank_state)
-                _write_small_files(tmp, position, {**small_state, "rank_states": rank_states})
+                own = _thread_problem(final, dcp_save(tensor_state, tmp, cluster))
+                gathered = cluster.gather((rank_state, own))
+                assert gathered is not None  # rank 0 gathers
+                problem = next((p for _, p in gathered if p is not None), None) or missing_pieces(tmp)
+                cluster.broadcast(problem)  # every rank ends with the same line, or goes on
+                _raise_for(final, problem)
+                _write_small_files(tmp, position, {**small_state, "rank_states": [s for s, _ in gathered]})
             cluster.barrier()  # the others go on once the checkpoint is complete
         else:
             tmp = Path(cluster.broadcast(None))
-            _dcp_quietly(dcp.save, tensor_state, tmp, cluster)
-            cluster.gather(rank_state)
+            own = _thread_problem(final, dcp_save(tensor_state, tmp, cluster))
+            cluster.gather((rank_state, own))
+            _raise_for(final, cluster.broadcast(None))
             cluster.barrier()
             return final
     _fsync_dir(root)
@@ -241,12 +196,34 @@ def save_checkpoint(
     return final
 
 
+def _thread_problem(final: Path, error: BaseException | None) -> str | None:
+    """A writer thread's error as the line the save ends with (a bug's own text where it has no I/O cause)."""
+    if error is None:
+        return None
+    failure = write_failure(final, error)
+    return str(failure) if failure is not None else f"cannot write {final}: {type(error).__name__}: {error}"
+
+
+def _written_problem(final: Path, tmp: Path, error: BaseException | None) -> str | None:
+    """Why the tensor files written into ``tmp`` are not a whole checkpoint: a writer thread's error, or a
+    piece ``.metadata`` does not place in a whole file; None when they are."""
+    return _thread_problem(final, error) or missing_pieces(tmp)
+
+
+def _raise_for(final: Path, problem: str | None) -> None:
+    if problem is None:
+        return
+    if problem.startswith("cannot write "):
+        raise UserError(problem)
+    raise UserError(f"cannot write {final}: the files written are not whole ({problem})")
+
+
 def _write_small_files(tmp: Path, position: CheckpointPosition, small_state: dict[str, Any]) -> None:
     """position.json, state.pkl and, last, the marker over every file in ``tmp``."""
     _write_synced(tmp / POSITION_FILE, json.dumps(dataclasses.asdict(position), indent=1).encode())
     _write_synced(tmp / PICKLE_FILE, pickle.dumps(small_state, protocol=pickle.HIGHEST_PROTOCOL))
     paths = _content_files(tmp)
-    with ThreadPoolExecutor(_io_threads()) as pool:  # hashlib lets go of the GIL on large reads
+    with ThreadPoolExecutor(io_threads()) as pool:  # hashlib lets go of the GIL on large reads
         digests = list(pool.map(_sha256, paths))
     files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": d} for p, d in zip(paths, digests)}
     _write_synced(tmp / MARKER, json.dumps({"files": files}, indent=1, sort_keys=True).encode())
@@ -269,7 +246,8 @@ def _problem(ckpt: Path, verify_hashes: bool) -> str | None:
             return f"{name} is {size} bytes, the marker says {meta['size']}"
         if verify_hashes and _sha256(ckpt / name) != meta["sha256"]:
             return f"{name} does not match its sha256 in the marker"
-    return None
+    # A marker over files written short (by code before the writes were checked) is no proof.
+    return missing_pieces(ckpt)
 
 
 def latest_checkpoint(run_dir: str | os.PathLike, verify_hashes: bool = True, warn: bool = True) -> Path | None:
@@ -330,7 +308,7 @@ def load_checkpoint(
     position = CheckpointPosition(**{f.name: saved[f.name] for f in dataclasses.fields(CheckpointPosition)})
     small_state = load_small_state(path)
     if tensor_state:
-        _dcp_quietly(dcp.load, tensor_state, path, cluster)
+        dcp_load(tensor_state, path, cluster)
     return position, {**small_state, **tensor_state}
 
 

@@ -80,7 +80,7 @@ from dlrmv4.data.yambda_schema import (
 )
 from dlrmv4.errors import UserError
 from dlrmv4.files import atomic_directory, check_free_space, check_writable, write_errors_in_one_line, write_json
-from dlrmv4.parallel import in_order, usable_cores
+from dlrmv4.parallel import exit_with_parent, in_order, usable_cores
 
 
 @dataclass(frozen=True)
@@ -394,7 +394,8 @@ def _worker_file(path: Path) -> pq.ParquetFile:
     return _WORKER_FILES[path]
 
 
-def _start_worker() -> None:
+def _start_worker(parent: int) -> None:
+    exit_with_parent(parent)
     pa.set_cpu_count(1)  # one core per worker process: the processes are the parallelism
     pa.set_io_thread_count(1)
 
@@ -413,7 +414,7 @@ def _results_in_order(pf: pq.ParquetFile, path: Path, chunks: list[Chunk], bound
     os.environ["POLARS_MAX_THREADS"] = "1"
     try:
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker) as pool:
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(os.getpid(),)) as pool:
             work = functools.partial(_chunk_result, path=path, bounds=bounds, cfg=cfg)
             yield from in_order(pool, work, chunks, 2 * workers)
     finally:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +62,7 @@ from dlrmv4.data.yambda_schema import (
 )
 from dlrmv4.errors import UserError
 from dlrmv4.files import check_writable, write_atomically
-from dlrmv4.parallel import in_order, usable_cores
+from dlrmv4.parallel import exit_with_parent, in_order, usable_cores
 
 
 @dataclass(frozen=True)
@@ -414,8 +415,9 @@ def _as_table(c: dict[str, np.ndarray]) -> pa.Table:
 _WORKER_ARGS: tuple | None = None
 
 
-def _start_worker(args: tuple) -> None:
+def _start_worker(args: tuple, parent: int) -> None:
     global _WORKER_ARGS
+    exit_with_parent(parent)
     _WORKER_ARGS = args
 
 
@@ -434,7 +436,8 @@ def _blocks_in_order(blocks: list[range], args: tuple, workers: int) -> Generato
         return
     # fork: the workers share the catalog's pages with this process instead of rebuilding them.
     context = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(args,)) as pool:
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                             initargs=(args, os.getpid())) as pool:
         yield from in_order(pool, _worker_block, blocks, 2 * workers)
 
 

@@ -1,17 +1,20 @@
 """The MLPerf run log (SPEC §7): ``:::MLLOG`` lines written through ``mlperf_logging.mllog``.
 
 Resume-aware: a cold start truncates the file; every checkpoint records the log's length in lines
-(and bytes), and a resumed run cuts the file back to it before appending, so the events of the
+(and bytes) and the sha256 of those bytes, and a resumed run checks them and cuts the file back to
+it before appending, so the events of the
 steps after the checkpoint (which the resumed run repeats) appear once, and the file holds exactly
 one INIT_START and one RUN_START. A resume whose hyperparameters differ from the logged ones
 (``--allow-changed-settings``, another world size's chunks) rewrites their values in place, so the
 log states what is in force, and appends a ``resumed_with_changed_settings`` event naming the
-changed settings. Only rank 0 writes; ``barrier`` runs on every rank before INIT_STOP, RUN_START
-and RUN_STOP.
+changed settings. Each event is one whole line written at once; a write that fails is cut back off
+and ends the run in one line naming the file. Only rank 0 writes; ``barrier`` runs on every rank
+before INIT_STOP, RUN_START and RUN_STOP.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -48,7 +51,7 @@ class RunLog:
         self.path = Path(path)
         self.writer = rank == 0
         self.barrier = barrier
-        self._handler: logging.FileHandler | None = None
+        self._handler: _WholeLineHandler | None = None
         self._mllog: MLLogger | None = None
         self.block_open = False
 
@@ -62,14 +65,21 @@ class RunLog:
         except OSError as exc:
             raise UserError(f"MLPerf log file {path} is not writable: {exc.strerror or exc}") from exc
 
-    def open(self, keep_bytes: int = 0, keep_lines: int | None = None, values: dict[str, Any] | None = None) -> None:
+    def open(
+        self,
+        keep_bytes: int = 0,
+        keep_lines: int | None = None,
+        values: dict[str, Any] | None = None,
+        kept_sha256: str | None = None,
+    ) -> None:
         """Cut the file to its first ``keep_lines`` lines (else ``keep_bytes``; 0: a cold start),
-        with the events of ``values``' keys given those values, and append from there."""
+        with the events of ``values``' keys given those values, and append from there. A kept part
+        whose sha256 is not ``kept_sha256`` (when given) is refused: the log was edited since."""
         if not self.writer:
             return
         self.check_writable(self.path)
         size = self.path.stat().st_size
-        data = self.path.read_bytes() if keep_lines is not None or values else b""
+        data = self.path.read_bytes() if keep_lines is not None or values or kept_sha256 else b""
         if keep_lines is not None:
             lines = data.splitlines(keepends=True)
             if keep_lines > len(lines):
@@ -83,6 +93,13 @@ class RunLog:
                 f"MLPerf log {self.path} is shorter ({size} bytes) than the checkpoint recorded "
                 f"({keep_bytes}): it was replaced or truncated, so this run cannot continue it"
             )
+        if kept_sha256 is not None and hashlib.sha256(data[:keep_bytes]).hexdigest() != kept_sha256:
+            raise UserError(
+                f"MLPerf log {self.path} differs from what the checkpoint recorded of its first "
+                f"{keep_lines if keep_lines is not None else keep_bytes} {'lines' if keep_lines is not None else 'bytes'}: "
+                "it was edited or replaced, so this run cannot continue it (put the run's own log back, "
+                "or start over with --restart)"
+            )
         kept = b"".join(_with_values(line, values or {}) for line in data[:keep_bytes].splitlines(keepends=True))
         if values and kept != data[:keep_bytes]:  # shorter or longer: the checkpoints count lines
             write_atomically(self.path, lambda tmp: tmp.write_bytes(kept))
@@ -92,7 +109,7 @@ class RunLog:
                 fh.flush()
                 os.fsync(fh.fileno())
         logger = logging.Logger(f"dlrmv4.mllog.{self.path}")  # not registered: no global logger state
-        self._handler = _RaisingFileHandler(self.path, mode="a", encoding="utf-8")
+        self._handler = _WholeLineHandler(self.path)
         self._handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(self._handler)
         logger.setLevel(logging.INFO)
@@ -103,19 +120,16 @@ class RunLog:
     def opened(self) -> bool:
         return self._mllog is not None or not self.writer
 
-    def size(self) -> int:
-        """Bytes written so far (what a checkpoint records)."""
-        if self._handler is not None:
-            self._handler.flush()
-        return self.path.stat().st_size if self.writer and self.path.exists() else 0
-
-    def lines(self) -> int:
-        if self._handler is not None:
-            self._handler.flush()
-        return self.path.read_bytes().count(b"\n") if self.writer and self.path.exists() else 0
-
     def state(self) -> dict[str, Any]:
-        return {"bytes": self.size(), "lines": self.lines(), "block_open": self.block_open}
+        """What a checkpoint records of the log: its length in bytes and lines and the sha256 of those
+        bytes (a resume refuses a log that differs), and whether a block is open."""
+        data = self.path.read_bytes() if self.writer and self.path.exists() else b""
+        return {
+            "bytes": len(data),
+            "lines": data.count(b"\n"),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "block_open": self.block_open,
+        }
 
     def resume(
         self, state: dict[str, Any], cfg: BenchmarkConfig, facts: RunFacts, changed_settings: Sequence[str] = ()
@@ -124,31 +138,36 @@ class RunLog:
         rewritten to those in force (``cfg``, ``facts``), and the contract's changed settings that
         ``--allow-changed-settings`` let through recorded."""
         lines = state.get("lines")  # checkpoints before lines were counted hold bytes only
-        self.open(int(state["bytes"]), None if lines is None else int(lines), hyperparameters(cfg, facts))
+        self.open(
+            int(state["bytes"]), None if lines is None else int(lines), hyperparameters(cfg, facts), state.get("sha256")
+        )
         self.block_open = bool(state["block_open"])
         if changed_settings:
             self.event("resumed_with_changed_settings", "; ".join(changed_settings))
 
     def close(self) -> None:
         if self._handler is not None:
-            self._handler.close()
+            with write_errors_in_one_line(self.path):
+                self._handler.close()
             self._handler = None
 
     # -- events --------------------------------------------------------------------------
     def event(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
-        if self._mllog is not None:
-            with write_errors_in_one_line(self.path):
-                self._mllog.event(key=key, value=value, metadata=metadata)
+        self._log("event", key, value, metadata)
 
     def start(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
-        if self._mllog is not None:
-            with write_errors_in_one_line(self.path):
-                self._mllog.start(key=key, value=value, metadata=metadata)
+        self._log("start", key, value, metadata)
 
     def end(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
-        if self._mllog is not None:
-            with write_errors_in_one_line(self.path):
-                self._mllog.end(key=key, value=value, metadata=metadata)
+        self._log("end", key, value, metadata)
+
+    def _log(self, kind: str, key: str, value: Any, metadata: dict | None) -> None:
+        if self._mllog is None or self._handler is None:
+            return
+        with write_errors_in_one_line(self.path):
+            getattr(self._mllog, kind)(key=key, value=value, metadata=metadata, stack_offset=3)
+            if self._handler.error is not None:  # mllog may have swallowed it
+                raise self._handler.error
 
     # -- the benchmark's events, in SPEC §7 order ---------------------------------------
     def init_start(self) -> None:
@@ -233,12 +252,38 @@ def hyperparameters(cfg: BenchmarkConfig, facts: RunFacts) -> dict[str, Any]:
     }
 
 
-class _RaisingFileHandler(logging.FileHandler):
-    """A FileHandler whose write errors reach the caller: logging's own handler prints a traceback
-    per event and goes on, so a full disk would leave a log that silently stops."""
+class _WholeLineHandler(logging.Handler):
+    """Appends each record as one whole line, written at once to a file opened for appending, with
+    nothing held in a buffer: a write that fails, or falls short, is cut back off the file and its
+    error reaches the caller. (logging's FileHandler prints a traceback per failed event and goes on,
+    and its buffered stream leaves a partial last line when the disk fills.)"""
 
-    def handleError(self, record: logging.LogRecord) -> None:
-        raise  # the OSError emit() caught
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # The first failed write's error: later records are refused with it, unwritten (mllog catches
+        # a handler's error and logs a "Failed to encode" line in the event's place).
+        self.error: OSError | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.error is not None:
+            raise self.error
+        data = (self.format(record) + "\n").encode("utf-8")
+        whole = os.fstat(self.fd).st_size
+        try:
+            view = memoryview(data)
+            while view:  # a short write is followed by one that raises the cause
+                view = view[os.write(self.fd, view) :]
+        except OSError as exc:
+            os.ftruncate(self.fd, whole)
+            self.error = exc
+            raise
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        super().close()
 
 
 _PREFIX = b":::MLLOG "

@@ -40,6 +40,7 @@ from dlrmv4.train.history import RunHistory
 from dlrmv4.train.recipe_checks import recipe_warnings
 from dlrmv4.train.report import AUC_PLOT, REPORT_FILE, THROUGHPUT_PLOT, parameter_digest, write_report
 from dlrmv4.train.run_lock import RunDirectoryLock
+from dlrmv4.train.trainable import check_trainable
 from dlrmv4.train.trainer import build_trainer
 
 # Tables larger than this are not gathered onto one host for the report's digest.
@@ -142,6 +143,7 @@ def _run(
     check_store_settings(store_path, store.meta, cfg)
     train_samples, eval_samples = sample_counts(store)
     check_closed_division(cfg, train_samples, eval_samples)
+    check_trainable(cfg, store)
     for warning in recipe_warnings(cfg, store.meta, train_samples):
         log(warning)
     # The memory plan, before anything is allocated: a run that cannot fit stops here with one line.

@@ -1,0 +1,46 @@
+"""Runs that cannot train are refused before anything is allocated, each in one line: no train
+samples, a global batch larger than every train window (each window's last partial batch is
+dropped, so no step would run), or an eval schedule whose first eval comes after the last sample
+the run can train on (no eval could reach the target; ``--max-steps`` is the user's own limit and
+is left out)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dlrmv4.config import BenchmarkConfig
+from dlrmv4.data.store import Store
+from dlrmv4.data.windows import split_windows
+from dlrmv4.errors import UserError
+from dlrmv4.train.schedule import EvalSchedule
+
+
+def trainable_samples(window_samples: np.ndarray, global_batch: int) -> int:
+    """Samples the run steps over: every train window's whole global batches."""
+    return int((window_samples // global_batch).sum()) * global_batch
+
+
+def check_trainable(cfg: BenchmarkConfig, store: Store) -> None:
+    windows, _ = split_windows(store)
+    per_window = np.diff(np.asarray(store.window_offsets))[windows]
+    train_samples, gbs = int(per_window.sum()), cfg.loader.batch_size
+    if train_samples == 0:
+        raise UserError(
+            f"the store at {store.path} has no anchors in its {len(windows)} train window(s): nothing to train on "
+            "(use more data, more --num-train-days or a smaller --min-history)"
+        )
+    steps_over = trainable_samples(per_window, gbs)
+    if steps_over == 0:
+        raise UserError(
+            f"the global batch ({gbs:,} samples) is larger than every train window (the largest holds "
+            f"{int(per_window.max()):,}): no step would run, since a window's last partial batch is dropped; "
+            "lower --batch-size"
+        )
+    if cfg.train.eval_mode != "holdout":
+        return
+    first = EvalSchedule(train_samples, gbs, cfg.train.eval_every_data_pct).first
+    if first > steps_over:
+        raise UserError(
+            f"the first eval comes at {first:,} samples but the run trains on at most {steps_over:,} (global batch "
+            f"{gbs:,}): no eval could reach the target; lower --eval-every-data-pct or --batch-size"
+        )
