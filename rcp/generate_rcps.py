@@ -63,12 +63,13 @@ def read_result(log: Path) -> RunResult | None:
 
 
 def preset_recipe(preset: str) -> tuple[int, float, float, str]:
-    """(global batch size, learning rate, sparse learning rate, the sequence model's precision) of ``preset``."""
+    """(global batch size, learning rate, the tables' own learning rate (0: the dense one), the sequence
+    model's precision) of ``preset``."""
     from dlrmv4.config_loading import load_config
 
     cfg = load_config(preset)
     precision = {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32"}[cfg.model.sequence_dtype]
-    return cfg.loader.batch_size, cfg.train.learning_rate, cfg.train.sparse_peak_lr, precision
+    return cfg.loader.batch_size, cfg.train.learning_rate, cfg.train.sparse_learning_rate, precision
 
 
 def run_one(args: argparse.Namespace, gbs: int, seed: int, devices: queue.Queue) -> tuple[int, int, RunResult]:
@@ -124,7 +125,7 @@ def main() -> None:
     args = parser.parse_args()
     args.recipe_gbs, preset_lr, preset_sparse_lr, precision = preset_recipe(args.preset)
     args.lr = args.learning_rate or preset_lr
-    args.sparse_lr = args.sparse_learning_rate or (preset_sparse_lr if not args.learning_rate else args.lr)
+    args.sparse_lr = args.sparse_learning_rate or preset_sparse_lr  # 0: the dense rate, as in the trainer
     args.env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     Path(args.work).mkdir(parents=True, exist_ok=True)
     devices: queue.Queue = queue.Queue()
@@ -165,7 +166,7 @@ def main() -> None:
             "BS": gbs,
             "Hyperparams": {
                 "opt_base_learning_rate": args.lr * gbs / args.recipe_gbs,
-                "opt_sparse_base_learning_rate": args.sparse_lr * gbs / args.recipe_gbs,
+                "opt_sparse_base_learning_rate": (args.sparse_lr or args.lr) * gbs / args.recipe_gbs,
                 "gradient_accumulation_steps": 1,
             },
             "Epochs to converge": converged,

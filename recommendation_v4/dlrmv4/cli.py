@@ -35,8 +35,6 @@ def _raw_files(cfg: BenchmarkConfig, progress: bool):
 
     ds = cfg.dataset
     if ds.source == "synthetic":
-        from dlrmv4.data.synthetic import generate
-
         root = synthetic_raw_root(ds)
         files = RawFiles.under(root, ds.size)
         for folder in {p.parent for p in files.all()}:
@@ -44,6 +42,8 @@ def _raw_files(cfg: BenchmarkConfig, progress: bool):
         if all(p.exists() for p in files.all()):
             _say(f"synthetic raw data already at {root}")
         else:
+            from dlrmv4.data.synthetic import generate
+
             _say(f"generating synthetic Yambda-schema data ({ds.size}, seed {ds.synthetic_seed}) into {root}")
             files = generate(root, ds.size, ds.synthetic_seed, progress=progress)
         return files, None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dlrmv4.config_loading import load_config
-from dlrmv4.train.recipe_checks import recipe_warnings
+from dlrmv4.train.trainable import recipe_warnings
 
 # Train samples and holdout ceilings of the synthetic stores (python -m dlrmv4 prepare --preset <name>;
 # docs/data.md tabulates them). synthetic-1b's have not been measured (its store needs a larger machine).

@@ -109,8 +109,7 @@ def missing_pieces(path: Path) -> str | None:
             if isinstance(entry, BytesStorageMetadata)
             else [MetadataIndex(fqn, chunk.offsets) for chunk in entry.chunks]
         )
-        absent = next((piece for piece in pieces if piece not in stored), None)
-        if absent is not None:
+        if any(piece not in stored for piece in pieces):
             return f".metadata places no data for {fqn} (a writer's files were not recorded)"
     ends: dict[str, int] = {}
     for info in stored.values():

@@ -169,7 +169,7 @@ def save_checkpoint(
             root.mkdir(parents=True, exist_ok=True)
             remove_dead_temps(root)
             with atomic_directory(final) as tmp:
-                _raise_for(final, _written_problem(final, tmp, dcp_save(tensor_state, tmp)))
+                _raise_for(_thread_problem(final, dcp_save(tensor_state, tmp)) or _incomplete(final, tmp))
                 _write_small_files(tmp, position, {**small_state, "rank_states": [rank_state]})
         elif cluster.is_main:
             root.mkdir(parents=True, exist_ok=True)
@@ -179,16 +179,16 @@ def save_checkpoint(
                 own = _thread_problem(final, dcp_save(tensor_state, tmp, cluster))
                 gathered = cluster.gather((rank_state, own))
                 assert gathered is not None  # rank 0 gathers
-                problem = next((p for _, p in gathered if p is not None), None) or missing_pieces(tmp)
+                problem = next((p for _, p in gathered if p is not None), None) or _incomplete(final, tmp)
                 cluster.broadcast(problem)  # every rank ends with the same line, or goes on
-                _raise_for(final, problem)
+                _raise_for(problem)
                 _write_small_files(tmp, position, {**small_state, "rank_states": [s for s, _ in gathered]})
             cluster.barrier()  # the others go on once the checkpoint is complete
         else:
             tmp = Path(cluster.broadcast(None))
             own = _thread_problem(final, dcp_save(tensor_state, tmp, cluster))
             cluster.gather((rank_state, own))
-            _raise_for(final, cluster.broadcast(None))
+            _raise_for(cluster.broadcast(None))
             cluster.barrier()
             return final
     _fsync_dir(root)
@@ -204,18 +204,16 @@ def _thread_problem(final: Path, error: BaseException | None) -> str | None:
     return str(failure) if failure is not None else f"cannot write {final}: {type(error).__name__}: {error}"
 
 
-def _written_problem(final: Path, tmp: Path, error: BaseException | None) -> str | None:
-    """Why the tensor files written into ``tmp`` are not a whole checkpoint: a writer thread's error, or a
-    piece ``.metadata`` does not place in a whole file; None when they are."""
-    return _thread_problem(final, error) or missing_pieces(tmp)
+def _incomplete(final: Path, tmp: Path) -> str | None:
+    """The line the save ends with when the tensor files written into ``tmp`` do not match their
+    ``.metadata`` (a piece not placed, a file cut short or not listed); None when they do."""
+    missing = missing_pieces(tmp)
+    return None if missing is None else f"cannot write {final}: the files written are not whole ({missing})"
 
 
-def _raise_for(final: Path, problem: str | None) -> None:
-    if problem is None:
-        return
-    if problem.startswith("cannot write "):
+def _raise_for(problem: str | None) -> None:
+    if problem is not None:
         raise UserError(problem)
-    raise UserError(f"cannot write {final}: the files written are not whole ({problem})")
 
 
 def _write_small_files(tmp: Path, position: CheckpointPosition, small_state: dict[str, Any]) -> None:

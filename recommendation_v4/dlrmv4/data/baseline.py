@@ -41,7 +41,6 @@ EVENTS_PER_PASS = 4_000_000
 class BaselineResult:
     auc: float | None
     fitted_on: int
-    weights: dict[str, float]  # per standardised feature, and the intercept (not recorded: for reading)
 
 
 def _log_odds(hits: np.ndarray, total: np.ndarray) -> np.ndarray:
@@ -151,5 +150,4 @@ def holdout_baseline(store: Store, workers: int = 0) -> BaselineResult:
     w = fit_logistic((x_fit - mean) / scale, y_fit.astype(np.float64))
     x_eval, y_eval = anchor_features(store, holdout, item_listens, item_plus, leave_out=False)
     auc = rank_auc(((x_eval - mean) / scale) @ w[:-1], y_eval) if len(holdout) else None
-    weights = {name: round(float(v), 4) for name, v in zip((*FEATURES, "intercept"), w)}
-    return BaselineResult(auc=auc, fitted_on=len(fit_rows), weights=weights)
+    return BaselineResult(auc=auc, fitted_on=len(fit_rows))

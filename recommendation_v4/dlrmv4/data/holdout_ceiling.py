@@ -43,7 +43,7 @@ def holdout_truth(store: Store, events: Path, truth: Path, cfg: PreprocessConfig
     anchors = np.asarray(store.window_anchors(store.num_windows - 1))
     split = store.meta["split"]
     drop_null = cfg.null_ratio_policy == "drop"
-    columns = ["item_id", "timestamp", "event_type", "played_ratio_pct"] if drop_null else ["item_id", "timestamp"]
+    columns = ["timestamp", "event_type", "played_ratio_pct"] if drop_null else ["timestamp"]
     found = np.empty(len(anchors), np.float64)
     raw_item = np.empty(len(anchors), np.int64)  # the raw rows' own item and time: checked against the store's
     raw_ts = np.empty(len(anchors), np.int64)
@@ -62,7 +62,7 @@ def holdout_truth(store: Store, events: Path, truth: Path, cfg: PreprocessConfig
             probability = tf.read_row_group(group, columns=[TRUTH_COLUMN]).column(0).to_numpy()
             at = rows[anchors[done:upto] - base]
             found[done:upto] = probability[at]
-            raw_item[done:upto] = table.column("item_id").to_numpy()[at]
+            raw_item[done:upto] = pf.read_row_group(group, columns=["item_id"]).column(0).to_numpy()[at]
             raw_ts[done:upto] = ts[at]
             done = upto
         base += len(rows)

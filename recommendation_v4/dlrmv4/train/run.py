@@ -37,10 +37,9 @@ from dlrmv4.plan.explain import describe, refusal, summary
 from dlrmv4.plan.machine import plan_for_run
 from dlrmv4.plan.resolve import resolved_config
 from dlrmv4.train.history import RunHistory
-from dlrmv4.train.recipe_checks import recipe_warnings
 from dlrmv4.train.report import AUC_PLOT, REPORT_FILE, THROUGHPUT_PLOT, parameter_digest, write_report
 from dlrmv4.train.run_lock import RunDirectoryLock
-from dlrmv4.train.trainable import check_trainable
+from dlrmv4.train.trainable import check_trainable, recipe_warnings
 from dlrmv4.train.trainer import build_trainer
 
 # Tables larger than this are not gathered onto one host for the report's digest.

@@ -1,10 +1,17 @@
-"""Runs that cannot train are refused before anything is allocated, each in one line: no train
-samples, a global batch larger than every train window (each window's last partial batch is
-dropped, so no step would run), or an eval schedule whose first eval comes after the last sample
-the run can train on (no eval could reach the target; ``--max-steps`` is the user's own limit and
-is left out)."""
+"""What a run's settings can do on its store, checked before anything is allocated.
+
+Refused, each in one line (``check_trainable``): no train samples, a global batch larger than every
+train window (each window's last partial batch is dropped, so no step would run), or an eval schedule
+whose first eval comes after the last sample the run can train on (no eval could reach the target;
+``--max-steps`` is the user's own limit and is left out).
+
+Warned, each in one line (``recipe_warnings``): a warm-up longer than the data, or a target above the
+holdout's best possible AUC (the store's recorded ceiling, ``data/holdout_quality.py``). The run goes
+on (a submitter may mean it), but nobody waits an hour to learn it."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -44,3 +51,22 @@ def check_trainable(cfg: BenchmarkConfig, store: Store) -> None:
             f"the first eval comes at {first:,} samples but the run trains on at most {steps_over:,} (global batch "
             f"{gbs:,}): no eval could reach the target; lower --eval-every-data-pct or --batch-size"
         )
+
+
+def recipe_warnings(cfg: BenchmarkConfig, meta: dict[str, Any], train_samples: int) -> list[str]:
+    tr, gbs = cfg.train, cfg.loader.batch_size
+    warnings = []
+    warmup_samples = tr.warmup_steps * gbs
+    if warmup_samples > train_samples:
+        warnings.append(
+            f"warning: the warm-up ({tr.warmup_steps:,} steps = {warmup_samples:,} samples at global batch {gbs:,}) is "
+            f"longer than one pass over the train windows ({train_samples:,} samples): the learning rate never "
+            f"reaches its peak {tr.learning_rate:g} (set --warmup-steps, or use the preset's own recipe)"
+        )
+    ceiling = (meta.get("quality") or {}).get("ceiling_auc")
+    if ceiling is not None and tr.target_auc > ceiling:
+        warnings.append(
+            f"warning: the target AUC {tr.target_auc:g} is above the holdout's best possible AUC {ceiling:.4f} "
+            f"(the store's ceiling: {meta['quality']['ceiling']}): no run can reach it (set --target-auc)"
+        )
+    return warnings
