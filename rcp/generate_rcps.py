@@ -83,7 +83,8 @@ def run_one(args: argparse.Namespace, gbs: int, seed: int, devices: queue.Queue)
         sys.executable, "-m", "dlrmv4", "train", "--restart", "--no-progress", "--preset", args.preset,
         "--data-path", args.data_path, "--batch-size", str(gbs), "--learning-rate", repr(args.lr * scale),
         "--sparse-learning-rate", repr(args.sparse_lr * scale), "--seed", str(seed),
-        "--run-dir", str(Path(args.work) / f"{gbs}_{seed}"), "--log-file", str(log), *args.extra,
+        "--run-dir", str(Path(args.work) / f"{gbs}_{seed}"), "--log-file", str(log),
+        "--final-checkpoint", "false", *args.extra,  # a seed is never continued: its end writes no checkpoint
     ]  # fmt: skip
     device = devices.get()
     try:

@@ -247,8 +247,17 @@ def cmd_train(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     best = max((e.auc for e in history.evals), default=float("nan"))
     _say(
         f"run {history.status}: {history.steps:,} steps, {history.samples:,} samples, {len(history.evals)} evals, "
-        f"best AUC {best:.4f} (target {cfg.train.target_auc}); report {report}"
+        f"best AUC {best:.4f} (target {cfg.train.target_auc}); {_checkpoint_cost(history)}; report {report}"
     )
+
+
+def _checkpoint_cost(history) -> str:
+    """What checkpoints cost the timed run: the steps' waits for them, against the run's seconds."""
+    share = history.checkpoint_seconds / history.seconds if history.seconds > 0 else 0.0
+    skipped = (
+        f", {history.checkpoints_skipped} skipped while one was being written" if history.checkpoints_skipped else ""
+    )
+    return f"checkpoints {history.checkpoint_seconds:.1f} s of the run's {history.seconds:.1f} s ({share:.1%}){skipped}"
 
 
 def cmd_plan(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:

@@ -267,6 +267,12 @@ class TrainConfig:
     checkpoint_every_steps: int = _field(0, "checkpoint every N steps (0: off)", min=0)
     checkpoint_every_seconds: float = _field(0.0, "checkpoint every N seconds (0: off)", min=0.0)
     checkpoint_every_window: bool = _field(True, "checkpoint at the end of every train window")
+    final_checkpoint: bool = _field(
+        True,
+        "write a checkpoint when the run reaches its target or runs out of data; false: such a run "
+        "writes none (runs that are never continued, as RCP seeds; continuing it replays from its "
+        "newest checkpoint). A max-steps stop always writes one",
+    )
     keep_last_checkpoints: int = _field(2, "complete checkpoints kept on disk", min=1)
     async_checkpoints: bool = _field(
         True,

@@ -523,3 +523,36 @@ def test_a_window_end_checkpoint_never_waits_for_the_previous_write(data_path, t
     saved = sorted(p.name for p in (tmp_path / "steps" / "checkpoints").iterdir())
     assert saved[-1] == f"step-{history.steps:08d}" and len(saved) == 2  # keep_last_checkpoints
     assert history.checkpoint_seconds > 1.5 * (history.steps // 7 - 1)  # each save waited for its predecessor
+
+
+def test_a_run_without_its_final_checkpoint_ends_as_one_with_it(data_path, tmp_path):
+    """train.final_checkpoint=false: the finished run writes no last checkpoint (the newest is the last
+    cadence's), its MLPerf log and report are the same as a run that wrote one, and calling it again
+    replays from that newest checkpoint to the same end."""
+    with_it, without = tmp_path / "with", tmp_path / "without"
+    assert _run(data_path, with_it).returncode == 0
+    values = _overrides(data_path, without)
+    values["train.final_checkpoint"] = False
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", RUNNER, json.dumps(values)], capture_output=True, text=True, timeout=600
+        )
+
+    proc = run()
+    assert proc.returncode == 0, proc.stderr
+    assert "no final checkpoint (train.final_checkpoint is false)" in proc.stdout
+    a, b = _report(with_it), _report(without)
+    assert a["status"] == b["status"] == "aborted" and a["steps"] == b["steps"]
+    assert [e["auc"] for e in a["evals"]] == [e["auc"] for e in b["evals"]]
+    assert 0 < a["checkpoint_seconds"] and 0 < b["checkpoint_seconds"]  # the cadence's saves, before RUN_STOP
+    newest = lambda d: sorted(p.name for p in (d / "checkpoints").iterdir())[-1]  # noqa: E731
+    assert newest(with_it) == f"step-{a['steps']:08d}"
+    assert newest(without) == f"step-{7 * ((b['steps'] - 1) // 7):08d}"  # the every-7-steps cadence's last
+    events = [_events(d / "mlperf_log.txt") for d in (with_it, without)]
+    assert events[0] == events[1] and events[1][-1][0] == "run_stop"
+
+    proc = run()  # continuing the finished run replays its tail from the newest checkpoint
+    assert proc.returncode == 0, proc.stderr
+    assert _events(without / "mlperf_log.txt") == events[0]
+    assert [e["auc"] for e in _report(without)["evals"]] == [e["auc"] for e in a["evals"]]

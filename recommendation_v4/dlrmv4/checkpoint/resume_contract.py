@@ -37,6 +37,7 @@ RESUMABLE_FIELDS = frozenset(
         "train.checkpoint_every_steps",
         "train.checkpoint_every_seconds",
         "train.checkpoint_every_window",
+        "train.final_checkpoint",
         "train.keep_last_checkpoints",
         "train.async_checkpoints",
         "train.profile_steps",

@@ -28,7 +28,7 @@ class RunHistory:
     window_losses: list[tuple[int, int, float]] = field(default_factory=list)  # (window, samples, mean loss)
     throughput: list[tuple[float, float]] = field(default_factory=list)  # (seconds, samples/s) per window
     seconds: float = 0.0
-    checkpoint_seconds: float = 0.0  # spent writing checkpoints (this process)
+    checkpoint_seconds: float = 0.0  # the steps' waits for checkpoints before RUN_STOP (this process)
     checkpoints_skipped: int = 0  # window-end checkpoints skipped while the previous one was being written
 
     def to_dict(self) -> dict[str, Any]:
