@@ -242,9 +242,10 @@ def main() -> None:
         exit_process(0)  # a rank of several: no interpreter teardown (see exit_process)
     config_from_args(args)  # a bad flag fails here, once
     passthrough = [a for a in sys.argv[1:]]
-    results = []
+    results: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for repeat, world in ((r, w) for r in range(args.repeats) for w in args.worlds):
+        runs = [(r, w) for r in range(args.repeats) for w in args.worlds]
+        for i, (repeat, world) in enumerate(runs):
             out = Path(tmp) / f"world{world}.{repeat}.json"
             cmd = [
                 sys.executable,
@@ -268,13 +269,22 @@ def main() -> None:
                 print(proc.stdout[-20000:])
             results.append({**json.loads(out.read_text()), "repeat": repeat})
             print(f"world {world} (repeat {repeat}): {results[-1]['samples_per_s']:,.0f} samples/s", flush=True)
-    for r in results:  # against the baseline world size of the same repeat
+            if (i + 1) % len(args.worlds) == 0:
+                row = _row(args, results)
+                if not args.no_save:  # after every whole repeat: a call cut short keeps the repeats it finished
+                    _save(row)
+    print(_table([row]))
+
+
+def _row(args: argparse.Namespace, results: list[dict]) -> dict:
+    """The results so far as one labelled row, each speedup against the baseline world size of its repeat."""
+    for r in results:
         base = next(b for b in results if b["repeat"] == r["repeat"] and b["world_size"] == args.worlds[0])
         for kind in ("", "bare_"):
             r[f"{kind}speedup"] = r[f"{kind}samples_per_s"] / base[f"{kind}samples_per_s"]
             r[f"{kind}efficiency"] = r[f"{kind}speedup"] / (r["world_size"] / base["world_size"])
     cfg = config_from_args(args)
-    row = {
+    return {
         "label": args.label or ("gpu" if torch.cuda.is_available() else "cpu"),
         "device": _device_name(),
         "torch": torch.__version__,
@@ -288,11 +298,9 @@ def main() -> None:
         "rank_slicing": cfg.loader.rank_slicing,
         "sparse_pipeline": cfg.train.sparse_pipeline,
         "dedup_ids": cfg.embeddings.dedup_ids and results[0]["backend"] == "torchrec",
+        "repeats_finished": results[-1]["repeat"] + 1,
         "results": results,
     }
-    print(_table([row]))
-    if not args.no_save:
-        _save(row)
 
 
 def _device_name() -> str:

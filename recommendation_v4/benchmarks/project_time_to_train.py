@@ -41,9 +41,11 @@ sample of the rank's batch, is counted for each GPU's batch in both totals.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
+from pathlib import Path
 
 from harness import RESULTS, command_line, write_results
 
@@ -128,6 +130,100 @@ def exchange_work_per_sample(
     return max(0.0, two - one - nccl) / per_rank
 
 
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """The run a projection is made for: the reference's to AUC 0.75 on Yambda-5B, or one that was
+    measured (``--measured-run``)."""
+
+    samples: float  # to the target
+    global_batch: int
+    evals: int
+    eval_samples: int  # per eval
+    table_gib: float  # every table with its optimizer state, all ranks together
+    windows: float  # train windows the run goes through
+
+
+def evals_to(samples: float, train_samples: int, global_batch: int, every: float) -> int:
+    """Evals made up to and including the one at ``samples``, on the trainer's schedule."""
+    schedule = EvalSchedule(train_samples, global_batch, every)
+    return len(range(schedule.first, int(samples) + schedule.interval, schedule.interval))
+
+
+REFERENCE_RUN = Run(
+    SAMPLES_TO_TARGET,
+    GLOBAL_BATCH,
+    evals_to(SAMPLES_TO_TARGET, REFERENCE_TRAIN_SAMPLES, GLOBAL_BATCH, EVAL_EVERY),
+    REFERENCE_EVAL_SAMPLES,
+    TABLE_GIB,
+    SAMPLES_TO_TARGET / SAMPLES_PER_WINDOW,
+)
+
+
+def measured_parts(
+    gpu: str,
+    nvlink_gbs: float,
+    network_gbs: float,
+    alltoall_source: str | None = None,
+    exchange_s_per_sample: float = 0.0,
+    exchange_source: str | None = None,
+    history_share: float = 1.0,
+) -> dict:
+    """Every measured rate a projection is made from (the results files of ``gpu``)."""
+    rehearsal, train, stu = load(f"rehearsal_{gpu}"), load(f"train_{gpu}"), load("stu")
+    return {
+        "gpu": rehearsal["device"],
+        "commits": {"rehearsal": rehearsal["commit"], "train": train["commit"], "stu": stu["commit"]},
+        "rehearsal_rate": rehearsal["rehearsal"]["samples_per_s"],
+        "small_batch_rate": max(r["samples_per_s"] for r in rehearsal["baseline"]),
+        "eval_rate_per_gpu": train["eval_samples_per_s"],
+        "cold_start_s": stu["cold_start_s"],
+        "checkpoint_gib_per_s": train["table_gib"] * train["checkpoints"] / train["checkpoint_seconds"],
+        "checkpoint_saves": checkpoint_saves(gpu),
+        "nvlink_gbs": nvlink_gbs,
+        "alltoall_source": alltoall_source,
+        "exchange_s_per_sample": exchange_s_per_sample,
+        "exchange_ms_per_1024_samples": exchange_s_per_sample * 1_024 * 1e3,
+        "exchange_source": exchange_source,
+        "network_gbs": network_gbs,
+        "mean_tokens": rehearsal["rehearsal"]["mean_tokens"],
+        "history_share": history_share,
+    }
+
+
+def project_row(parts: dict, run: Run, world: int) -> dict:
+    """The projected parts of ``run`` on ``world`` GPUs, in minutes."""
+    steps = run.samples / run.global_batch
+    per_gpu = run.global_batch // world
+    # The rehearsal's rate at 1,024 samples per GPU; below that the best single-chunk rate at 256.
+    rate = parts["rehearsal_rate"] if per_gpu >= 1_024 else parts["small_batch_rate"]
+    train_s = steps * per_gpu / rate
+    comm_s = steps * alltoall_seconds(
+        world, per_gpu, parts["mean_tokens"], parts["nvlink_gbs"], parts["network_gbs"], parts["history_share"]
+    )
+    exchange_s = steps * per_gpu * parts["exchange_s_per_sample"]
+    eval_s = run.evals * run.eval_samples / (world * parts["eval_rate_per_gpu"])
+    setup_s = parts["cold_start_s"]
+    upper = train_s + exchange_s + comm_s + eval_s + setup_s
+    checkpoint_s = checkpoint_seconds(
+        parts["checkpoint_saves"], parts["checkpoint_gib_per_s"], world, run.windows, upper / run.windows, run.table_gib
+    )
+    lower = train_s + exchange_s + eval_s + setup_s
+    return {
+        "gpus": world,
+        "per_gpu_batch": per_gpu,
+        "per_gpu_samples_per_s": rate,
+        "train_min": train_s / 60,
+        "alltoall_min": comm_s / 60,
+        "exchange_work_min": exchange_s / 60,
+        "eval_min": eval_s / 60,
+        "setup_min": setup_s / 60,
+        "checkpoint_min": checkpoint_s / 60,
+        "total_min_overlapped": lower / 60,
+        "total_min_not_overlapped": upper / 60,
+        "total_min_with_checkpoints": (upper + checkpoint_s) / 60,
+    }
+
+
 def project(
     gpu: str,
     nvlink_gbs: float,
@@ -137,63 +233,17 @@ def project(
     exchange_source: str | None = None,
     history_share: float = 1.0,
 ) -> dict:
-    rehearsal, train, stu = load(f"rehearsal_{gpu}"), load(f"train_{gpu}"), load("stu")
-    steps = SAMPLES_TO_TARGET / GLOBAL_BATCH
-    schedule = EvalSchedule(REFERENCE_TRAIN_SAMPLES, GLOBAL_BATCH, EVAL_EVERY)
-    evals = len(range(schedule.first, SAMPLES_TO_TARGET + schedule.interval, schedule.interval))
-    gib_per_s = train["table_gib"] * train["checkpoints"] / train["checkpoint_seconds"]
-    saves = checkpoint_saves(gpu)
-    windows = SAMPLES_TO_TARGET / SAMPLES_PER_WINDOW
-    mean_tokens = rehearsal["rehearsal"]["mean_tokens"]
-    rows = []
-    for world in (8, 16, 32):
-        per_gpu = GLOBAL_BATCH // world
-        rate = (
-            rehearsal["rehearsal"]["samples_per_s"]
-            if per_gpu >= 1_024
-            else max(r["samples_per_s"] for r in rehearsal["baseline"])
-        )
-        train_s = steps * per_gpu / rate
-        comm_s = steps * alltoall_seconds(world, per_gpu, mean_tokens, nvlink_gbs, network_gbs, history_share)
-        exchange_s = steps * per_gpu * exchange_s_per_sample
-        eval_s = evals * REFERENCE_EVAL_SAMPLES / (world * train["eval_samples_per_s"])
-        setup_s = stu["cold_start_s"]
-        upper = train_s + exchange_s + comm_s + eval_s + setup_s
-        checkpoint_s = checkpoint_seconds(saves, gib_per_s, world, windows, upper / windows)
-        lower = train_s + exchange_s + eval_s + setup_s
-        rows.append(
-            {
-                "gpus": world,
-                "per_gpu_batch": per_gpu,
-                "per_gpu_samples_per_s": rate,
-                "train_min": train_s / 60,
-                "alltoall_min": comm_s / 60,
-                "exchange_work_min": exchange_s / 60,
-                "eval_min": eval_s / 60,
-                "setup_min": setup_s / 60,
-                "checkpoint_min": checkpoint_s / 60,
-                "total_min_overlapped": lower / 60,
-                "total_min_not_overlapped": upper / 60,
-                "total_min_with_checkpoints": (upper + checkpoint_s) / 60,
-            }
-        )
+    """The reference run projected on 8, 16 and 32 GPUs."""
+    parts = measured_parts(
+        gpu, nvlink_gbs, network_gbs, alltoall_source, exchange_s_per_sample, exchange_source, history_share
+    )
+    run = REFERENCE_RUN
     return {
-        "gpu": rehearsal["device"],
-        "commits": {"rehearsal": rehearsal["commit"], "train": train["commit"], "stu": stu["commit"]},
-        "steps": steps,
-        "evals": evals,
-        "eval_rate_per_gpu": train["eval_samples_per_s"],
-        "checkpoint_gib_per_s": gib_per_s,
-        "checkpoint_saves": saves,
-        "windows": windows,
-        "nvlink_gbs": nvlink_gbs,
-        "alltoall_source": alltoall_source,
-        "exchange_ms_per_1024_samples": exchange_s_per_sample * 1_024 * 1e3,
-        "exchange_source": exchange_source,
-        "network_gbs": network_gbs,
-        "mean_tokens": mean_tokens,
-        "history_share": history_share,
-        "rows": rows,
+        **{k: v for k, v in parts.items() if k not in ("rehearsal_rate", "small_batch_rate", "cold_start_s")},
+        "steps": run.samples / run.global_batch,
+        "evals": run.evals,
+        "windows": run.windows,
+        "rows": [project_row(parts, run, world) for world in (8, 16, 32)],
         "reference_minutes": REFERENCE_MINUTES,
     }
 
@@ -218,17 +268,77 @@ def checkpoint_saves(gpu: str) -> dict | None:
 
 
 def checkpoint_seconds(
-    saves: dict | None, blocking_gib_per_s: float, world: int, windows: float, window_s: float
+    saves: dict | None,
+    blocking_gib_per_s: float,
+    world: int,
+    windows: float,
+    window_s: float,
+    table_gib: float = TABLE_GIB,
 ) -> float:
     """The time checkpoints add to the run: what the step waits for the copy of each save made. A
     window-end save is skipped while a node's previous writes are in flight, so one is made every
     ceil(write / window) windows."""
-    rank_gib = TABLE_GIB / world
+    rank_gib = table_gib / world
     if saves is None:
         return windows * rank_gib / blocking_gib_per_s
     node_write_s = rank_gib * min(world, GPUS_PER_NODE) * 2**30 / (saves["write_gbps"] * 1e9)
     made = windows / max(1, math.ceil(node_write_s / window_s))
     return made * rank_gib * saves["later_s_per_gib"]
+
+
+def measured_run(report_path: Path) -> tuple[Run, int, dict]:
+    """A finished run's shape (the ``Run``), its GPU count and its measured seconds, from its
+    ``report.json``."""
+    if not report_path.is_file():
+        raise SystemExit(f"no run report at {report_path}")
+    report = json.loads(report_path.read_text())
+    history = report["history"]
+    if history["status"] != "success":
+        raise SystemExit(f"{report_path}: the run ended {history['status']!r}, not at its target")
+    # Every shard's rows at fp32 with one row-wise Adagrad value each, as the memory plan counts them.
+    table_bytes = sum(rows * (dim * 4 + 4) for table in report["sharding_plan"] for rows, dim in table["shards"])
+    run = Run(
+        history["samples"],
+        report["config"]["loader"]["batch_size"],
+        len(history["evals"]),
+        report["eval_samples"],
+        table_bytes / 2**30,
+        len(history["window_losses"]),
+    )
+    eval_s = sum(e["eval_seconds"] for e in history["evals"])
+    measured = {"total_s": history["seconds"], "eval_s": eval_s, "checkpoint_s": history["checkpoint_seconds"]}
+    measured["rest_s"] = measured["total_s"] - eval_s - measured["checkpoint_s"]
+    return run, report["world_size"], measured
+
+
+def measured_table(p: dict, label: str) -> str:
+    run, row, m = p["run"], p["projected"], p["measured"]
+    projected = {
+        "rest_s": 60 * (row["total_min_not_overlapped"] - row["eval_min"]),
+        "eval_s": 60 * row["eval_min"],
+        "checkpoint_s": 60 * row["checkpoint_min"],
+        "total_s": 60 * row["total_min_with_checkpoints"],
+    }
+    cells = ("rest_s", "eval_s", "checkpoint_s", "total_s")
+    return "\n".join(
+        [
+            f"The projection's model beside a measured run ({label}): {run['samples']:,} samples to the target at GBS "
+            f"{run['global_batch']:,} on {row['gpus']} GPUs ({row['per_gpu_batch']:,} per GPU), {run['evals']} evals "
+            f"of {run['eval_samples']:,} samples, {run['windows']} windows, {run['table_gib']:.1f} GiB of tables with "
+            f"their optimizer state; projected from the parts measured on {p['gpu']} at commits "
+            f"{', '.join(f'{k} {v}' for k, v in p['commits'].items())} (per GPU {row['per_gpu_samples_per_s']:,.0f} "
+            f"samples/s training, {p['eval_rate_per_gpu']:,.0f} evaluating; all-to-all not overlapped). Measured: "
+            "the run's report.json (RUN_START to RUN_STOP; its evals' own time and its checkpoints' waits).",
+            "",
+            "| seconds | training, exchange and set-up | evals | checkpoints | total |",
+            "|---|---:|---:|---:|---:|",
+            "| projected | " + " | ".join(f"{projected[c]:.1f}" for c in cells) + " |",
+            "| measured | " + " | ".join(f"{m[c]:.1f}" for c in cells) + " |",
+            "| measured / projected | "
+            + " | ".join(f"{m[c] / projected[c]:.2f}x" if projected[c] else "-" for c in cells)
+            + " |",
+        ]
+    )
 
 
 def table(p: dict) -> str:
@@ -324,6 +434,15 @@ def main() -> None:
         default=45.0,
         help="GB/s per GPU and direction across nodes (400 Gb/s NDR: 50 peak)",
     )
+    parser.add_argument(
+        "--measured-run",
+        type=Path,
+        default=None,
+        metavar="REPORT",
+        help="a finished run's report.json: project that run's shape on its GPU count with the same "
+        "model and set it beside what the run measured (results/projection_<label>)",
+    )
+    parser.add_argument("--label", default="run", help="with --measured-run: the results' name")
     args = parser.parse_args()
     nvlink_gbs, source = args.nvlink_gbs, None
     if args.alltoall_from:
@@ -342,6 +461,22 @@ def main() -> None:
                 f"{'give' if row.get('dedup_ids') else 'leave out'} --distinct-from to match"
             )
         exchange_from = f"scaling {args.exchange_from}, {row['device']}, commit {row['commit']}"
+    if args.measured_run is not None:
+        run, world, measured = measured_run(args.measured_run)
+        parts = measured_parts(args.gpu, nvlink_gbs, args.network_gbs, source, exchange, exchange_from, share)
+        result = {
+            "gpu": parts["gpu"],
+            "commits": parts["commits"],
+            "eval_rate_per_gpu": parts["eval_rate_per_gpu"],
+            "run": dataclasses.asdict(run),
+            "projected": project_row(parts, run, world),
+            "measured": measured,
+            "command": command_line(),
+        }
+        text = measured_table(result, args.label)
+        print(text)
+        write_results(f"projection_{args.label}", result, text, device="cpu")
+        return
     p = project(args.gpu, nvlink_gbs, args.network_gbs, source, exchange, exchange_from, share)
     p["command"] = command_line()
     text = table(p)

@@ -521,6 +521,21 @@ def test_a_checkpoint_cut_short_is_never_marked_complete(tmp_path, mode):
         assert resume_point(run_dir).name == "step-00000001"
 
 
+def test_a_save_with_more_writer_threads_than_pieces_is_complete(tmp_path, monkeypatch):
+    """Eight writer threads (a machine with many cores) and two tensors: six of the rank's files stay empty
+    and are in no .metadata entry; that is a whole checkpoint, not a writer that did not finish."""
+    from dlrmv4.checkpoint import dcp_io
+
+    monkeypatch.setattr(dcp_io, "io_threads", lambda: 8)
+    net = torch.nn.Linear(64, 32)
+    save_checkpoint(tmp_path, _position(1), {"model": net}, keep_last=2)
+    ckpt = tmp_path / "checkpoints" / "step-00000001"
+    assert sorted(p.stat().st_size > 0 for p in ckpt.glob("*.distcp")) == [False] * 6 + [True] * 2
+    assert dcp_io.missing_pieces(ckpt) is None and resume_point(tmp_path) == ckpt
+    (ckpt / "__0_7.distcp").write_bytes(b"x")  # an unlisted file with bytes in it is still refused
+    assert dcp_io.missing_pieces(ckpt) == "__0_7.distcp not in .metadata (its writer did not finish)"
+
+
 def _cut_under_a_new_marker(ckpt) -> None:
     """What code before the writes were checked left: a data file cut short, its marker made over it."""
     data = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)

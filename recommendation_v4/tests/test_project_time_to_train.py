@@ -95,3 +95,30 @@ def test_a_row_and_a_wire_that_disagree_are_refused(monkeypatch):
     monkeypatch.setattr("sys.argv", ["project_time_to_train.py", "--exchange-from", "h100x2-torchrec-real-tables"])
     with pytest.raises(SystemExit, match="ran with dedup_ids False: leave out --distinct-from"):
         projection.main()
+
+
+def test_a_measured_run_is_projected_with_its_own_shape(tmp_path):
+    """--measured-run: the committed synthetic-50m run on four H100s is read back as its own Run (samples,
+    batch, evals, windows, its tables' bytes from the sharding plan) and projected on its GPU count."""
+    report = projection.RESULTS / "convergence_logs" / "50m_h100x4_seed1.report.json"
+    run, world, measured = projection.measured_run(report)
+    assert (run.samples, run.global_batch, run.evals, run.eval_samples, world) == (2_219_008, 1_024, 9, 138_513, 4)
+    assert 45 < run.table_gib < 50 and run.windows > 100  # 47 GiB of tables at fp32 with Adagrad's row state
+    assert measured["total_s"] == pytest.approx(measured["rest_s"] + measured["eval_s"] + measured["checkpoint_s"])
+    parts = projection.measured_parts("h100", NVLINK_GBS, NETWORK_GBS)
+    row = projection.project_row(parts, run, world)
+    assert row["per_gpu_batch"] == 256 and row["per_gpu_samples_per_s"] == parts["small_batch_rate"]
+    assert row["eval_min"] * 60 == pytest.approx(9 * 138_513 / (4 * parts["eval_rate_per_gpu"]))
+    # The reference run through the same function gives the reference projection's rows.
+    assert projection.project("h100", NVLINK_GBS, NETWORK_GBS)["rows"][0] == projection.project_row(
+        parts, projection.REFERENCE_RUN, 8
+    )
+
+
+def test_a_measured_run_that_did_not_reach_its_target_is_refused(tmp_path):
+    report = tmp_path / "report.json"
+    report.write_text('{"history": {"status": "aborted"}}')
+    with pytest.raises(SystemExit, match="ended 'aborted', not at its target"):
+        projection.measured_run(report)
+    with pytest.raises(SystemExit, match="no run report at"):
+        projection.measured_run(tmp_path / "missing.json")

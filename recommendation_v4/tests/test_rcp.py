@@ -222,3 +222,35 @@ def test_generator_resumes_from_finished_logs_only(tmp_path):
     assert kept.returncode == 0 and "gbs 256 seed 101:" in kept.stdout and "samples" in kept.stdout, kept.stderr
     rerun = subprocess.run([*command, "--seeds", "2"], capture_output=True, text=True, timeout=300)
     assert rerun.returncode != 0 and "gbs=256 seed=102 failed" in rerun.stderr
+
+
+def test_the_medium_rcp_takes_its_runs_and_the_four_gpu_run(tmp_path):
+    """synthetic-medium's RCP (8 one-GPU seeds at GBS 512): the official format; the four-GPU TorchRec run's
+    convergence point lies in its range, and that run with the seeds' logs passes the real rcp_checker."""
+    rcp_json = REPO / "rcp" / "rcps_dlrmv4_synthetic-medium.json"
+    (record,) = json.loads(rcp_json.read_text()).values()
+    points = record["Epochs to converge"]
+    assert record["BS"] == 512 and record["Runs"] == len(points) == 8 and record["Not converged"] == 0
+    runs = tmp_path / "512"
+    runs.mkdir()
+    for log in sorted((REPO / "rcp" / "synthetic-medium" / "512").glob("result_*.txt")):
+        (runs / log.name).write_text(log.read_text())
+    four = (
+        REPO
+        / "recommendation_v4"
+        / "benchmarks"
+        / "results"
+        / "convergence_logs"
+        / "medium_h100x4_seed1.mlperf_log.txt"
+    )
+    (runs / "result_1.txt").write_text(four.read_text())
+    stop = [json.loads(line[len(":::MLLOG ") :]) for line in four.read_text().splitlines() if '"run_stop"' in line]
+    assert stop[0]["metadata"]["status"] == "success"
+    assert min(points) <= stop[0]["metadata"]["samples_count"] <= max(points)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlperf_logging.rcp_checker", str(runs), "--rcp_version", "6.1.0",
+         "--custom_rcps", str(rcp_json), "--log_output", str(tmp_path / "rcp.log")],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "RCP test PASSED" in proc.stdout + proc.stderr, proc.stderr[-2000:]

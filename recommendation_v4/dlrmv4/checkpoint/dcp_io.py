@@ -97,7 +97,7 @@ def _run(fn: Any, state_dict: dict[str, Any], cluster: Cluster | None, **kwargs:
 
 def missing_pieces(path: Path) -> str | None:
     """What of DCP's part of the checkpoint at ``path`` is missing or cut short, or None when ``.metadata``
-    places every entry it lists in a data file long enough to hold it and names every data file there."""
+    places every entry it lists in a data file long enough to hold it and names every non-empty data file there."""
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # a missing, cut or foreign .metadata: pickle and DCP raise many kinds
@@ -119,7 +119,8 @@ def missing_pieces(path: Path) -> str | None:
         size = file.stat().st_size if file.is_file() else -1
         if size < end:
             return f"{name} is {'missing' if size < 0 else f'{size:,} bytes'}, .metadata needs {end:,}"
-    unlisted = sorted(p.name for p in path.glob(f"*{DATA_SUFFIX}") if p.name not in ends)
+    # A rank with fewer pieces than writer threads leaves the rest of its files empty: those hold nothing.
+    unlisted = sorted(p.name for p in path.glob(f"*{DATA_SUFFIX}") if p.name not in ends and p.stat().st_size)
     if unlisted:
         return f"{', '.join(unlisted)} not in .metadata (its writer did not finish)"
     return None
