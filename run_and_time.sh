@@ -14,7 +14,8 @@
 # Launch (docs/distributed.md):
 #   GPUS_PER_NODE (processes per node, default 1; on a machine without GPUs, gloo CPU processes),
 #   NNODES (default 1), NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node torchrun rendezvous).
-#   With more than one process on one node the data is prepared once first, then torchrun starts
+#   With more than one process on one node the data is prepared once first, then torchrun (through
+#   python -m dlrmv4.launch, which ends a failed job in one line naming the rank and cause) starts
 #   one process per GPU; across nodes, prepare it beforehand on one node (PREPARE_ONLY=1). Under SLURM (tools/slurm/dlrmv4.sbatch runs `srun run_and_time.sh`), each task maps
 #   SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS to RANK/LOCAL_RANK/WORLD_SIZE and trains; task 0
 #   checks the log. PREPARE_ONLY=1 prepares the data and exits (the sbatch script's first step).
@@ -93,7 +94,9 @@ else
     # torchrun would give each rank one CPU thread; a rank's host work (pinning, TorchRec's input
     # distribution) gets its share of the node's cores instead.
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / gpus_per_node > 0 ? $(nproc) / gpus_per_node : 1 ))}
-    step torchrun "${rendezvous[@]}" --nproc-per-node "${gpus_per_node}" -m dlrmv4 train --restart \
+    # dlrmv4.launch is torchrun with one line for a failed job (the rank and its cause) instead of
+    # torchrun's report of fifty.
+    step python -m dlrmv4.launch "${rendezvous[@]}" --nproc-per-node "${gpus_per_node}" -m dlrmv4 train --restart \
         "${args[@]+"${args[@]}"}"
     if [[ "${NODE_RANK:-0}" != "0" ]]; then
         exit 0

@@ -15,7 +15,7 @@ from typing import Callable, NoReturn
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.config_loading import add_config_arguments, config_from_args, list_presets, to_toml
-from dlrmv4.errors import ERROR_PREFIX, UserError
+from dlrmv4.errors import ERROR_PREFIX, UserError, leave_for_launcher, under_launcher
 from dlrmv4.files import remove_dead_temps
 
 
@@ -420,6 +420,11 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated()
 
 
+def _fail(line: str, caused_by_another_rank: bool = False) -> None:
+    print(f"{ERROR_PREFIX}{line}", file=sys.stderr)
+    leave_for_launcher(line, caused_by_another_rank)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -429,14 +434,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         COMMANDS[args.command][0](cfg, args)
     except UserError as exc:
-        print(f"{ERROR_PREFIX}{exc}", file=sys.stderr)
+        _fail(str(exc), exc.caused_by_another_rank)
         return 1
     except OSError as exc:  # an I/O failure no step turned into its own line: the file and the cause
         where = f"{exc.filename}: " if exc.filename else ""
-        print(f"{ERROR_PREFIX}{where}{exc.strerror or ' '.join(str(exc).split())}", file=sys.stderr)
+        _fail(f"{where}{exc.strerror or ' '.join(str(exc).split())}")
         return 1
     except Terminated:
-        print("[dlrmv4] terminated (SIGTERM)", file=sys.stderr)
+        if not under_launcher():  # dlrmv4.launch says the job's one line about the stop
+            print("[dlrmv4] terminated (SIGTERM)", file=sys.stderr)
         return 143
     except KeyboardInterrupt:
         print("[dlrmv4] interrupted", file=sys.stderr)

@@ -41,6 +41,8 @@ FAILURE_LINGER_SECONDS = 3 * FAILURE_POLL_SECONDS
 class RankLostError(UserError):
     """A collective failed: another rank exited, was killed, or stopped answering."""
 
+    caused_by_another_rank = True
+
 
 @dataclass(frozen=True)
 class Cluster:

@@ -149,28 +149,70 @@ def _wait_for(path: Path, deadline: float) -> None:
         time.sleep(0.2)
 
 
-def test_a_killed_rank_ends_the_torchrun_job(data_path, tmp_path):
-    """SIGKILL one rank mid-run: the launcher stops the rest and exits non-zero, naming the rank."""
+def _launched(data_path: Path, run_dir: Path, **env: str) -> subprocess.Popen:
+    """Two ranks of ``python -m dlrmv4 train`` under ``python -m dlrmv4.launch`` (run_and_time.sh's
+    launcher), a checkpoint every 2 steps."""
+    cmd = [sys.executable, "-m", "dlrmv4.launch", "--standalone", "--nproc-per-node=2", "-m", "dlrmv4", "train",
+           *run_flags(data_path, run_dir, **{"train.checkpoint_every_steps": 2})]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**launch_env(), **env})
+
+
+def _last_line(text: str) -> str:
+    return [line for line in text.splitlines() if line.strip()][-1]
+
+
+def test_a_killed_rank_ends_the_launched_job_in_one_line(data_path, tmp_path):
+    """SIGKILL one rank mid-run: the launcher stops the other and ends the job with one line naming the
+    killed rank and the signal; no torchrun report, no rank saying it was terminated, no traceback."""
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "dlrmv4",
-        "train",
-        *run_flags(data_path, run_dir, **{"train.checkpoint_every_steps": 2}),
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
+    proc = _launched(data_path, run_dir)
     deadline = time.time() + 300
     pids = _rank_pids(proc.pid, 2, deadline)
     _wait_for(run_dir / "checkpoints", deadline)  # training is under way
     os.kill(pids[1], signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
-    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", err) and "Signal 9 (SIGKILL)" in err, err[-3000:]
+    assert proc.returncode == 1
+    assert _last_line(err) == (
+        f"[dlrmv4] error: rank 1 was killed by SIGKILL (pid {pids[1]}); the other ranks were stopped"
+    ), err[-3000:]
+    for noise in ("ChildFailedError", "terminated (SIGTERM)", "Traceback", "torch.distributed.elastic"):
+        assert noise not in out + err, err[-3000:]
+    for pid in pids.values():
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_a_failing_rank_ends_the_launched_job_naming_it(data_path, tmp_path):
+    """Rank 1 fails with its own line (out of device memory at step 5: tests/failure_injection); rank 0,
+    whose collective loses it, says so naming rank 1; the launcher's last line is rank 1's cause, not
+    rank 0's consequence, and nothing else is printed about the failure."""
+    injection = str(Path(__file__).parent / "failure_injection")
+    env = {"DLRMV4_TEST_OOM": "1:5", "PYTHONPATH": os.pathsep.join([injection, launch_env()["PYTHONPATH"]])}
+    proc = _launched(data_path, tmp_path / "run", **env)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    errors = [line for line in err.splitlines() if line.startswith("[dlrmv4] error:")]
+    assert errors[-1] == _last_line(err) and errors[-1].startswith(
+        "[dlrmv4] error: rank 1 of 2 ran out of device memory: CUDA out of memory"
+    ), err[-3000:]
+    assert all("rank 1 of 2" in line for line in errors), errors
+    for noise in ("ChildFailedError", "terminated (SIGTERM)", "Traceback"):
+        assert noise not in out + err, err[-3000:]
+
+
+def test_a_terminated_launched_job_says_so_once(data_path, tmp_path):
+    """SIGTERM to the launcher (a batch scheduler's time limit, passed on by run_and_time.sh): every rank
+    stops and the job's one line says so; the ranks say nothing of their own stop."""
+    run_dir = tmp_path / "run"
+    proc = _launched(data_path, run_dir)
+    deadline = time.time() + 300
+    pids = _rank_pids(proc.pid, 2, deadline)
+    _wait_for(run_dir / "checkpoints", deadline)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143
+    assert _last_line(err) == "[dlrmv4] terminated (SIGTERM): every rank was stopped", err[-3000:]
+    for noise in ("ChildFailedError", "[dlrmv4] terminated (SIGTERM)\n", "Traceback", "error:"):
+        assert noise not in out + err, err[-3000:]
     for pid in pids.values():
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 

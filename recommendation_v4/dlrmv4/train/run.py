@@ -27,7 +27,7 @@ from dlrmv4.distributed import (
     own_failure_line,
     start_cluster,
 )
-from dlrmv4.errors import UserError
+from dlrmv4.errors import UserError, leave_for_launcher
 from dlrmv4.files import check_writable
 from dlrmv4.mlperf.rules import check_closed_division
 from dlrmv4.mlperf.runlog import RunLog
@@ -113,6 +113,8 @@ def run_training(
                 raise lost_rank_error(cluster, "a collective of the training step", exc) from exc
             # This rank's own failure: the others' watches read it and end their ranks naming it.
             line = own_failure_line(cluster, exc)
+            # For a launcher first: the agent stops this rank once another rank has read the line and ended.
+            leave_for_launcher(line)
             cluster.post_failure_and_linger(line)
             if isinstance(exc, torch.OutOfMemoryError):
                 raise UserError(line) from exc

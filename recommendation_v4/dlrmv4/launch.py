@@ -1,0 +1,81 @@
+"""The project's launcher: torchrun's flags and command, one line when the job fails.
+
+    python -m dlrmv4.launch --standalone --nproc-per-node 4 -m dlrmv4 train --preset synthetic-medium
+
+torchrun reports a failed rank in a block of some fifty lines (``ChildFailedError``, its agent's
+log lines around it), and each rank it then stops says ``terminated (SIGTERM)``, so the cause (a
+rank's own one-line error, or the signal that killed it) is easy to miss. This runs torchrun's own
+launcher in this process and ends a failed job with one line naming the first rank that failed and
+why; the ranks it starts leave the SIGTERM that stops them unsaid (``DLRMV4_LAUNCHER``) and leave
+their own line where torchrun's agent reads it (``TORCHELASTIC_ERROR_FILE``). A rank whose failure
+only follows another's (a collective that lost its peer) is never named the cause while that other
+rank's failure is known.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from dlrmv4.errors import CAUSED_BY_ANOTHER_RANK, ERROR_PREFIX, LAUNCHER_ENV
+
+# Exit statuses of a rank that the agent stopped: our CLI's 143, or the signal itself.
+STOPPED_BY_THE_AGENT = (128 + signal.SIGTERM, -signal.SIGTERM)
+
+
+def failed_rank(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """The rank whose failure is the cause, the earliest of them (then the lowest rank): one that left
+    its own line (even if the agent stopped it afterwards, while it waited for the others to read
+    it), or one that ended by itself with no line (a signal, an exit status); not one whose failure
+    only follows another's, nor one the agent stopped, while a cause is known."""
+
+    def cause(failure: ProcessFailure) -> bool:
+        data = failure.error_file_data
+        if isinstance(data, dict) and CAUSED_BY_ANOTHER_RANK in data:
+            return not data[CAUSED_BY_ANOTHER_RANK]
+        return failure.exitcode not in STOPPED_BY_THE_AGENT
+
+    candidates = [(rank, f) for rank, f in failures.items() if cause(f)] or list(failures.items())
+    return min(candidates, key=lambda item: (item[1].timestamp, item[0]))
+
+
+def failure_line(failures: dict[int, ProcessFailure]) -> str:
+    """The job's one line for a failure: the rank and its own line, the signal that killed it, or
+    its exit status."""
+    rank, failure = failed_rank(failures)
+    data = failure.error_file_data
+    # A line the rank left itself (dlrmv4.errors.leave_for_launcher), not torch's placeholder.
+    message = data.get("message") if isinstance(data, dict) and CAUSED_BY_ANOTHER_RANK in data else None
+    if isinstance(message, str) and message:
+        return message if message.startswith(f"rank {rank} ") else f"rank {rank}: {message}"
+    if failure.exitcode < 0:
+        return f"rank {rank} was killed by {failure.signal_name()} (pid {failure.pid}); the other ranks were stopped"
+    return f"rank {rank} exited with status {failure.exitcode} (its output above says why)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    # The agent's own log lines repeat what the one line says (and its start-up notes are noise).
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ[LAUNCHER_ENV] = "1"
+    try:
+        torchrun.run(args)
+    except ChildFailedError as exc:
+        print(f"{ERROR_PREFIX}{failure_line(exc.failures)}", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        print(f"[dlrmv4] terminated ({name}): every rank was stopped", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
