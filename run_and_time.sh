@@ -5,20 +5,24 @@
 # checker on the run log it wrote (project rules for datasets other than Yambda-5B) and prints the
 # verdict and the MLPerf RESULT line.
 # Every flag of `python -m dlrmv4 train --help` passes through (for example --preset synthetic-small,
-# --data-path DIR, --seed N). Each call is a new run (--restart); to continue an interrupted run,
-# call `python -m dlrmv4 train` (under the same launcher) with the same flags instead.
+# --data-path DIR, --seed N). Each call is a new run (--restart). RESUME=1 continues the interrupted
+# run in the run directory instead (the same flags, on every node or task): one process, torchrun
+# nodes and srun tasks alike.
 #
 # Submission knobs from the environment (each but the launch ones is also a flag; flags win):
 #   SEED, DATASET (a preset, e.g. yambda-5b), DATA_PATH, GLOBAL_BATCH_SIZE, LEARNING_RATE,
 #   LOG_FILE (the MLPerf log).
 # Launch (docs/distributed.md):
 #   GPUS_PER_NODE (processes per node, default 1; on a machine without GPUs, gloo CPU processes),
-#   NNODES (default 1), NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node torchrun rendezvous).
+#   NNODES (default 1), NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node torchrun rendezvous),
+#   RDZV_TIMEOUT (seconds a node waits for the others to join, default 600).
 #   With more than one process on one node the data is prepared once first, then torchrun (through
 #   python -m dlrmv4.launch, which ends a failed job in one line naming the rank and cause) starts
-#   one process per GPU; across nodes, prepare it beforehand on one node (PREPARE_ONLY=1). Under SLURM (tools/slurm/dlrmv4.sbatch runs `srun run_and_time.sh`), each task maps
-#   SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS to RANK/LOCAL_RANK/WORLD_SIZE and trains; task 0
-#   checks the log. PREPARE_ONLY=1 prepares the data and exits (the sbatch script's first step).
+#   one process per GPU; across nodes, prepare it beforehand on one node (PREPARE_ONLY=1). The
+#   node that holds global rank 0 checks the log. Under SLURM (tools/slurm/dlrmv4.sbatch runs
+#   `srun run_and_time.sh`), each task is one rank (python -m dlrmv4 reads SLURM_PROCID...
+#   itself) and trains; task 0 checks the log. PREPARE_ONLY=1 prepares the data and exits (the
+#   sbatch script's first step).
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 knobs=()
@@ -59,20 +63,19 @@ step() {
     return "${status}"
 }
 md5s=(--reference-md5s "${repo_root}/md5sums")
+restart=(--restart)
+if [[ "${RESUME:-0}" == "1" ]]; then
+    restart=()  # continue the run in the run directory from its newest checkpoint
+fi
 
 if [[ "${PREPARE_ONLY:-0}" == "1" ]]; then
     exec python -m dlrmv4 prepare --if-missing "${md5s[@]}" "${args[@]+"${args[@]}"}"
 fi
 
-if [[ -n "${SLURM_PROCID:-}" && -z "${RANK:-}" ]]; then
-    # One task of an srun step: this process is one rank.
-    : "${MASTER_ADDR:?MASTER_ADDR must name the first node (tools/slurm/dlrmv4.sbatch sets it)}"
-    export RANK="${SLURM_PROCID}" LOCAL_RANK="${SLURM_LOCALID:?}" WORLD_SIZE="${SLURM_NTASKS:?}"
-    export LOCAL_WORLD_SIZE="${SLURM_NTASKS_PER_NODE:-${gpus_per_node}}"
-    LOCAL_WORLD_SIZE="${LOCAL_WORLD_SIZE%%(*}"  # SLURM writes "8(x2)" for uniform nodes
-    export MASTER_PORT="${MASTER_PORT:-29500}"
-    step python -m dlrmv4 train --restart "${args[@]+"${args[@]}"}"
-    if [[ "${RANK}" == "0" ]]; then
+if [[ -n "${SLURM_PROCID:-}" && -z "${RANK:-}" && "${SLURM_NTASKS:-1}" != "1" ]]; then
+    # One task of an srun step: this process is one rank (python -m dlrmv4 reads SLURM's variables).
+    step python -m dlrmv4 train "${restart[@]+"${restart[@]}"}" "${args[@]+"${args[@]}"}"
+    if [[ "${SLURM_PROCID}" == "0" ]]; then
         step python -m dlrmv4 check-log "${args[@]+"${args[@]}"}"
     fi
     exit 0
@@ -81,14 +84,15 @@ fi
 world=$((gpus_per_node * nnodes))
 start=$(date +%s)
 if (( world == 1 )); then
-    step python -m dlrmv4 train --restart "${md5s[@]}" "${args[@]+"${args[@]}"}"
+    step python -m dlrmv4 train "${restart[@]+"${restart[@]}"}" "${md5s[@]}" "${args[@]+"${args[@]}"}"
 else
     if (( nnodes == 1 )); then
         step python -m dlrmv4 prepare --if-missing "${md5s[@]}" "${args[@]+"${args[@]}"}"
         rendezvous=(--standalone)
     else  # the nodes would race to write one store: it is prepared beforehand, once (PREPARE_ONLY=1)
         rendezvous=(--nnodes "${nnodes}" --node-rank "${NODE_RANK:?NODE_RANK must be set on each node}"
-                    --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:?}:${MASTER_PORT:-29500}")
+                    --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:?}:${MASTER_PORT:-29500}"
+                    --rdzv-conf "join_timeout=${RDZV_TIMEOUT:-600}")
     fi
     start=$(date +%s)
     # torchrun would give each rank one CPU thread; a rank's host work (pinning, TorchRec's input
@@ -96,11 +100,15 @@ else
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / gpus_per_node > 0 ? $(nproc) / gpus_per_node : 1 ))}
     # dlrmv4.launch is torchrun with one line for a failed job (the rank and its cause) instead of
     # torchrun's report of fifty.
-    step python -m dlrmv4.launch "${rendezvous[@]}" --nproc-per-node "${gpus_per_node}" -m dlrmv4 train --restart \
-        "${args[@]+"${args[@]}"}"
-    if [[ "${NODE_RANK:-0}" != "0" ]]; then
-        exit 0
+    # The process of global rank 0 creates this file: the rendezvous may give rank 0 to any node.
+    export DLRMV4_RANK_ZERO_MARKER
+    DLRMV4_RANK_ZERO_MARKER="$(mktemp -u "${TMPDIR:-/tmp}/dlrmv4-rank-zero.XXXXXX")"
+    step python -m dlrmv4.launch "${rendezvous[@]}" --nproc-per-node "${gpus_per_node}" -m dlrmv4 train \
+        "${restart[@]+"${restart[@]}"}" "${args[@]+"${args[@]}"}"
+    if [[ ! -e "${DLRMV4_RANK_ZERO_MARKER}" ]]; then
+        exit 0  # another node holds rank 0: it checks the log
     fi
+    rm -f "${DLRMV4_RANK_ZERO_MARKER}"
 fi
 end=$(date +%s)
 echo "[dlrmv4] run finished in $((end - start)) s ($(date -u +%Y-%m-%dT%H:%M:%SZ))"

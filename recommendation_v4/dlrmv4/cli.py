@@ -17,6 +17,7 @@ from dlrmv4.config import BenchmarkConfig
 from dlrmv4.config_loading import add_config_arguments, config_from_args, list_presets, to_toml
 from dlrmv4.errors import ERROR_PREFIX, UserError, leave_for_launcher, under_launcher
 from dlrmv4.files import remove_dead_temps
+from dlrmv4.slurm_tasks import adopt_slurm_tasks
 
 
 def _say(msg: str) -> None:
@@ -430,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
+        adopt_slurm_tasks()  # an srun task of several is one rank: the names torch reads, before anything reads them
         _preset_from_dataset_flags(args, argv)
         cfg = config_from_args(args)
         COMMANDS[args.command][0](cfg, args)

@@ -1,9 +1,9 @@
 """The processes of one run: the launcher's environment, the process group, and the few collectives
 the loop needs beyond TorchRec's and DDP's own.
 
-A run is one process unless a launcher started several: ``torchrun`` (and ``run_and_time.sh``
-under SLURM, which maps ``SLURM_PROCID``... to these names) sets ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; each process then joins
+A run is one process unless a launcher started several: ``torchrun`` sets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (an srun task takes them
+from SLURM's own names: ``slurm_tasks.py``); each process then joins
 the group through ``env://``. Tensors travel on the main group (NCCL on GPUs, gloo on the CPU);
 host-side control messages (paths, decisions, small objects) on a gloo group, so they never wait
 for the device. Every collective has the configured timeout: a rank that dies or hangs makes the
@@ -29,6 +29,10 @@ from dlrmv4.config import DistributedConfig
 from dlrmv4.errors import UserError, exit_with_error
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# A file the process of global rank 0 creates once it has joined: run_and_time.sh's sign that its node
+# holds rank 0, which checks the MLPerf log and prints RESULT (torchrun's c10d rendezvous may give
+# rank 0 to any node).
+RANK_ZERO_MARKER = "DLRMV4_RANK_ZERO_MARKER"
 
 
 FAILURE_KEY = "dlrmv4/failed_rank"  # the rendezvous store's key for a rank's own failure
@@ -288,8 +292,7 @@ def launched_world() -> tuple[int, int, int, int] | None:
     missing = [v for v in LAUNCHER_VARIABLES if v not in os.environ]
     if missing:
         raise UserError(
-            f"multi-process launch: {', '.join(missing)} not set (launch with torchrun, or "
-            "run_and_time.sh, which sets them under SLURM)"
+            f"multi-process launch: {', '.join(missing)} not set (launch with torchrun, or srun with MASTER_ADDR set)"
         )
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -328,6 +331,14 @@ def start_cluster(cfg: DistributedConfig, need_group: bool = False) -> Cluster:
     timeout = datetime.timedelta(seconds=cfg.timeout_seconds)
     if dist.is_initialized():
         raise UserError("torch.distributed is already initialised in this process")
+    if launched is not None and local_rank == 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # srun's tasks meet at rank 0's store with no launcher that says so: once per node.
+        print(
+            f"[dlrmv4] rank {rank}: joining the {world} ranks at {os.environ['MASTER_ADDR']}:"
+            f"{os.environ['MASTER_PORT']} (waits up to {cfg.timeout_seconds:g} s, --timeout-seconds)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         if launched is None:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -347,4 +358,24 @@ def start_cluster(cfg: DistributedConfig, need_group: bool = False) -> Cluster:
             f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}: "
             f"{str(exc).strip().splitlines()[0][:200]}"
         ) from exc
-    return Cluster(rank, world, local_rank, local_world, device, backend, control, cfg.timeout_seconds)
+    cluster = Cluster(rank, world, local_rank, local_world, device, backend, control, cfg.timeout_seconds)
+    if world > 1:
+        _same_processes_per_node(cluster)
+    if rank == 0 and os.environ.get(RANK_ZERO_MARKER):
+        open(os.environ[RANK_ZERO_MARKER], "a").close()
+    return cluster
+
+
+def _same_processes_per_node(cluster: Cluster) -> None:
+    """Every node runs as many processes (the plan, the memory plan and rank slicing assume it);
+    nodes launched with different counts are refused on every rank, naming two of them."""
+    counts: list[int] = [0] * cluster.world_size
+    with cluster.guard("comparing the nodes' process counts"):
+        dist.all_gather_object(counts, cluster.local_world_size, group=cluster.control)
+    if len(set(counts)) > 1:
+        first = counts[0]
+        other = next(rank for rank, count in enumerate(counts) if count != first)
+        raise UserError(
+            f"the nodes run different numbers of processes: rank 0's node {first}, rank {other}'s node "
+            f"{counts[other]} (set GPUS_PER_NODE / --nproc-per-node alike on every node)"
+        )

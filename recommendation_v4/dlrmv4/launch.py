@@ -22,9 +22,11 @@ import sys
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from dlrmv4.errors import CAUSED_BY_ANOTHER_RANK, ERROR_PREFIX, LAUNCHER_ENV
 
+DEFAULT_JOIN_TIMEOUT_S = 600  # torchrun's own for the c10d rendezvous
 # Exit statuses of a rank that the agent stopped: our CLI's 143, or the signal itself.
 STOPPED_BY_THE_AGENT = (128 + signal.SIGTERM, -signal.SIGTERM)
 
@@ -59,8 +61,22 @@ def failure_line(failures: dict[int, ProcessFailure]) -> str:
     return f"rank {rank} exited with status {failure.exitcode} (its output above says why)"
 
 
+def join_timeout(rdzv_conf: str) -> float:
+    """The rendezvous's ``join_timeout`` from torchrun's ``--rdzv-conf`` (``key=value,...``)."""
+    for item in filter(None, rdzv_conf.split(",")):
+        key, _, value = item.partition("=")
+        if key.strip() == "join_timeout":
+            return float(value)
+    return DEFAULT_JOIN_TIMEOUT_S
+
+
 def main(argv: list[str] | None = None) -> int:
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    nodes = str(args.nnodes).split(":")[-1]
+    waiting = ""
+    if not args.standalone and nodes != "1":
+        waiting = f"{nodes} nodes at {args.rdzv_endpoint} (up to {join_timeout(args.rdzv_conf):g} s)"
+        print(f"[dlrmv4] node {args.node_rank}: waiting for {waiting}", file=sys.stderr, flush=True)
     # The agent's own log lines repeat what the one line says (and its start-up notes are noise).
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -69,6 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         torchrun.run(args)
     except ChildFailedError as exc:
         print(f"{ERROR_PREFIX}{failure_line(exc.failures)}", file=sys.stderr, flush=True)
+        return 1
+    except RendezvousError as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        print(
+            f"{ERROR_PREFIX}node {args.node_rank}: the nodes did not all join: waited for {waiting}: {first}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     except SignalException as exc:
         name = signal.Signals(exc.sigval).name

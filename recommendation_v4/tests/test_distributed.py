@@ -134,7 +134,8 @@ def _rank_pids(launcher_pid: int, nproc: int, deadline: float) -> dict[int, int]
                 continue
             if int(stat.rsplit(")", 1)[1].split()[1]) != launcher_pid:
                 continue
-            rank = next((int(v.split(b"=", 1)[1]) for v in env if v.startswith(b"RANK=")), None)
+            # torchrun's workers start with RANK; srun's tasks with SLURM_PROCID (python -m dlrmv4 reads it)
+            rank = next((int(v.split(b"=", 1)[1]) for v in env if v.startswith((b"RANK=", b"SLURM_PROCID="))), None)
             if rank is not None:
                 found[rank] = int(entry.name)
         if len(found) == nproc:
