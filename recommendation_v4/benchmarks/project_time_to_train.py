@@ -224,19 +224,8 @@ def project_row(parts: dict, run: Run, world: int) -> dict:
     }
 
 
-def project(
-    gpu: str,
-    nvlink_gbs: float,
-    network_gbs: float,
-    alltoall_source: str | None = None,
-    exchange_s_per_sample: float = 0.0,
-    exchange_source: str | None = None,
-    history_share: float = 1.0,
-) -> dict:
-    """The reference run projected on 8, 16 and 32 GPUs."""
-    parts = measured_parts(
-        gpu, nvlink_gbs, network_gbs, alltoall_source, exchange_s_per_sample, exchange_source, history_share
-    )
+def project(parts: dict) -> dict:
+    """The reference run projected on 8, 16 and 32 GPUs from ``measured_parts``."""
     run = REFERENCE_RUN
     return {
         **{k: v for k, v in parts.items() if k not in ("rehearsal_rate", "small_batch_rate", "cold_start_s")},
@@ -477,7 +466,7 @@ def main() -> None:
         print(text)
         write_results(f"projection_{args.label}", result, text, device="cpu")
         return
-    p = project(args.gpu, nvlink_gbs, args.network_gbs, source, exchange, exchange_from, share)
+    p = project(measured_parts(args.gpu, nvlink_gbs, args.network_gbs, source, exchange, exchange_from, share))
     p["command"] = command_line()
     text = table(p)
     print(text)

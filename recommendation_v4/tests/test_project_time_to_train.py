@@ -58,8 +58,10 @@ def test_the_committed_results_project_with_the_exchange_counted():
     nvlink = projection.measured_alltoall_gbs(projection.load("hot_ids_h100x2"))
     scaling = projection.load("scaling")
     per_sample = projection.exchange_work_per_sample(scaling, "h100x2-torchrec-real-tables", nvlink, NETWORK_GBS)
-    with_work = projection.project("h200", nvlink, NETWORK_GBS, "hot ids", per_sample, "scaling")
-    without = projection.project("h200", nvlink, NETWORK_GBS, "hot ids")
+    with_work = projection.project(
+        projection.measured_parts("h200", nvlink, NETWORK_GBS, "hot ids", per_sample, "scaling")
+    )
+    without = projection.project(projection.measured_parts("h200", nvlink, NETWORK_GBS, "hot ids"))
     for a, b in zip(with_work["rows"], without["rows"]):
         assert a["exchange_work_min"] > 0 and b["exchange_work_min"] == 0
         for total in ("total_min_overlapped", "total_min_not_overlapped"):
@@ -85,8 +87,10 @@ def test_the_committed_results_project_with_distinct_ids():
         scaling, "h200x4-torchrec-real-tables-dedup", nvlink, NETWORK_GBS, share
     )
     full = projection.exchange_work_per_sample(scaling, "h100x2-torchrec-real-tables", nvlink, NETWORK_GBS)
-    with_dedup = projection.project("h200", nvlink, NETWORK_GBS, "hot ids", dedup, "scaling", share)
-    without = projection.project("h200", nvlink, NETWORK_GBS, "hot ids", full, "scaling")
+    with_dedup = projection.project(
+        projection.measured_parts("h200", nvlink, NETWORK_GBS, "hot ids", dedup, "scaling", share)
+    )
+    without = projection.project(projection.measured_parts("h200", nvlink, NETWORK_GBS, "hot ids", full, "scaling"))
     assert with_dedup["rows"][0]["total_min_not_overlapped"] < without["rows"][0]["total_min_not_overlapped"]
     assert "distinct history ids' rows" in projection.table(with_dedup)
 
@@ -110,9 +114,7 @@ def test_a_measured_run_is_projected_with_its_own_shape(tmp_path):
     assert row["per_gpu_batch"] == 256 and row["per_gpu_samples_per_s"] == parts["small_batch_rate"]
     assert row["eval_min"] * 60 == pytest.approx(9 * 138_513 / (4 * parts["eval_rate_per_gpu"]))
     # The reference run through the same function gives the reference projection's rows.
-    assert projection.project("h100", NVLINK_GBS, NETWORK_GBS)["rows"][0] == projection.project_row(
-        parts, projection.REFERENCE_RUN, 8
-    )
+    assert projection.project(parts)["rows"][0] == projection.project_row(parts, projection.REFERENCE_RUN, 8)
 
 
 def test_a_measured_run_that_did_not_reach_its_target_is_refused(tmp_path):
