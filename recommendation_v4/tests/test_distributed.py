@@ -150,16 +150,31 @@ def _wait_for(path: Path, deadline: float) -> None:
         time.sleep(0.2)
 
 
-def _launched(data_path: Path, run_dir: Path, **env: str) -> subprocess.Popen:
+def _launched(data_path: Path, run_dir: Path, env: dict[str, str] | None = None, **flags: str) -> subprocess.Popen:
     """Two ranks of ``python -m dlrmv4 train`` under ``python -m dlrmv4.launch`` (run_and_time.sh's
     launcher), a checkpoint every 2 steps."""
     cmd = [sys.executable, "-m", "dlrmv4.launch", "--standalone", "--nproc-per-node=2", "-m", "dlrmv4", "train",
-           *run_flags(data_path, run_dir, **{"train.checkpoint_every_steps": 2})]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**launch_env(), **env})
+           *run_flags(data_path, run_dir, **{"train.checkpoint_every_steps": 2, **flags})]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or launch_env())
 
 
 def _last_line(text: str) -> str:
     return [line for line in text.splitlines() if line.strip()][-1]
+
+
+def test_a_two_process_job_speaks_with_one_voice(data_path, tmp_path):
+    """run_and_time.sh's launcher, two gloo ranks, Python's warnings on: every console line is the
+    project's (rank 0's, each once; a block's indented lines), none another library's warning."""
+    env = launch_env()
+    env.pop("PYTHONWARNINGS")
+    proc = _launched(data_path, tmp_path / "run", **{"train.target_auc": "0.0"}, env=env)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    lines = [line for line in (out + err).splitlines() if line.strip()]
+    strangers = [line for line in lines if not line.startswith(("[dlrmv4] ", "  "))]
+    assert not strangers, strangers
+    ours = [line for line in lines if line.startswith("[dlrmv4] ")]
+    assert len(ours) == len(set(ours)) and any("training on 2 processes" in line for line in ours), ours
 
 
 def test_a_killed_rank_ends_the_launched_job_in_one_line(data_path, tmp_path):
@@ -187,8 +202,9 @@ def test_a_failing_rank_ends_the_launched_job_naming_it(data_path, tmp_path):
     whose collective loses it, says so naming rank 1; the launcher's last line is rank 1's cause, not
     rank 0's consequence, and nothing else is printed about the failure."""
     injection = str(Path(__file__).parent / "failure_injection")
-    env = {"DLRMV4_TEST_OOM": "1:5", "PYTHONPATH": os.pathsep.join([injection, launch_env()["PYTHONPATH"]])}
-    proc = _launched(data_path, tmp_path / "run", **env)
+    env = dict(launch_env(), DLRMV4_TEST_OOM="1:5")
+    env["PYTHONPATH"] = os.pathsep.join([injection, env["PYTHONPATH"]])
+    proc = _launched(data_path, tmp_path / "run", env=env)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1
     errors = [line for line in err.splitlines() if line.startswith("[dlrmv4] error:")]

@@ -20,3 +20,19 @@ def test_fbgemm_version_table_records_are_filtered(caplog):
     assert sum("has no entry" in m for m in messages) == 0
     assert sum("not guaranteed to be" in m for m in messages) == 1
     assert messages[-1] == "something else"
+
+
+def test_the_libraries_notices_are_silenced_and_nothing_else():
+    """Each warning third_party_logs names (seen once per rank on multi-process runs) is not shown; the
+    same categories with other messages still are."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        third_party_logs.install()
+        for category, start in third_party_logs.SILENCED_WARNINGS:
+            warnings.warn(f"{start}: and the rest of the library's text", category)
+        warnings.warn("a deprecation of the project's own making", FutureWarning)
+        warnings.warn("TBE B100 optimization", UserWarning)
+    assert [str(w.message) for w in shown] == ["a deprecation of the project's own making", "TBE B100 optimization"]
+    assert logging.getLogger("torch.fx._symbolic_trace").getEffectiveLevel() == logging.ERROR
