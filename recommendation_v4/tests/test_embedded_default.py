@@ -44,6 +44,7 @@ def test_run_and_time_reaches_the_target_from_nothing(tmp_path):
     assert re.search(r"run success: .* best AUC 0\.\d{4} \(target " + re.escape(str(target)), out)
     assert re.search(r"\[dlrmv4\] run finished in \d+ s", out)
     assert (tmp_path / "run" / "auc_vs_samples.png").exists()
+    assert report["rcp_band"]["source"] == "rcps_dlrmv4_synthetic-tiny.json"  # drawn against its references
     # The official checker, with the project rules for this dataset, passes the run's log.
     assert re.search(r"mlperf_log\.txt PASSED the MLPerf compliance checker \(training 6\.1\.0, the project rules", out)
     result = re.search(r"^RESULT,dlrmv4,0,(\d+),[^,]+,\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [AP]M$", out, re.M)

@@ -1,5 +1,6 @@
 """The run report: ``report.json`` (history, config, schedule, final-parameter digest) and two
-plots, ``auc_vs_samples.png`` and ``throughput_vs_time.png``, in the run directory.
+plots, ``auc_vs_samples.png`` (against the RCP band of the run's recipe, where the project has one)
+and ``throughput_vs_time.png``, in the run directory.
 
 The plots need matplotlib (in both requirement sets); where it is missing the JSON is still
 written and the returned list of plots is empty, so a report never fails a finished run.
@@ -7,6 +8,7 @@ written and the returned list of plots is empty, so a report never fails a finis
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from dlrmv4.files import write_atomically, write_json
+from dlrmv4.mlperf.rcp_band import RcpBand
 
 REPORT_FILE = "report.json"
 AUC_PLOT = "auc_vs_samples.png"
@@ -31,15 +34,18 @@ def parameter_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def write_report(run_dir: Path, report: dict[str, Any], target_auc: float) -> tuple[Path, list[Path]]:
-    """Write the JSON and the plots; returns (json path, plot paths)."""
+def write_report(
+    run_dir: Path, report: dict[str, Any], target_auc: float, band: RcpBand | None = None
+) -> tuple[Path, list[Path]]:
+    """Write the JSON and the plots (the AUC curve against ``band``, the RCP of the run's recipe, where
+    there is one); returns (json path, plot paths)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / REPORT_FILE
-    write_json(path, report)
-    return path, _plots(run_dir, report["history"], target_auc)
+    write_json(path, {**report, "rcp_band": dataclasses.asdict(band) if band else None})
+    return path, _plots(run_dir, report["history"], target_auc, band)
 
 
-def _plots(run_dir: Path, history: dict[str, Any], target_auc: float) -> list[Path]:
+def _plots(run_dir: Path, history: dict[str, Any], target_auc: float, band: RcpBand | None) -> list[Path]:
     try:
         import matplotlib
 
@@ -52,6 +58,9 @@ def _plots(run_dir: Path, history: dict[str, Any], target_auc: float) -> list[Pa
     evals = history["evals"]
     ax.plot([e["samples_count"] for e in evals], [e["auc"] for e in evals], marker="o")
     ax.axhline(target_auc, color="grey", linestyle="--", label=f"target {target_auc}")
+    if band is not None:  # where the reference runs reached the target: inside it is the references' pace
+        ax.axvspan(band.fastest, band.slowest, color="tab:green", alpha=0.15, label=band.label)
+        ax.axvline(band.mean, color="tab:green", linewidth=1, label=f"RCP mean {band.mean:,.0f}")
     ax.set(xlabel="train samples", ylabel="eval AUC", title="AUC vs samples")
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)

@@ -29,6 +29,7 @@ from dlrmv4.distributed import (
 )
 from dlrmv4.errors import UserError, leave_for_launcher
 from dlrmv4.files import check_writable
+from dlrmv4.mlperf.rcp_band import rcp_band
 from dlrmv4.mlperf.rules import check_closed_division
 from dlrmv4.mlperf.runlog import RunLog
 from dlrmv4.model.embeddings import needs_process_group, store_table_counts
@@ -204,6 +205,7 @@ def _run(
                 "eval_samples": trainer.eval_samples,
             },
             cfg.train.target_auc,
+            rcp_band(cfg),
         )
         if plots:
             log(f"plots: {', '.join(str(p) for p in plots)}")
