@@ -62,7 +62,7 @@ def _plots(run_dir: Path, history: dict[str, Any], target_auc: float, band: RcpB
         ax.axvspan(band.fastest, band.slowest, color="tab:green", alpha=0.15, label=band.label)
         ax.axvline(band.mean, color="tab:green", linewidth=1, label=f"RCP mean {band.mean:,.0f}")
     ax.set(xlabel="train samples", ylabel="eval AUC", title="AUC vs samples")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", fontsize="small")  # the curve rises to the right
     ax.grid(alpha=0.3)
     out.append(_save(fig, run_dir / AUC_PLOT))
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
