@@ -15,7 +15,7 @@ from typing import Callable, NoReturn
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.config_loading import add_config_arguments, config_from_args, list_presets, to_toml
-from dlrmv4.errors import ERROR_PREFIX, UserError, leave_for_launcher, under_launcher
+from dlrmv4.errors import ERROR_PREFIX, UserError, report_failure, under_launcher
 from dlrmv4.files import remove_dead_temps
 from dlrmv4.slurm_tasks import adopt_slurm_tasks
 
@@ -421,11 +421,6 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated()
 
 
-def _fail(line: str, caused_by_another_rank: bool = False) -> None:
-    print(f"{ERROR_PREFIX}{line}", file=sys.stderr)
-    leave_for_launcher(line, caused_by_another_rank)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -436,11 +431,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         COMMANDS[args.command][0](cfg, args)
     except UserError as exc:
-        _fail(str(exc), exc.caused_by_another_rank)
+        report_failure(str(exc), exc.caused_by_another_rank)
         return 1
     except OSError as exc:  # an I/O failure no step turned into its own line: the file and the cause
         where = f"{exc.filename}: " if exc.filename else ""
-        _fail(f"{where}{exc.strerror or ' '.join(str(exc).split())}")
+        report_failure(f"{where}{exc.strerror or ' '.join(str(exc).split())}")
         return 1
     except Terminated:
         if not under_launcher():  # dlrmv4.launch says the job's one line about the stop

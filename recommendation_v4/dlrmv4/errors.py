@@ -45,11 +45,16 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def report_failure(line: str, caused_by_another_rank: bool = False) -> None:
+    """The one error line: on stderr, and where a launcher reads it."""
+    print(ERROR_PREFIX + line, file=sys.stderr, flush=True)
+    leave_for_launcher(line, caused_by_another_rank)
+
+
 def exit_with_error(message: str) -> None:
-    """Print the one error line and end the process now, from any thread: for a thread that must end
+    """Report the one error line and end the process now, from any thread: for a thread that must end
     a run whose main thread is blocked in native code (a collective that will never complete) because
     another rank failed."""
-    print(ERROR_PREFIX + message, file=sys.stderr, flush=True)
-    leave_for_launcher(message, caused_by_another_rank=True)
+    report_failure(message, caused_by_another_rank=True)
     sys.stdout.flush()
     os._exit(1)
