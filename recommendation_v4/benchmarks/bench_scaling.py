@@ -11,6 +11,9 @@ plain backend every rank holds every table: the run checks the replicas ended id
     python benchmarks/bench_scaling.py --data-path ../data --worlds 1 2 --per-rank-batch 256 --label gpu-ref ...
     python benchmarks/bench_scaling.py --data-path data --worlds 1 2 --scaling strong --label cpu-gloo
 
+A row too long for one sitting is finished by a later call on the same machine with
+``--continue-row`` (the same flags): its repeats are added to the saved row of that label.
+
 Any config flag passes through (model shape, backend, workers). The store must exist.
 """
 
@@ -30,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import cpu_model, device_name, save_labelled_row
+from harness import RESULTS, cpu_model, device_name, save_labelled_row
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.config_loading import add_config_arguments, config_from_args
@@ -225,6 +228,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=25_600, help="timed samples")
     parser.add_argument("--label", default=None, help="row name in results/scaling (default: the device)")
     parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS, help="where scaling.json and .md are kept")
     parser.add_argument("--profile", action="store_true", help="print a profile of 10 bare steps per process count")
     parser.add_argument(
         "--real-tables-of",
@@ -235,6 +239,11 @@ def main() -> None:
         "N-GPU row-wise plan (0: the config's tables)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="times each world size runs, alternating")
+    parser.add_argument(
+        "--continue-row",
+        action="store_true",
+        help="add these repeats to the saved row of the same label and device (a later call on the same machine)",
+    )
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()
     if args.worker_out:
@@ -242,9 +251,10 @@ def main() -> None:
         exit_process(0)  # a rank of several: no interpreter teardown (see exit_process)
     config_from_args(args)  # a bad flag fails here, once
     passthrough = [a for a in sys.argv[1:]]
-    results: list[dict] = []
+    results = _saved_results(args) if args.continue_row else []
+    first_repeat = results[-1]["repeat"] + 1 if results else 0
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [(r, w) for r in range(args.repeats) for w in args.worlds]
+        runs = [(first_repeat + r, w) for r in range(args.repeats) for w in args.worlds]
         for i, (repeat, world) in enumerate(runs):
             out = Path(tmp) / f"world{world}.{repeat}.json"
             cmd = [
@@ -272,8 +282,25 @@ def main() -> None:
             if (i + 1) % len(args.worlds) == 0:
                 row = _row(args, results)
                 if not args.no_save:  # after every whole repeat: a call cut short keeps the repeats it finished
-                    _save(row)
+                    _save(row, args.results_dir)
     print(_table([row]))
+
+
+def _saved_results(args: argparse.Namespace) -> list[dict]:
+    """The repeats already saved in the row this call continues; it must exist, on this device, at these worlds."""
+    label = _label(args)
+    path = args.results_dir / "scaling.json"
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
+    row = next((r for r in rows if r["label"] == label), None)
+    if row is None:
+        raise SystemExit(f"--continue-row: no saved row labelled {label!r} in {path}")
+    if row["device"] != _device_name() or sorted({r["world_size"] for r in row["results"]}) != sorted(args.worlds):
+        raise SystemExit(f"--continue-row: row {label!r} was measured on {row['device']} at other process counts")
+    return row["results"]
+
+
+def _label(args: argparse.Namespace) -> str:
+    return args.label or ("gpu" if torch.cuda.is_available() else "cpu")
 
 
 def _row(args: argparse.Namespace, results: list[dict]) -> dict:
@@ -285,7 +312,7 @@ def _row(args: argparse.Namespace, results: list[dict]) -> dict:
             r[f"{kind}efficiency"] = r[f"{kind}speedup"] / (r["world_size"] / base["world_size"])
     cfg = config_from_args(args)
     return {
-        "label": args.label or ("gpu" if torch.cuda.is_available() else "cpu"),
+        "label": _label(args),
         "device": _device_name(),
         "torch": torch.__version__,
         "scaling": args.scaling,
@@ -349,7 +376,7 @@ def spread_line(row: dict) -> str:
     return f"- {row['label']}: loop speedup min / median / max: " + "; ".join(parts) if parts else ""
 
 
-def _save(row: dict) -> None:
+def _save(row: dict, results_dir: Path) -> None:
     save_labelled_row(
         "scaling",
         row,
@@ -363,6 +390,7 @@ def _save(row: dict) -> None:
         ),
         _table,
         device="cuda" if torch.cuda.is_available() else "cpu",
+        out=results_dir,
     )
 
 

@@ -4,6 +4,7 @@ the dense replicas end identical."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -35,3 +36,26 @@ def test_a_gloo_row_with_the_sparse_pipeline(tmp_path):
     )
     assert [(world, same) for _, world, same in rows] == [("1", "yes"), ("2", "yes")], proc.stdout
     assert all("pipelined ids" in setup for setup, _, _ in rows)
+
+
+def test_a_later_call_adds_its_repeats_to_the_saved_row(tmp_path):
+    """A row cut short by a call's time limit is finished by a second call with --continue-row: the saved
+    row then holds both calls' repeats, numbered in order, each speedup against its own repeat's base."""
+    data_path = make_data(tmp_path)
+    flags = run_flags(data_path, tmp_path / "run")
+    cmd = [sys.executable, str(BENCH), *flags, "--worlds", "1", "--per-rank-batch", "8", "--warmup-samples", "16"]
+    cmd += ["--samples", "32", "--label", "ci-continued", "--results-dir", str(tmp_path / "results")]
+    for extra in ([], ["--continue-row"]):
+        proc = subprocess.run(cmd + extra, capture_output=True, text=True, env=launch_env(), timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "results" / "scaling.json").read_text())["rows"]
+    assert row["repeats_finished"] == 2 and [r["repeat"] for r in row["results"]] == [0, 1]
+    assert all(r["speedup"] == 1.0 for r in row["results"])
+    other = subprocess.run(
+        cmd[:-4] + ["--label", "never-saved", "--results-dir", str(tmp_path / "results"), "--continue-row"],
+        capture_output=True,
+        text=True,
+        env=launch_env(),
+        timeout=600,
+    )
+    assert other.returncode != 0 and "no saved row labelled 'never-saved'" in other.stderr
