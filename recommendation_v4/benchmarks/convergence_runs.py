@@ -91,7 +91,7 @@ def main() -> None:
     rcp = rcp_record(args.preset)
     rows = "\n".join(
         f"| {r['seed']} | {r['status']} | {r['samples_to_target'] or '-':,} | {r['seconds_to_target']} | "
-        f"{r['curve'][-1][1] if r['curve'] else '-'} | {'PASSED' if r['checker_passed'] else 'FAILED'} | "
+        f"{format(r['curve'][-1][1], '.4f') if r['curve'] else '-'} | {'PASSED' if r['checker_passed'] else 'FAILED'} | "
         f"`{r['result_line']}` |"
         for r in runs
     )

@@ -254,3 +254,20 @@ def test_the_medium_rcp_takes_its_runs_and_the_four_gpu_run(tmp_path):
         text=True,
     )  # fmt: skip
     assert proc.returncode == 0 and "RCP test PASSED" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_small_rcp_takes_its_own_runs(tmp_path):
+    """synthetic-small's RCP (8 one-GPU seeds at GBS 256): the official format, every seed converged, and
+    the real rcp_checker accepts its own runs' logs against it."""
+    rcp_json = REPO / "rcp" / "rcps_dlrmv4_synthetic-small.json"
+    (record,) = json.loads(rcp_json.read_text()).values()
+    assert record["BS"] == 256 and record["Runs"] == len(record["Epochs to converge"]) == 8
+    assert record["Not converged"] == 0
+    runs = REPO / "rcp" / "synthetic-small" / "256"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlperf_logging.rcp_checker", str(runs), "--rcp_version", "6.1.0",
+         "--custom_rcps", str(rcp_json), "--log_output", str(tmp_path / "rcp.log")],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "RCP test PASSED" in proc.stdout + proc.stderr, proc.stderr[-2000:]

@@ -22,7 +22,9 @@ def test_a_recipe_with_references_gets_their_band_and_another_none():
     scaled = {("loader", "batch_size"): 256, ("train", "learning_rate"): 0.006}
     assert rcp_band(load_config("synthetic-tiny", None, scaled)).runs == 20
     assert rcp_band(load_config("synthetic-tiny", None, {("train", "sparse_learning_rate"): 0.05})) is None
-    assert rcp_band(load_config("synthetic-small")) is None  # no RCP file for this preset
+    small = rcp_band(load_config("synthetic-small"))
+    assert (small.runs, small.fastest, small.slowest) == (8, 150_528, 458_752)
+    assert rcp_band(load_config("synthetic-50m")) is None  # no RCP file for this preset
 
 
 def test_the_report_draws_the_band_and_records_it(tmp_path):
