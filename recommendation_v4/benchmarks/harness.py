@@ -139,10 +139,11 @@ def package_versions() -> dict[str, str]:
 
 
 def command_line(argv: list[str] | None = None) -> str:
-    """``python benchmarks/<script> <args>`` as this process was started (arguments shell-quoted), the
-    same from any working directory."""
+    """``python benchmarks/<group>/<script> <args>`` as this process was started (arguments
+    shell-quoted), the same from any working directory."""
     argv = sys.argv if argv is None else argv
-    return shlex.join(["python", f"benchmarks/{Path(argv[0]).name}", *argv[1:]])
+    script = Path(argv[0]).resolve().relative_to(HERE).as_posix()
+    return shlex.join(["python", f"benchmarks/{script}", *argv[1:]])
 
 
 def stamp(device=None) -> dict:

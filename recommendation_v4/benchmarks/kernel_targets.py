@@ -1,6 +1,6 @@
 """Every Triton kernel the benchmark's model launches, compiled for a GPU target on this machine
 (no GPU needed): the compile test (tests/test_kernel_targets.py) and the resources table
-(bench_kernel_resources.py) share it.
+(kernels/bench_kernel_resources.py) share it.
 
 The launches are the model's own: a training step (forward, backward, both optimizers, the
 tables' row-wise Adagrad) and an eval forward of the reference-width model on CPU tensors, for

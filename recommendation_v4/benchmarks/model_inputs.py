@@ -1,14 +1,16 @@
 """Random model inputs: a jagged batch with chosen history lengths and random embeddings (the model's
-tests and ``bench_stu.py``'s parity check share them)."""
+tests and ``kernels/bench_stu.py``'s parity check share them), and a batch at a config's table sizes
+with uniform or Zipf-skewed ids (the step benchmarks and ``scale/bench_hot_ids.py``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.batch import JaggedBatch, TorchJaggedBatch
-from dlrmv4.data.hashing import NUM_CONTEXTUAL
-from dlrmv4.model.embeddings import SequenceEmbeddings
+from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
+from dlrmv4.model.embeddings import TABLE_NAMES, SequenceEmbeddings
 
 
 def random_batch(lengths, seed: int, dedup_ids: bool = False) -> TorchJaggedBatch:
@@ -55,3 +57,48 @@ def random_embeddings(batch: TorchJaggedBatch, dim: int, seed: int, dtype=torch.
         contextual=r(b, NUM_CONTEXTUAL, dim),
         candidate=r(b, 3 * dim),
     )
+
+
+def random_table_batch(
+    cfg: BenchmarkConfig,
+    lengths: np.ndarray,
+    rows: int | dict[str, int],
+    rng: np.random.Generator,
+    skew: float = 0.0,
+    dedup_ids: bool = False,
+):
+    """A jagged batch with the given sequence lengths (history = length - 9) and each table's ids below
+    its row count (``rows``: one count for every table, or one per table name): uniform, or
+    Zipf-distributed with exponent ``skew`` (> 1: a few very popular rows, as in real listening data);
+    ``dedup_ids``: with the lookup's distinct ids packed, as the loader packs them for TorchRec."""
+    rows = rows if isinstance(rows, dict) else {name: rows for name in TABLE_NAMES}
+    hist = np.maximum(lengths - 9, 1).astype(np.int32)
+    b, t = len(hist), int(hist.sum())
+    offsets = np.zeros(b + 1, np.int64)
+    np.cumsum(hist, out=offsets[1:])
+    ts = np.concatenate([np.sort(rng.integers(0, 10**7, n)) for n in hist]).astype(np.int64)
+    query = ts[offsets[1:] - 1]
+
+    def ids(table: str, n: int) -> np.ndarray:
+        r = rows[table]
+        return ((rng.zipf(skew, n) - 1) % r if skew else rng.integers(0, r, n)).astype(np.int64)
+
+    batch = JaggedBatch(
+        history_lengths=hist,
+        history_offsets=offsets,
+        history_item_id=ids("item", t),
+        history_artist_id=ids("artist", t),
+        history_album_id=ids("album", t),
+        history_action=rng.choice([1, 2, 4], t).astype(np.int64),
+        history_timestamp=ts,
+        contextual_ids=np.stack([ids(name, b) for name in CONTEXTUAL_FEATURES], 1),
+        candidate_item_id=ids("item", b),
+        candidate_artist_id=ids("artist", b),
+        candidate_album_id=ids("album", b),
+        candidate_timestamp=query + rng.integers(0, 600, b),
+        query_time=query,
+        label=rng.integers(0, 2, b).astype(np.float32),
+        anchor_index=np.arange(b, dtype=np.int64),
+    )
+    batch.validate()
+    return batch.to_torch(dedup_ids=dedup_ids)

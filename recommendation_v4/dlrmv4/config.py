@@ -273,7 +273,15 @@ class TrainConfig:
         "writes none (runs that are never continued, as RCP seeds; continuing it replays from its "
         "newest checkpoint). A max-steps stop always writes one",
     )
-    keep_last_checkpoints: int = _field(2, "complete checkpoints kept on disk", min=1)
+    keep_last_checkpoints: int = _field(
+        2, "complete checkpoints kept on disk (and the checkpoints their delta chains go back through)", min=1
+    )
+    checkpoint_full_every: int = _field(
+        8,
+        "every Nth checkpoint holds the whole tables; the ones between are deltas: the dense state and "
+        "only the table rows that changed since the checkpoint before (1: every checkpoint whole)",
+        min=1,
+    )
     async_checkpoints: bool = _field(
         True,
         "write checkpoints in the background: the step waits only while the state is copied to "

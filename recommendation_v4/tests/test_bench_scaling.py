@@ -1,4 +1,4 @@
-"""benchmarks/bench_scaling.py on two gloo ranks with TorchRec row-wise tables and the sparse-dist
+"""benchmarks/scale/bench_scaling.py on two gloo ranks with TorchRec row-wise tables and the sparse-dist
 pipeline: both world sizes train the same span of the stream, the table names the pipeline, and
 the dense replicas end identical."""
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # three torchrun launches
 
 pytest.importorskip("torchrec")
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scaling.py"
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "scale" / "bench_scaling.py"
 
 
 def test_a_gloo_row_with_the_sparse_pipeline(tmp_path):

@@ -18,7 +18,7 @@ BENCHMARKS = Path(harness.__file__).resolve().parent
 
 @pytest.fixture
 def argv(monkeypatch):
-    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "bench_x.py"), "--label", "a b", "--steps", "3"])
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "step" / "bench_x.py"), "--label", "a b", "--steps", "3"])
     monkeypatch.setenv("DLRMV4_COMMIT", "abc1234")
     harness.git_commit.cache_clear()
     yield
@@ -26,7 +26,7 @@ def argv(monkeypatch):
 
 
 def test_command_line_is_relative_and_quoted(argv):
-    assert harness.command_line() == "python benchmarks/bench_x.py --label 'a b' --steps 3"
+    assert harness.command_line() == "python benchmarks/step/bench_x.py --label 'a b' --steps 3"
 
 
 def test_commit_from_the_environment_else_git(monkeypatch, argv):
@@ -55,7 +55,7 @@ def test_write_results_stamps_both_files(tmp_path, argv):
     data = json.loads((tmp_path / "results" / "demo.json").read_text())
     assert data == stamped
     assert data["rows"] == [{"x": 1}] and data["device"] == "my device"
-    assert data["command"] == "python benchmarks/bench_x.py --label 'a b' --steps 3"
+    assert data["command"] == "python benchmarks/step/bench_x.py --label 'a b' --steps 3"
     assert data["commit"] == "abc1234"
     assert data["machine"]["cpu"] and data["versions"]["python"]
     md = (tmp_path / "results" / "demo.md").read_text()
@@ -80,7 +80,7 @@ def test_labelled_rows_keep_one_row_per_label(tmp_path, argv, monkeypatch):
     def table(rows):
         return "\n".join(f"| {r['label']} | {r['value']} |" for r in rows)
 
-    old = {"label": "old", "value": 0, "command": "python benchmarks/bench_x.py --label old"}  # before stamps
+    old = {"label": "old", "value": 0, "command": "python benchmarks/step/bench_x.py --label old"}  # before stamps
     (tmp_path / "demo.json").write_text(json.dumps({"rows": [old]}))
     harness.save_labelled_row("demo", {"label": "a", "value": 1}, "Intro.", table, device="cpu", out=tmp_path)
     monkeypatch.setenv("DLRMV4_COMMIT", "def5678")
@@ -92,8 +92,8 @@ def test_labelled_rows_keep_one_row_per_label(tmp_path, argv, monkeypatch):
     assert rows[0] == old and rows[1]["commit"] == rows[2]["commit"] == "def5678"
     md = (tmp_path / "demo.md").read_text()
     assert md.startswith("Intro.\n\n| old | 0 |\n| b | 2 |\n| a | 3 |\n\nCommands:\n")
-    assert "- old: `python benchmarks/bench_x.py --label old`\n" in md
-    assert "- a: `python benchmarks/bench_x.py --label 'a b' --steps 3` (commit def5678; " in md
+    assert "- old: `python benchmarks/step/bench_x.py --label old`\n" in md
+    assert "- a: `python benchmarks/step/bench_x.py --label 'a b' --steps 3` (commit def5678; " in md
 
 
 def test_sampler_benchmark_writes_stamped_results(tmp_path):
@@ -113,7 +113,7 @@ def test_sampler_benchmark_writes_stamped_results(tmp_path):
         str(tmp_path),
     ]
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_sampler.py"), *args],
+        [sys.executable, str(BENCHMARKS / "data" / "bench_sampler.py"), *args],
         capture_output=True,
         text=True,
         env=env,
@@ -121,7 +121,7 @@ def test_sampler_benchmark_writes_stamped_results(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "sampler.json").read_text())
-    command = "python benchmarks/bench_sampler.py " + " ".join(args)
+    command = "python benchmarks/data/bench_sampler.py " + " ".join(args)
     assert data["command"] == command and data["commit"] == "feed123"
     assert data["machine"]["cpu"] and "numpy" in data["versions"]
     assert [r["config"] for r in data["rows"]] == ["reference (max_seq_len 4096)", "history 1,024"]
@@ -132,7 +132,8 @@ def test_sampler_benchmark_writes_stamped_results(tmp_path):
 
 
 def _run_on_a_small_store(tmp_path, script: str, *args: str) -> dict:
-    """``script`` on the small multi-process store (GBS 16), writing to ``tmp_path``; its results."""
+    """``script`` (its path under benchmarks/) on the small multi-process store (GBS 16), writing to
+    ``tmp_path``; its results."""
     from multi_process import make_data
 
     data = make_data(tmp_path / "store")
@@ -142,13 +143,14 @@ def _run_on_a_small_store(tmp_path, script: str, *args: str) -> dict:
         [sys.executable, str(BENCHMARKS / script), *common, *args], capture_output=True, text=True, env=env, timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return json.loads((tmp_path / script.removeprefix("bench_").replace(".py", ".json")).read_text())
+    name = Path(script).stem.removeprefix("bench_")
+    return json.loads((tmp_path / f"{name}.json").read_text())
 
 
 def test_dedup_ids_benchmark_counts_the_distinct_ids(tmp_path):
     """bench_dedup_ids.py on a small store: rank 0's distinct history ids are a share of its tokens,
     fewer than all of them (the store's users repeat items), and the table says so per feature."""
-    data = _run_on_a_small_store(tmp_path, "bench_dedup_ids.py", "--worlds", "1", "2", "--batches", "3")
+    data = _run_on_a_small_store(tmp_path, "data/bench_dedup_ids.py", "--worlds", "1", "2", "--batches", "3")
     assert [(r["world"], r["samples_per_rank"]) for r in data["rows"]] == [(1, 16), (2, 8)]
     for row in data["rows"]:
         assert all(0 < share < 1 for share in row["distinct_share"].values()), row
@@ -160,7 +162,7 @@ def test_dedup_ids_benchmark_counts_the_distinct_ids(tmp_path):
 def test_loader_benchmark_times_a_worker_and_the_node(tmp_path):
     """bench_loader.py on a small store: one worker cold and warm, then two ranks' workers at once."""
     data = _run_on_a_small_store(
-        tmp_path, "bench_loader.py", "--ranks", "2", "--workers-per-rank", "1", "--batches", "2"
+        tmp_path, "data/bench_loader.py", "--ranks", "2", "--workers-per-rank", "1", "--batches", "2"
     )
     rows = data["rows"]
     assert rows["cold"]["samples"] == rows["warm"]["samples"] > 0

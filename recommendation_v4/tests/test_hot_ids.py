@@ -1,4 +1,4 @@
-"""Hot ids on row-wise sharded tables over two gloo ranks (benchmarks/bench_hot_ids.py --smoke):
+"""Hot ids on row-wise sharded tables over two gloo ranks (benchmarks/scale/bench_hot_ids.py --smoke):
 Zipf(1.2) ids put about a fifth of the lookups on one id, the rank owning the popular rows serves
 most of both ranks' lookups, and the fp16 all-to-all with the low-memory encoder carries it."""
 
@@ -16,11 +16,11 @@ pytestmark = pytest.mark.slow  # two processes with TorchRec tables
 
 pytest.importorskip("torchrec")
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hot_ids.py"
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "scale" / "bench_hot_ids.py"
 
 
 def test_zipf_ids_load_the_rank_with_the_popular_rows():
-    env = dict(os.environ, PYTHONPATH=str(BENCH.parents[1]), PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=str(BENCH.parents[2]), PYTHONWARNINGS="ignore")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     proc = subprocess.run(

@@ -1,7 +1,12 @@
 """The time-to-train projection's measured parts: the all-to-all rate from the hot-ids results and
-the exchange's work beyond NCCL from a weak-scaling row (benchmarks/project_time_to_train.py)."""
+the exchange's work beyond NCCL from a weak-scaling row (benchmarks/projections/project_time_to_train.py)."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "projections"))
 
 import project_time_to_train as projection
 import pytest
@@ -124,3 +129,18 @@ def test_a_measured_run_that_did_not_reach_its_target_is_refused(tmp_path):
         projection.measured_run(report)
     with pytest.raises(SystemExit, match="no run report at"):
         projection.measured_run(tmp_path / "missing.json")
+
+
+def test_delta_checkpoints_save_at_every_window_end_the_disk_allows():
+    """8 ranks of 69.9 GiB on a 1 GB/s disk, 440-s windows: the whole save's 600-s write spans the next
+    window end (skipped), then a delta of the two windows since, then deltas of one window each; the
+    step waits 20 ms per GiB for the whole save and 5 ms per GiB for each delta."""
+    saves = {"later_s_per_gib": 0.02, "write_gbps": 1.0}
+    delta = {"window_share": 0.01, "find_s_per_gib": 0.005}
+    waited, skipped = projection.delta_checkpoint_seconds(saves, delta, 8, 9, 440.0, 559.0, 8)
+    rank_gib = 559.0 / 8
+    assert skipped == 1
+    assert waited == pytest.approx(rank_gib * 0.02 + 7 * rank_gib * 0.005)
+    # Every save whole: each 600-s write spans a window end.
+    waited, skipped = projection.delta_checkpoint_seconds(saves, delta, 8, 9, 440.0, 559.0, 1)
+    assert (skipped, waited) == (4, pytest.approx(5 * rank_gib * 0.02))

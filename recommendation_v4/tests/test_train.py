@@ -112,17 +112,25 @@ def _report(run_dir: Path) -> dict:
 
 
 def _final_tables(run_dir: Path) -> dict:
-    """The sparse tables of the final checkpoint (written when the run ends), read back through DCP."""
+    """The sparse tables of the final checkpoint (written when the run ends), read back through DCP: the
+    whole tables at the start of its chain with every delta's rows written over them."""
     import warnings
 
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from dlrmv4.checkpoint.files import latest_checkpoint
+    from dlrmv4.checkpoint.files import checkpoint_chain, latest_checkpoint
 
+    whole, *deltas = checkpoint_chain(latest_checkpoint(run_dir))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's one-process warning
-        state = _load_state_dict_from_keys("sparse", checkpoint_id=latest_checkpoint(run_dir))
-    return state["sparse"]["tables"]
+        tables = _load_state_dict_from_keys("sparse", checkpoint_id=whole)["sparse"]["tables"]
+        for delta in deltas:
+            rows = _load_state_dict_from_keys("sparse_delta", checkpoint_id=delta).get("sparse_delta", {})
+            for name, by_rank in rows.get("rows", {}).items():
+                for parts in by_rank.values():
+                    tables[name]["weight"][parts["ids"]] = parts["weight"]
+                    tables[name]["momentum"][parts["ids"]] = parts["momentum"]
+    return tables
 
 
 def test_run_streams_windows_and_evaluates(data_path, tmp_path):
@@ -518,7 +526,10 @@ def test_a_window_end_checkpoint_never_waits_for_the_previous_write(data_path, t
     assert history.checkpoint_seconds < 1.5 * (len(saves) - 1), (history.checkpoint_seconds, lines)
     assert _report(tmp_path / "window")["checkpoints_skipped"] == history.checkpoints_skipped
 
-    history, lines = run(tmp_path / "steps", checkpoint_every_window=False, checkpoint_every_steps=7)
+    # Every checkpoint whole: the newest two alone are kept (deltas keep their chains too: test_delta_checkpoints).
+    history, lines = run(
+        tmp_path / "steps", checkpoint_every_window=False, checkpoint_every_steps=7, checkpoint_full_every=1
+    )
     assert history.checkpoints_skipped == 0 and not [line for line in lines if "skipped" in line]
     saved = sorted(p.name for p in (tmp_path / "steps" / "checkpoints").iterdir())
     assert saved[-1] == f"step-{history.steps:08d}" and len(saved) == 2  # keep_last_checkpoints

@@ -5,6 +5,10 @@ Layout: ``run_dir/checkpoints/step-<8 digits>/`` holding
     (DCP: ``.metadata`` + ``__<rank>_<n>.distcp``), so sharded state saves the same way later;
   - ``position.json`` (the data position and counters) and ``state.pkl`` (small non-tensor state:
     RNG states, the run's history, run-log state, the settings of the resume contract);
+  - for a delta checkpoint, ``chain.json``: the checkpoint it continues (its parent) and the sha256 of
+    the parent's marker; a delta holds the dense state whole and only the table rows that changed
+    since its parent (``table_deltas``), so a resume loads the whole checkpoint at the chain's start
+    and applies every delta after it, and a checkpoint is usable only with its whole chain;
   - ``COMPLETE``: sha256 and size of every other file, written last.
 The directory is built under a temp name beside it and renamed once, so a reader sees either no
 checkpoint or a whole one; the marker also catches later damage (truncation, bit rot).
@@ -51,6 +55,7 @@ from dlrmv4.files import atomic_directory, remove_dead_temps, write_errors_in_on
 
 MARKER = "COMPLETE"
 POSITION_FILE = "position.json"
+CHAIN_FILE = "chain.json"
 PICKLE_FILE = "state.pkl"
 CHECKPOINT_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -137,11 +142,39 @@ def _step_dirs(root: Path) -> list[Path]:
 
 
 def _prune(root: Path, keep: int, just_written: Path) -> None:
-    """Keep the newest ``keep`` complete checkpoints (the one just written always among them)."""
+    """Keep the newest ``keep`` complete checkpoints (the one just written always among them) and every
+    checkpoint their chains go back through."""
     complete = [p for p in _step_dirs(root) if (p / MARKER).is_file()]
     older = [p for p in complete if p != just_written]
-    for p in older[: max(0, len(older) - (keep - 1))]:
-        shutil.rmtree(p, ignore_errors=True)
+    kept = older[len(older) - min(len(older), keep - 1) :] + [just_written]
+    needed = {p for ckpt in kept for p in _ancestry(ckpt)}
+    for p in complete:
+        if p not in needed:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _parent(ckpt: Path) -> tuple[Path, str] | None:
+    """The checkpoint a delta continues and the sha256 its marker must have; None for a whole checkpoint."""
+    try:
+        chain = json.loads((ckpt / CHAIN_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    return ckpt.parent / chain["parent"], chain["parent_marker_sha256"]
+
+
+def _ancestry(ckpt: Path) -> list[Path]:
+    """``ckpt`` and the checkpoints its chain goes back through, as far as they exist (newest first)."""
+    chain = [ckpt]
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        while (parent := _parent(chain[-1])) is not None and parent[0].is_dir() and parent[0] not in chain:
+            chain.append(parent[0])
+    return chain
+
+
+def checkpoint_chain(ckpt: str | os.PathLike) -> list[Path]:
+    """The checkpoints a resume from ``ckpt`` loads, oldest (the whole one) first. Check the chain with
+    ``resume_point`` or ``latest_checkpoint`` first."""
+    return list(reversed(_ancestry(Path(ckpt))))
 
 
 def save_checkpoint(
@@ -151,13 +184,16 @@ def save_checkpoint(
     keep_last: int,
     cluster: Cluster | None = None,
     rank_state: Any = None,
+    parent: Path | None = None,
 ) -> Path:
     """Write ``run_dir/checkpoints/step-<position.step>/`` atomically and prune to ``keep_last``.
 
     ``state`` maps names to Stateful objects (``nn.Module``, ``ModelAndOptimizers``), saved by DCP
     and later loaded in place, or to small picklable values (the history, run-log state, ...).
     ``rank_state`` is this rank's own small state (RNG streams); ``load_checkpoint`` returns every
-    rank's as ``rank_states``. With a cluster of several ranks every rank must call this.
+    rank's as ``rank_states``. ``parent``: the checkpoint this one continues (a delta checkpoint,
+    whose state holds only what changed since it; None: a whole checkpoint). With a cluster of several
+    ranks every rank must call this.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
@@ -170,7 +206,7 @@ def save_checkpoint(
             remove_dead_temps(root)
             with atomic_directory(final) as tmp:
                 _raise_for(_thread_problem(final, dcp_save(tensor_state, tmp)) or _incomplete(final, tmp))
-                _write_small_files(tmp, position, {**small_state, "rank_states": [rank_state]})
+                _write_small_files(tmp, position, {**small_state, "rank_states": [rank_state]}, parent)
         elif cluster.is_main:
             root.mkdir(parents=True, exist_ok=True)
             remove_dead_temps(root)
@@ -182,7 +218,7 @@ def save_checkpoint(
                 problem = next((p for _, p in gathered if p is not None), None) or _incomplete(final, tmp)
                 cluster.broadcast(problem)  # every rank ends with the same line, or goes on
                 _raise_for(problem)
-                _write_small_files(tmp, position, {**small_state, "rank_states": [s for s, _ in gathered]})
+                _write_small_files(tmp, position, {**small_state, "rank_states": [s for s, _ in gathered]}, parent)
             cluster.barrier()  # the others go on once the checkpoint is complete
         else:
             tmp = Path(cluster.broadcast(None))
@@ -216,8 +252,13 @@ def _raise_for(problem: str | None) -> None:
         raise UserError(problem)
 
 
-def _write_small_files(tmp: Path, position: CheckpointPosition, small_state: dict[str, Any]) -> None:
-    """position.json, state.pkl and, last, the marker over every file in ``tmp``."""
+def _write_small_files(
+    tmp: Path, position: CheckpointPosition, small_state: dict[str, Any], parent: Path | None = None
+) -> None:
+    """position.json, state.pkl, a delta's chain.json and, last, the marker over every file in ``tmp``."""
+    if parent is not None:
+        chain = {"parent": parent.name, "parent_marker_sha256": _sha256(parent / MARKER)}
+        _write_synced(tmp / CHAIN_FILE, json.dumps(chain, indent=1).encode())
     _write_synced(tmp / POSITION_FILE, json.dumps(dataclasses.asdict(position), indent=1).encode())
     _write_synced(tmp / PICKLE_FILE, pickle.dumps(small_state, protocol=pickle.HIGHEST_PROTOCOL))
     paths = _content_files(tmp)
@@ -248,12 +289,35 @@ def _problem(ckpt: Path, verify_hashes: bool) -> str | None:
     return missing_pieces(ckpt)
 
 
+def _chain_problem(ckpt: Path, verify_hashes: bool) -> str | None:
+    """Why a resume from ``ckpt`` cannot be trusted: its own problem or one of the checkpoints its chain
+    goes back through (gone, rewritten since, or damaged); None when the whole chain is sound."""
+    seen: set[Path] = set()
+    while True:
+        problem = _problem(ckpt, verify_hashes)
+        if problem is not None:
+            return problem if not seen else f"the checkpoint it continues, {ckpt.name}: {problem}"
+        seen.add(ckpt)
+        try:
+            parent = _parent(ckpt)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"unreadable {CHAIN_FILE} in {ckpt.name} ({type(exc).__name__})"
+        if parent is None:
+            return None
+        path, marker_sha256 = parent
+        if not (path / MARKER).is_file() or path in seen:
+            return f"the checkpoint it continues, {path.name}, is gone"
+        if _sha256(path / MARKER) != marker_sha256:
+            return f"the checkpoint it continues, {path.name}, was written again since"
+        ckpt = path
+
+
 def latest_checkpoint(run_dir: str | os.PathLike, verify_hashes: bool = True, warn: bool = True) -> Path | None:
     """The newest checkpoint that matches its marker; each newer one that does not is skipped, with
     one warning line on stderr when ``warn``. ``verify_hashes=False`` checks sizes only (fast on huge
     tables)."""
     for ckpt in reversed(_step_dirs(_checkpoints_dir(run_dir))):
-        problem = _problem(ckpt, verify_hashes)
+        problem = _chain_problem(ckpt, verify_hashes)
         if problem is None:
             return ckpt
         if warn:
@@ -269,7 +333,7 @@ def resume_point(run_dir: str | os.PathLike) -> Path | None:
     steps = _step_dirs(_checkpoints_dir(run_dir))
     skipped: list[tuple[Path, str]] = []
     for ckpt in reversed(steps):
-        problem = _problem(ckpt, True)
+        problem = _chain_problem(ckpt, True)
         if problem is None:
             for path, why in skipped:
                 print(f"[dlrmv4] warning: skipping checkpoint {path}: {why}", file=sys.stderr)
@@ -310,7 +374,12 @@ def load_checkpoint(
     return position, {**small_state, **tensor_state}
 
 
-class _Staged(Stateful):
+class HostCopy(Stateful):
+    """An entry whose tensors are already host copies that the run will not change (a delta's rows): the
+    asynchronous writer writes them as they are instead of staging them."""
+
+
+class _Staged(HostCopy):
     """A state dict already copied to host memory: DCP writes it as it is; it is never loaded into."""
 
     def __init__(self, state_dict: dict[str, Any]) -> None:
@@ -336,7 +405,8 @@ class CheckpointWriter:
         self.cluster = cluster
         if asynchronous and cluster.world_size > 1:  # collective: every rank builds its writer
             self.cluster = dataclasses.replace(cluster, control=dist.new_group(backend="gloo"))
-        self._stager = BlockingAsyncStager(cache_staged_state_dict=torch.cuda.is_available())
+        # One staging copy per kind of save (whole, delta's dense state): each is reused by the next save of its kind.
+        self._stagers: dict[tuple[str, ...], BlockingAsyncStager] = {}
         self._thread = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer") if asynchronous else None
         )
@@ -361,13 +431,22 @@ class CheckpointWriter:
 
     def _stage(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         tensor_state, small_state = _split_state(state)
-        return self._stager.stage({key: value.state_dict() for key, value in tensor_state.items()}), small_state
+        on_host = {key: value.state_dict() for key, value in tensor_state.items() if isinstance(value, HostCopy)}
+        to_stage = {key: value.state_dict() for key, value in tensor_state.items() if key not in on_host}
+        stager = self._stagers.get(tuple(sorted(to_stage)))
+        if stager is None:
+            stager = BlockingAsyncStager(cache_staged_state_dict=torch.cuda.is_available())
+            self._stagers[tuple(sorted(to_stage))] = stager
+        return {**stager.stage(to_stage), **on_host}, small_state
 
-    def save(self, position: CheckpointPosition, state: dict[str, Any], rank_state: Any = None) -> Path:
-        """Write (or start writing) ``state`` as ``save_checkpoint`` does; returns its final path."""
+    def save(
+        self, position: CheckpointPosition, state: dict[str, Any], rank_state: Any = None, parent: Path | None = None
+    ) -> Path:
+        """Write (or start writing) ``state`` as ``save_checkpoint`` does (``parent``: the checkpoint a
+        delta continues); returns its final path."""
         started = time.perf_counter()
         if self._thread is None:
-            path = save_checkpoint(self.run_dir, position, state, self.keep_last, self.cluster, rank_state)
+            path = save_checkpoint(self.run_dir, position, state, self.keep_last, self.cluster, rank_state, parent)
             self.stage_seconds = time.perf_counter() - started
             return path
         self.wait()  # the staging buffer is the previous write's until it is done
@@ -375,17 +454,17 @@ class CheckpointWriter:
         # The run goes on changing its objects: the write gets copies as they are now.
         small_state, rank_state = pickle.loads(pickle.dumps((small_state, rank_state)))
         snapshot = {**{key: _Staged(value) for key, value in staged.items()}, **small_state}
-        self._pending = self._thread.submit(self._write, position, snapshot, rank_state)
+        self._pending = self._thread.submit(self._write, position, snapshot, rank_state, parent)
         self.stage_seconds = time.perf_counter() - started
         return _checkpoints_dir(self.run_dir) / f"step-{position.step:08d}"
 
-    def _write(self, position: CheckpointPosition, state: dict[str, Any], rank_state: Any) -> Path:
+    def _write(self, position: CheckpointPosition, state: dict[str, Any], rank_state: Any, parent: Path | None) -> Path:
         # The lowest CPU priority for this thread and the threads it starts (they inherit it on
         # Linux): the training's own threads, and its loader workers, come first.
         with contextlib.suppress(AttributeError, OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         started = time.perf_counter()
-        path = save_checkpoint(self.run_dir, position, state, self.keep_last, self.cluster, rank_state)
+        path = save_checkpoint(self.run_dir, position, state, self.keep_last, self.cluster, rank_state, parent)
         self.write_seconds = time.perf_counter() - started
         return path
 

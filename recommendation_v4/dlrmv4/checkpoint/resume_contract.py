@@ -39,6 +39,7 @@ RESUMABLE_FIELDS = frozenset(
         "train.checkpoint_every_window",
         "train.final_checkpoint",
         "train.keep_last_checkpoints",
+        "train.checkpoint_full_every",
         "train.async_checkpoints",
         "train.profile_steps",
         "train.allow_changed_settings",

@@ -25,7 +25,7 @@ FP32 = 4
 # Measured bytes per sequence token that one chunk's forward keeps for its backward (the STU stack
 # and the preprocessor together: what ``stu_kept_bytes_per_token`` x layers + the preprocessor's
 # share estimate), keyed by ``ActivationShape.key(mode)``. A value comes from
-# ``benchmarks/bench_end_to_end.py --recompute none cheap layer`` (its "kept KiB/token" column:
+# ``benchmarks/step/bench_end_to_end.py --recompute none cheap layer`` (its "kept KiB/token" column:
 # saved-tensor hooks over one training forward, the tables' rows and the weights left out) at that
 # exact shape, dtype and mode; results/end_to_end_recompute.md names the GPU and the commit.
 _REFERENCE = (512, 4, 128, 128, 3, 512, 256, 2, True)  # SPEC §5's model in bf16 with dropout

@@ -15,11 +15,20 @@ from dlrmv4.checkpoint.files import (
     CheckpointPosition,
     CheckpointWriter,
     ModelAndOptimizers,
+    checkpoint_chain,
     load_checkpoint,
     load_small_state,
 )
 from dlrmv4.checkpoint.resume_contract import changed_settings, run_settings
 from dlrmv4.checkpoint.rng import capture_rng_state, restore_rng_state, resume_seed
+from dlrmv4.checkpoint.table_deltas import (
+    ENTRY,
+    ChangedRows,
+    TableRowsDelta,
+    apply_delta,
+    delta_bytes,
+    split_by_columns,
+)
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
@@ -55,6 +64,19 @@ class Checkpointer:
         self.cadence = CheckpointCadence(cfg.train)
         train = cfg.train
         self.writer = CheckpointWriter(train.run_dir, train.keep_last_checkpoints, cluster, train.async_checkpoints)
+        # Delta checkpoints: the rows changed since ``parent`` (the last checkpoint written or resumed from),
+        # ``deltas_since_whole`` of them since the chain's whole checkpoint.
+        self.changed_rows = ChangedRows()
+        self.parent: Path | None = None
+        self.deltas_since_whole = 0
+        self.full_every = train.checkpoint_full_every
+        split = split_by_columns(embeddings) if self.full_every > 1 else []
+        if split:
+            self.full_every = 1
+            log(
+                f"every checkpoint holds the whole tables: {', '.join(split)} split by columns (column_wise "
+                "sharding), and a delta checkpoint needs whole rows on a rank"
+            )
 
     def due(self, history: RunHistory, window: int, last_of_window: bool) -> bool:
         """Whether a checkpoint is due after ``history.steps``. A window-end checkpoint (and no other cadence's)
@@ -99,15 +121,34 @@ class Checkpointer:
         own = {"rng": capture_rng_state({"dropout": self.model.dropout_generator}), "window_loss": float(window_loss)}
         # The mean over ranks: a resume on another world size continues the same number.
         state = self._state(history, self.cluster.mean(window_loss), window_steps, runlog_state)
-        self.wait()
-        path = self.writer.save(position, state, rank_state=own)
+        self.wait()  # a delta is written against the checkpoint before it: that one must be written
+        every = self.full_every
+        parent = self.parent if every > 1 and self.changed_rows.ready and self.deltas_since_whole + 1 < every else None
+        what = "whole"
+        if parent is not None:
+            rows = self.changed_rows.take(self.embeddings)
+            del state["sparse"]
+            state[ENTRY] = TableRowsDelta(rows, self.cluster.rank)
+            what = (
+                f"a delta of {parent.name}: {self._total(sum(p['ids'].numel() for p in rows.values())):,} "
+                f"changed rows, {self._total(delta_bytes(rows)) / 2**20:,.1f} MiB"
+            )
+        path = self.writer.save(position, state, rank_state=own, parent=parent)
+        if parent is None and every > 1:
+            self.changed_rows.reset(self.embeddings)  # the next deltas are written against this state
+        self.parent, self.deltas_since_whole = path, (0 if parent is None else self.deltas_since_whole + 1)
+        kind = f" ({what})" if every > 1 else ""
         if self.writer.asynchronous:
             self.log(
-                f"checkpoint {path.name} at step {history.steps}: writing in the background "
+                f"checkpoint {path.name}{kind} at step {history.steps}: writing in the background "
                 f"(the step waited {self.writer.stage_seconds:.1f} s for the copy)"
             )
         else:
-            self.log(f"checkpoint {path.name} at step {history.steps}")
+            self.log(f"checkpoint {path.name}{kind} at step {history.steps}")
+
+    def _total(self, count: int) -> int:
+        """A count summed over the ranks (a collective)."""
+        return int(self.cluster.all_reduce_(torch.tensor(count, dtype=torch.int64, device=self.cluster.device)))
 
     def _state(
         self, history: RunHistory, mean_loss: torch.Tensor | float, window_steps: int, runlog_state: dict[str, Any]
@@ -137,11 +178,18 @@ class Checkpointer:
         if path is None:
             return None
         changed = self.check_settings(Path(path))
-        template = {
-            "dense": ModelAndOptimizers(self.model, [self.optimizer]),
-            "sparse": self.embeddings.checkpoint_state(),
-        }
-        position, state = load_checkpoint(path, template, self.cluster)
+        dense = {"dense": ModelAndOptimizers(self.model, [self.optimizer])}
+        whole, *deltas = checkpoint_chain(path)
+        position, state = load_checkpoint(whole, {**dense, "sparse": self.embeddings.checkpoint_state()}, self.cluster)
+        for delta in deltas:
+            rows = apply_delta(delta, self.embeddings, self.cluster)
+            self.log(f"applied {delta.name}: {rows:,} changed rows of the tables since {whole.name}")
+            whole = delta
+        if deltas:  # the dense state, the position and the rest are the newest checkpoint's own
+            position, state = load_checkpoint(path, dense, self.cluster)
+        if self.full_every > 1:
+            self.changed_rows.reset(self.embeddings)
+        self.parent, self.deltas_since_whole = Path(path), len(deltas)
         saved_world = len(state["rank_states"])
         mean_loss, window_steps = state["window_accumulator"]
         if saved_world == self.cluster.world_size:

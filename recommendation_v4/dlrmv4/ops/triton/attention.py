@@ -12,7 +12,7 @@ exists in memory):
   for candidate keys). dQ either comes from a second kernel over query blocks that recomputes the
   scores (``dq_mode="separate"``: 7 matmuls per tile pair, deterministic) or is accumulated in fp32
   with atomics from the dK/dV kernel (``"atomic"``: 5 matmuls). The default was chosen by
-  measurement (benchmarks/notes_attention.md).
+  measurement (benchmarks/kernels/notes_attention.md).
 - tiles, warps and stages are autotuned per (bucket of max_seq_len = next power of two, head dims,
   dtype), from small config lists pruned by the device's shared memory, so a new jagged maximum
   inside a bucket never re-tunes. max_seq_len only sizes the grid and gives 1/N: no host sync.

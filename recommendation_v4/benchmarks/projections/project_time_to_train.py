@@ -14,7 +14,13 @@ Measured (files in benchmarks/results/, each naming its device and commit):
   waits for the copy to host memory and one writer's rate; a node's ranks share its disk. A
   window-end checkpoint due while the previous write is in flight is skipped, so a save is made
   every ceil(node write / window) windows and the step waits only for each save's copy (the buffer
-  is pinned before RUN_START). Without that file, blocking saves at ``train_<gpu>.json``'s rate.
+  is pinned before RUN_START). Without that file, blocking saves at ``train_<gpu>.json``'s rate;
+- delta checkpoints (``train.checkpoint_full_every``, ``--full-every``): a save at every window end
+  the disk allows, every K-th whole and the others holding the rows changed since the save before:
+  ``delta_rows.json`` gives the share of the busiest rank's block a window changes (``synthetic-1b``'s
+  windows, Yambda-5B's tables), ``delta_checkpoint_gpu.json`` what the step waits per GiB of a rank's
+  tables to find and copy the changed rows; a window end is skipped only while a write is in flight
+  (after a whole one), and the next delta then holds the rows of every window since.
 
 The embedding all-to-all: per step each rank receives the rows its samples look up, 1,024 x (mean
 tokens x 3 item-side tables + 8 contextual) rows of D = 512 in fp16 (the reference's qcomm), of the
@@ -34,8 +40,8 @@ GPUs of one node): the two-rank bare step's extra time per step, less its modell
 sample of the rank's batch, is counted for each GPU's batch in both totals.
 
 
-    python benchmarks/project_time_to_train.py                 # H200 parts
-    python benchmarks/project_time_to_train.py --gpu h100
+    python benchmarks/projections/project_time_to_train.py                 # H200 parts
+    python benchmarks/projections/project_time_to_train.py --gpu h100
 """
 
 from __future__ import annotations
@@ -45,7 +51,10 @@ import dataclasses
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 from harness import RESULTS, command_line, write_results
 
@@ -167,6 +176,8 @@ def measured_parts(
     exchange_s_per_sample: float = 0.0,
     exchange_source: str | None = None,
     history_share: float = 1.0,
+    deltas: dict | None = None,
+    full_every: int = 8,
 ) -> dict:
     """Every measured rate a projection is made from (the results files of ``gpu``)."""
     rehearsal, train, stu = load(f"rehearsal_{gpu}"), load(f"train_{gpu}"), load("stu")
@@ -187,6 +198,8 @@ def measured_parts(
         "network_gbs": network_gbs,
         "mean_tokens": rehearsal["rehearsal"]["mean_tokens"],
         "history_share": history_share,
+        "deltas": deltas,
+        "full_every": full_every,
     }
 
 
@@ -208,6 +221,12 @@ def project_row(parts: dict, run: Run, world: int) -> dict:
         parts["checkpoint_saves"], parts["checkpoint_gib_per_s"], world, run.windows, upper / run.windows, run.table_gib
     )
     lower = train_s + exchange_s + eval_s + setup_s
+    delta_s, unsaved = None, None
+    if parts.get("deltas") and parts["checkpoint_saves"]:
+        window_s = upper / run.windows
+        delta_s, unsaved = delta_checkpoint_seconds(
+            parts["checkpoint_saves"], parts["deltas"], world, run.windows, window_s, run.table_gib, parts["full_every"]
+        )
     return {
         "gpus": world,
         "per_gpu_batch": per_gpu,
@@ -221,6 +240,9 @@ def project_row(parts: dict, run: Run, world: int) -> dict:
         "total_min_overlapped": lower / 60,
         "total_min_not_overlapped": upper / 60,
         "total_min_with_checkpoints": (upper + checkpoint_s) / 60,
+        "total_min_with_delta_checkpoints": None if delta_s is None else (upper + delta_s) / 60,
+        "delta_checkpoint_share": None if delta_s is None else delta_s / upper,
+        "window_ends_without_checkpoint": unsaved,
     }
 
 
@@ -273,6 +295,49 @@ def checkpoint_seconds(
     node_write_s = rank_gib * min(world, GPUS_PER_NODE) * 2**30 / (saves["write_gbps"] * 1e9)
     made = windows / max(1, math.ceil(node_write_s / window_s))
     return made * rank_gib * saves["later_s_per_gib"]
+
+
+def delta_parts(rows_from: str, cost_from: str) -> dict | None:
+    """The delta checkpoints' measured parts: the busiest rank's share a window changes (the largest
+    over the windows measured) and the step's wait per GiB of a rank's tables at the share measured
+    nearest to it; None without either file."""
+    if not (RESULTS / f"{rows_from}.json").exists() or not (RESULTS / f"{cost_from}.json").exists():
+        return None
+    rows, cost = load(rows_from), load(cost_from)
+    share = max(r["busiest_rank_share"] for r in rows["results"])
+    nearest = min(cost["results"], key=lambda r: abs(r["changed_pct"] / 100 - share))
+    return {
+        "window_share": share,
+        "find_s_per_gib": nearest["take_ms_per_gib"] / 1e3,
+        "source": f"{rows_from} ({rows['preset']}, commit {rows['commit']}), {cost_from} "
+        f"({cost['machine'].get('gpu', 'CPU')}, commit {cost['commit']})",
+    }
+
+
+def delta_checkpoint_seconds(
+    saves: dict, delta: dict, world: int, windows: float, window_s: float, table_gib: float, full_every: int
+) -> tuple[float, int]:
+    """(seconds the step waits, window ends without a checkpoint) with a save at every window end the
+    disk allows: every ``full_every``-th save whole, the others deltas of the windows since the save before."""
+    rank_gib = table_gib / world
+    node_bytes = rank_gib * min(world, GPUS_PER_NODE) * 2**30
+    write_bps = saves["write_gbps"] * 1e9
+    waited, skipped, busy_until, since_save = 0.0, 0, 0.0, 0
+    since_whole: int | None = None
+    for window in range(1, int(windows) + 1):
+        now, since_save = window * window_s, since_save + 1
+        if now < busy_until:
+            skipped += 1
+            continue
+        if since_whole is None or since_whole + 1 >= full_every:
+            waited += rank_gib * saves["later_s_per_gib"]
+            busy_until, since_whole = now + node_bytes / write_bps, 0
+        else:
+            waited += rank_gib * delta["find_s_per_gib"]
+            busy_until = now + min(1.0, delta["window_share"] * since_save) * node_bytes / write_bps
+            since_whole += 1
+        since_save = 0
+    return waited, skipped
 
 
 def measured_run(report_path: Path) -> tuple[Run, int, dict]:
@@ -343,8 +408,9 @@ def table(p: dict) -> str:
         "",
         "| GPUs | per GPU batch | per GPU samples/s | train min | exchange work min | all-to-all min | eval min | "
         "set-up min | total min, all-to-all overlapped | not overlapped | + window-end checkpoints | "
+        f"+ a checkpoint per window, deltas (whole every {p['full_every']}) | its share | window ends without one | "
         "vs reference (not overlapped) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in p["rows"]:
         lines.append(
@@ -352,7 +418,13 @@ def table(p: dict) -> str:
             f"{r['train_min']:.1f} | {r['exchange_work_min']:.1f} | {r['alltoall_min']:.1f} | {r['eval_min']:.1f} | {r['setup_min']:.1f} | "
             f"{r['total_min_overlapped']:.1f} | {r['total_min_not_overlapped']:.1f} | "
             f"{r['total_min_with_checkpoints']:.1f} | "
-            f"{p['reference_minutes'] / r['total_min_not_overlapped']:.2f}x |"
+            + (
+                f"{r['total_min_with_delta_checkpoints']:.1f} | {r['delta_checkpoint_share']:.1%} | "
+                f"{r['window_ends_without_checkpoint']} of {int(p['windows'])} | "
+                if r.get("total_min_with_delta_checkpoints") is not None
+                else "- | - | - | "
+            )
+            + f"{p['reference_minutes'] / r['total_min_not_overlapped']:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -361,11 +433,19 @@ def checkpoint_source(p: dict) -> str:
     saves = p.get("checkpoint_saves")
     if not saves:
         return f"Checkpoints blocking at {p['checkpoint_gib_per_s']:.2f} GiB/s (train)."
+    deltas = p.get("deltas")
+    delta_text = (
+        f" Delta checkpoints: a window changes {deltas['window_share']:.2%} of the busiest rank's block of the "
+        f"tables; the step waits {deltas['find_s_per_gib'] * 1e3:.0f} ms per GiB of a rank's tables to find and "
+        f"copy the changed rows (measured: {deltas['source']})."
+        if deltas
+        else ""
+    )
     return (
         f"Checkpoints asynchronous at window ends, skipped while the previous write is in flight: the step waits "
         f"{saves['later_s_per_gib'] * 1e3:.0f} ms per GiB of a rank's tables for each save made (the buffer is "
         f"pinned before RUN_START), a node's ranks write at {saves['write_gbps']:.2f} GB/s together (measured: "
-        f"{saves['source']})."
+        f"{saves['source']}).{delta_text}"
     )
 
 
@@ -432,6 +512,11 @@ def main() -> None:
         "model and set it beside what the run measured (results/projection_<label>)",
     )
     parser.add_argument("--label", default="run", help="with --measured-run: the results' name")
+    parser.add_argument("--delta-rows-from", default="delta_rows", help="the share of the tables a window changes")
+    parser.add_argument(
+        "--delta-cost-from", default="delta_checkpoint_gpu", help="what finding and copying the changed rows costs"
+    )
+    parser.add_argument("--full-every", type=int, default=8, help="every Nth checkpoint whole (the trainer's default)")
     args = parser.parse_args()
     nvlink_gbs, source = args.nvlink_gbs, None
     if args.alltoall_from:
@@ -450,9 +535,12 @@ def main() -> None:
                 f"{'give' if row.get('dedup_ids') else 'leave out'} --distinct-from to match"
             )
         exchange_from = f"scaling {args.exchange_from}, {row['device']}, commit {row['commit']}"
+    deltas = delta_parts(args.delta_rows_from, args.delta_cost_from)
     if args.measured_run is not None:
         run, world, measured = measured_run(args.measured_run)
-        parts = measured_parts(args.gpu, nvlink_gbs, args.network_gbs, source, exchange, exchange_from, share)
+        parts = measured_parts(
+            args.gpu, nvlink_gbs, args.network_gbs, source, exchange, exchange_from, share, deltas, args.full_every
+        )
         result = {
             "gpu": parts["gpu"],
             "commits": parts["commits"],
@@ -466,7 +554,11 @@ def main() -> None:
         print(text)
         write_results(f"projection_{args.label}", result, text, device="cpu")
         return
-    p = project(measured_parts(args.gpu, nvlink_gbs, args.network_gbs, source, exchange, exchange_from, share))
+    p = project(
+        measured_parts(
+            args.gpu, nvlink_gbs, args.network_gbs, source, exchange, exchange_from, share, deltas, args.full_every
+        )
+    )
     p["command"] = command_line()
     text = table(p)
     print(text)

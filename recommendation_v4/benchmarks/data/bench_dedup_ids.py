@@ -8,7 +8,7 @@ ids over the tokens (what the lookup and the all-to-all carry with the switch, a
 and the packing's time per batch with and without (one core).
 
     python -m dlrmv4 prepare --preset synthetic-50m --data-path data/bench50m --num-train-days 30 --if-missing
-    python benchmarks/bench_dedup_ids.py --data-path data/bench50m
+    python benchmarks/data/bench_dedup_ids.py --data-path data/bench50m
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 import numpy as np
 from harness import RESULTS, command_line, cpu_model, git_commit, write_results

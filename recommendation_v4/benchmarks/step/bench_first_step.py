@@ -10,20 +10,24 @@ batch has the real length mix (``length_mix.jagged``) and random labels at ``--l
 reference's loss was measured on Yambda's labels (the loss at logits ~ 0 is 0.2 x the label
 entropy, 0.139 at a rate of 0.5).
 
-    python benchmarks/bench_first_step.py                  # CPU, fp32 sequence model, 16 samples
-    python benchmarks/bench_first_step.py --batch 256      # on a GPU, bf16 (the recipe's)
+    python benchmarks/step/bench_first_step.py                  # CPU, fp32 sequence model, 16 samples
+    python benchmarks/step/bench_first_step.py --batch 256      # on a GPU, bf16 (the recipe's)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 import numpy as np
 import torch
-from bench_end_to_end import random_batch
 from harness import command_line, device_name, git_commit, write_results
 from length_mix import jagged_lengths
+from model_inputs import random_table_batch
 
 from dlrmv4.config_loading import load_config
 from dlrmv4.model.embeddings import make_embeddings, table_specs
@@ -70,7 +74,7 @@ def main() -> None:
             for name, weight in embeddings.weights.items():
                 weight.mul_(init_bound(real_rows[name]) / init_bound(args.table_rows))
         rng = np.random.default_rng(seed)
-        batch = random_batch(cfg, jagged_lengths("jagged", args.batch, rng), args.table_rows, rng)
+        batch = random_table_batch(cfg, jagged_lengths("jagged", args.batch, rng), args.table_rows, rng)
         labels = torch.from_numpy((rng.random(args.batch) < args.label_rate).astype(np.float32))
         batch = dataclasses.replace(batch, label=labels).to(device)
         with torch.no_grad():  # training mode: the first step's forward, its dropout included

@@ -9,9 +9,9 @@ forming the shares costs a loader worker per global batch (``history_lengths`` o
 the batch plus the assignment) against building its own share's batch.
 
     python -m dlrmv4 prepare --preset synthetic-50m --data-path data/bench50m --num-train-days 30 --if-missing
-    python benchmarks/bench_rank_balance.py --data-path data/bench50m
+    python benchmarks/data/bench_rank_balance.py --data-path data/bench50m
     python -m dlrmv4 prepare --preset synthetic-tiny --data-path data/benchtiny --if-missing
-    python benchmarks/bench_rank_balance.py --preset synthetic-tiny --data-path data/benchtiny --max-seq-len 1033 \
+    python benchmarks/data/bench_rank_balance.py --preset synthetic-tiny --data-path data/benchtiny --max-seq-len 1033 \
         --global-batch 512 --label tiny
 """
 
@@ -21,6 +21,9 @@ import argparse
 import json
 import time
 from pathlib import Path
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 import numpy as np
 from harness import RESULTS, command_line, cpu_model, git_commit, write_results

@@ -8,7 +8,7 @@ bytes from Triton's own ``ptxas --verbose`` on the kernel's PTX, and the occupan
 them, the shared memory and the warps (65,536 registers, 228 KB of shared memory, 64 warps and 32
 blocks per SM, registers allocated per warp in units of 256).
 
-    python benchmarks/bench_kernel_resources.py                 # every config each target keeps
+    python benchmarks/kernels/bench_kernel_resources.py                 # every config each target keeps
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ import argparse
 import math
 import re
 import subprocess
+import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 from harness import RESULTS, command_line, write_results
 from kernel_targets import DTYPES, compile_model_kernels

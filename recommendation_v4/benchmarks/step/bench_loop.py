@@ -7,9 +7,9 @@ and checkpoints off; the bare run calls ``trainer.step`` on those batches after 
 over them. Both alternate ``--repeats`` times from the same initial state and the medians are
 compared, so a noisy shared machine hits both alike.
 
-    python benchmarks/bench_loop.py                      # CPU: the embedded default (synthetic-tiny)
-    python benchmarks/bench_loop.py --preset synthetic-small --num-workers 8 ...   # any config flags
-    python benchmarks/bench_loop.py --label gpu-ref ...  # the row's name in results/loop_overhead.*
+    python benchmarks/step/bench_loop.py                      # CPU: the embedded default (synthetic-tiny)
+    python benchmarks/step/bench_loop.py --preset synthetic-small --num-workers 8 ...   # any config flags
+    python benchmarks/step/bench_loop.py --label gpu-ref ...  # the row's name in results/loop_overhead.*
 
 The store must exist (``python -m dlrmv4 prepare`` with the same data flags).
 """
@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 import numpy as np
 import torch

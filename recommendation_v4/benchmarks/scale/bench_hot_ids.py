@@ -14,8 +14,8 @@ each rank sends per step (ids to the rows' owners, rows back, gradients to the o
 the device time of its NCCL kernels per step (from the profiler). The tables' placement (HBM or host
 memory) is the memory plan's for this machine, as in a run. Launched by torchrun:
 
-    python benchmarks/bench_hot_ids.py --processes 2 --real-tables-of 8            # 2 GPUs (nvidia-h200-x2)
-    python benchmarks/bench_hot_ids.py --processes 2 --smoke                        # the CPU (gloo), tiny shapes
+    python benchmarks/scale/bench_hot_ids.py --processes 2 --real-tables-of 8            # 2 GPUs (nvidia-h200-x2)
+    python benchmarks/scale/bench_hot_ids.py --processes 2 --smoke                        # the CPU (gloo), tiny shapes
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 import numpy as np
 import torch
@@ -62,8 +64,8 @@ def config(args: argparse.Namespace, qcomm: str, world: int):
 
 
 def worker(args: argparse.Namespace) -> None:
-    from bench_end_to_end import random_batch
     from length_mix import jagged_lengths
+    from model_inputs import random_table_batch
 
     from dlrmv4.config import DistributedConfig
     from dlrmv4.distributed import start_cluster
@@ -91,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
         rng = np.random.default_rng([cluster.rank, int(skew * 100)])
         max_len = cfg.sampler.max_seq_len if not args.smoke else 64
         lengths = jagged_lengths("jagged", args.per_rank_batch, rng, max_len)
-        batches = [random_batch(cfg, lengths, table_rows, rng, skew).to(device) for _ in range(args.steps + 1)]
+        batches = [random_table_batch(cfg, lengths, table_rows, rng, skew).to(device) for _ in range(args.steps + 1)]
         ids = batches[0].history_item_id
         top_share = float(torch.bincount(ids).max().float() / len(ids))
         served = rows_served(batches[0], specs, world)

@@ -16,7 +16,7 @@ by the sampler and packed for the device (``to_torch``). Measured:
 The goal (issue: the loader never limits 8 GPUs) is at least ``--goal`` samples/s per node.
 
     python -m dlrmv4 prepare --preset synthetic-1b --data-path data/bench1b --if-missing
-    python benchmarks/bench_loader.py --preset synthetic-1b --data-path data/bench1b --workers-per-rank 2
+    python benchmarks/data/bench_loader.py --preset synthetic-1b --data-path data/bench1b --workers-per-rank 2
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ import multiprocessing
 import os
 import time
 from pathlib import Path
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 from harness import RESULTS, command_line, cpu_model, write_results
 

@@ -7,10 +7,10 @@ does) that reports its own peak RSS and its largest worker's (each one's VmHWM).
 floor of any streaming preprocessor: reading the same columns of the same parquet file once with
 pyarrow on one core (also in a fresh child).
 
-    python benchmarks/bench_preprocess.py                                  # medium and 50m, all cores
-    python benchmarks/bench_preprocess.py --sizes 50m --cores 1 2          # a cores curve
-    python benchmarks/bench_preprocess.py --sizes 1b --cores 1 2 4 8 16 --work-dir /data/bench --label 1b
-    python benchmarks/bench_preprocess.py --sizes 50m --cores 2 --rows-per-chunk 1000000 2000000 4000000
+    python benchmarks/data/bench_preprocess.py                                  # medium and 50m, all cores
+    python benchmarks/data/bench_preprocess.py --sizes 50m --cores 1 2          # a cores curve
+    python benchmarks/data/bench_preprocess.py --sizes 1b --cores 1 2 4 8 16 --work-dir /data/bench --label 1b
+    python benchmarks/data/bench_preprocess.py --sizes 50m --cores 2 --rows-per-chunk 1000000 2000000 4000000
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 from harness import RESULTS, command_line, cpu_model, write_results
 

@@ -8,8 +8,8 @@ times the same span of the stream (``--warmup-samples`` untimed, then ``--sample
 whole global batches), so each trains on the same data; rank 0 reports after a barrier. With the
 plain backend every rank holds every table: the run checks the replicas ended identical.
 
-    python benchmarks/bench_scaling.py --data-path ../data --worlds 1 2 --per-rank-batch 256 --label gpu-ref ...
-    python benchmarks/bench_scaling.py --data-path data --worlds 1 2 --scaling strong --label cpu-gloo
+    python benchmarks/scale/bench_scaling.py --data-path ../data --worlds 1 2 --per-rank-batch 256 --label gpu-ref ...
+    python benchmarks/scale/bench_scaling.py --data-path data --worlds 1 2 --scaling strong --label cpu-gloo
 
 A row too long for one sitting is finished by a later call on the same machine with
 ``--continue-row`` (the same flags): its repeats are added to the saved row of that label.
@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 import torch
 from harness import RESULTS, cpu_model, device_name, save_labelled_row

@@ -3,9 +3,9 @@ D 512, bf16): Triton vs the PyTorch reference (and the torch.compile'd reference
 forward+backward, with the achieved bandwidth against a device-to-device copy measured in the
 same run. Bytes are the fewest an op must move: each input read once, each output written once.
 
-    python benchmarks/bench_ops.py                 # on a GPU; writes results/ops.json and ops.md
-    python benchmarks/bench_ops.py --no-compile    # without the torch.compile column
-    python benchmarks/bench_ops.py --smoke         # tiny shapes on the CPU (checks the script runs)
+    python benchmarks/kernels/bench_ops.py                 # on a GPU; writes results/ops.json and ops.md
+    python benchmarks/kernels/bench_ops.py --no-compile    # without the torch.compile column
+    python benchmarks/kernels/bench_ops.py --smoke         # tiny shapes on the CPU (checks the script runs)
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 import numpy as np
 import torch

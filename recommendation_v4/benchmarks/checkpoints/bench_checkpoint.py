@@ -11,7 +11,7 @@ host to launch as a step does) runs before, during and after each write:
 - asynchronous: the step waits for the copy to host memory, then the loop runs while the
   background thread writes; its slowdown over the loop alone is the rest of the cost.
 
-    python benchmarks/bench_checkpoint.py --gib 32 --work-dir /data/ckpt-bench
+    python benchmarks/checkpoints/bench_checkpoint.py --gib 32 --work-dir /data/ckpt-bench
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 import torch
 from harness import RESULTS, command_line, device_facts, device_label, write_results

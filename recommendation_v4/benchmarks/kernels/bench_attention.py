@@ -7,7 +7,7 @@ range 2,740-4,095, N = the batch's longest); all 2,048.
 FLOPs on the real lengths: fwd = sum_b 2 * (L_b^2 / 2) * H * 2d; fwd+bwd = 3.5 x fwd (the SPEC's
 yardstick, whatever the kernels really do). Prints a table last; writes results/attention.{json,md}.
 
-    python benchmarks/bench_attention.py [--variants] [--no-cold-start] [--out benchmarks/results]
+    python benchmarks/kernels/bench_attention.py [--variants] [--no-cold-start] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 import numpy as np
 import torch
@@ -122,7 +124,7 @@ def cold_start(lengths: list[int], heads: int, dim: int) -> dict:
     """Fresh process and empty Triton cache: import -> first fwd+bwd done, at the jagged shape."""
     code = COLD_START.format(lengths=lengths, heads=heads, dim=dim)
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONPATH": str(HERE.parent)}
+        env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONPATH": str(HERE.parents[1])}
         t0 = time.perf_counter()
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         wall = time.perf_counter() - t0

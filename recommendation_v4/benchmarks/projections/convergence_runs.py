@@ -5,7 +5,7 @@ its ``RESULT`` line, the samples and the seconds to the target, next to the pres
 ``run_and_time.sh``; this script needs only their logs and the preset's store (it reads the sample
 counts the rules check).
 
-    python benchmarks/convergence_runs.py --preset synthetic-medium --data-path data/medium \\
+    python benchmarks/projections/convergence_runs.py --preset synthetic-medium --data-path data/medium \\
         --logs ../rcp/synthetic-medium/512/result_*.txt --label medium_h100 \\
         --ran-on "NVIDIA H100 80GB HBM3 (2-GPU host), one run per GPU" --runs-commit <commit> \\
         --run-command "python rcp/generate_rcps.py --preset synthetic-medium ..."
@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 from harness import HERE, write_results
 

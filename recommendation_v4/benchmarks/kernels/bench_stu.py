@@ -6,8 +6,8 @@ batch, same run), the full model's loss parity between kernel modes, and cold st
 TFLOP/s by the yardstick counts every layer in full (the benchmark's work); "executed" counts
 what runs (model/flops.py).
 
-    python benchmarks/bench_stu.py                    # on a GPU: the whole table in one call
-    python benchmarks/bench_stu.py --smoke            # tiny shapes on the CPU (checks the script runs)
+    python benchmarks/kernels/bench_stu.py                    # on a GPU: the whole table in one call
+    python benchmarks/kernels/bench_stu.py --smoke            # tiny shapes on the CPU (checks the script runs)
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 import numpy as np
 import torch

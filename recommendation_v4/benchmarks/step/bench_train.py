@@ -23,8 +23,8 @@ from the store. Reported:
   region); the GPU's busy share in the profiled steps (union of kernel time over the window);
 - MFU by the reference's yardstick (every layer in full) and by the FLOPs executed.
 
-    python benchmarks/bench_train.py                                      # on a GPU (store in data/bench50m)
-    python benchmarks/bench_train.py --smoke --data-path data/benchtiny     # tiny shapes on the CPU
+    python benchmarks/step/bench_train.py                                      # on a GPU (store in data/bench50m)
+    python benchmarks/step/bench_train.py --smoke --data-path data/benchtiny     # tiny shapes on the CPU
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 import numpy as np
 import torch

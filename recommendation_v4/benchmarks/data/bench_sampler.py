@@ -7,7 +7,7 @@ The 7 xxh64 crosses (``hashing.contextual_ids``) are also timed alone on the sam
 table shows their share and the rate without them. Prints a table and writes results/sampler.json
 and results/sampler.md.
 
-    python benchmarks/bench_sampler.py [--users 384] [--batches 8] [--repeats 5] [--item-zipf 0.9]
+    python benchmarks/data/bench_sampler.py [--users 384] [--batches 8] [--repeats 5] [--item-zipf 0.9]
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ import os
 import tempfile
 import time
 from pathlib import Path
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 import numpy as np
 from harness import RESULTS, command_line, write_results

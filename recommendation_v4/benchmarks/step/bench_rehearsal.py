@@ -11,8 +11,8 @@ the loader packs them (each distinct history id looked up once, with ``embedding
 lookup, the planned chunks, one fused sparse update, one Adam step. What a single GPU cannot show: the
 embedding all-to-all (one rank sends nothing).
 
-    python benchmarks/bench_rehearsal.py --steps 50             # on a GPU (TorchRec installed)
-    python benchmarks/bench_rehearsal.py --smoke                # tiny shapes on the CPU (the script runs)
+    python benchmarks/step/bench_rehearsal.py --steps 50             # on a GPU (TorchRec installed)
+    python benchmarks/step/bench_rehearsal.py --smoke                # tiny shapes on the CPU (the script runs)
 """
 
 from __future__ import annotations
@@ -23,12 +23,16 @@ import gc
 import math
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 import numpy as np
 import torch
-from bench_end_to_end import random_batch, start_single_process_group
+from bench_end_to_end import start_single_process_group
 from harness import SMOKE_MODEL, command_line, device_name, git_commit, sync, write_results
 from length_mix import jagged_lengths
+from model_inputs import random_table_batch
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.config_loading import load_config
@@ -151,7 +155,7 @@ def main() -> None:
     dedup = looks_up_distinct_ids(rcfg, "torchrec")
 
     def batches(size: int) -> list:
-        return [random_batch(rcfg, n[:size], rows, rng, args.id_skew, dedup).to(device) for n in lengths]
+        return [random_table_batch(rcfg, n[:size], rows, rng, args.id_skew, dedup).to(device) for n in lengths]
 
     pool = batches(SLICE)
     for i in range(WARM_STEPS):

@@ -12,10 +12,10 @@ dense model is the reference's (3 STU layers, D 512, 4x128 heads, max sequence 4
 bf16); the tables are sized to fit one GPU (``--table-rows``, every
 table the same), which the results name. Data loading is not in this step (see bench_loop.py).
 
-    python benchmarks/bench_end_to_end.py                      # on a GPU: the table in one call
-    python benchmarks/bench_end_to_end.py --backends plain torchrec --batches 128 256
-    python benchmarks/bench_end_to_end.py --batches 256 --recompute none cheap layer --label recompute
-    python benchmarks/bench_end_to_end.py --smoke              # tiny shapes on the CPU (the script runs)
+    python benchmarks/step/bench_end_to_end.py                      # on a GPU: the table in one call
+    python benchmarks/step/bench_end_to_end.py --backends plain torchrec --batches 128 256
+    python benchmarks/step/bench_end_to_end.py --batches 256 --recompute none cheap layer --label recompute
+    python benchmarks/step/bench_end_to_end.py --smoke              # tiny shapes on the CPU (the script runs)
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ import dataclasses
 import gc
 import itertools
 import re
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 import numpy as np
 import torch
@@ -41,12 +44,11 @@ from harness import (
     write_results,
 )
 from length_mix import jagged_lengths
+from model_inputs import random_table_batch
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.config_loading import load_config
-from dlrmv4.data.batch import JaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
-from dlrmv4.model.embeddings import TABLE_NAMES
 from dlrmv4.model.flops import batch_flops
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.plan.activations import ActivationShape, kept_bytes_per_token
@@ -66,51 +68,6 @@ CATEGORIES = [
         r"vectorized|reduce|silu|swish|dropout|mul|add|copy|cat|fill|where|sigmoid|bernoulli",
     ),
 ]
-
-
-def random_batch(
-    cfg: BenchmarkConfig,
-    lengths: np.ndarray,
-    rows: int | dict[str, int],
-    rng: np.random.Generator,
-    skew: float = 0.0,
-    dedup_ids: bool = False,
-):
-    """A jagged batch with the given sequence lengths (history = length - 9) and each table's ids below
-    its row count (``rows``: one count for every table, or one per table name): uniform, or
-    Zipf-distributed with exponent ``skew`` (> 1: a few very popular rows, as in real listening data);
-    ``dedup_ids``: with the lookup's distinct ids packed, as the loader packs them for TorchRec."""
-    rows = rows if isinstance(rows, dict) else {name: rows for name in TABLE_NAMES}
-    hist = np.maximum(lengths - 9, 1).astype(np.int32)
-    b, t = len(hist), int(hist.sum())
-    offsets = np.zeros(b + 1, np.int64)
-    np.cumsum(hist, out=offsets[1:])
-    ts = np.concatenate([np.sort(rng.integers(0, 10**7, n)) for n in hist]).astype(np.int64)
-    query = ts[offsets[1:] - 1]
-
-    def ids(table: str, n: int) -> np.ndarray:
-        r = rows[table]
-        return ((rng.zipf(skew, n) - 1) % r if skew else rng.integers(0, r, n)).astype(np.int64)
-
-    batch = JaggedBatch(
-        history_lengths=hist,
-        history_offsets=offsets,
-        history_item_id=ids("item", t),
-        history_artist_id=ids("artist", t),
-        history_album_id=ids("album", t),
-        history_action=rng.choice([1, 2, 4], t).astype(np.int64),
-        history_timestamp=ts,
-        contextual_ids=np.stack([ids(name, b) for name in CONTEXTUAL_FEATURES], 1),
-        candidate_item_id=ids("item", b),
-        candidate_artist_id=ids("artist", b),
-        candidate_album_id=ids("album", b),
-        candidate_timestamp=query + rng.integers(0, 600, b),
-        query_time=query,
-        label=rng.integers(0, 2, b).astype(np.float32),
-        anchor_index=np.arange(b, dtype=np.int64),
-    )
-    batch.validate()
-    return batch.to_torch(dedup_ids=dedup_ids)
 
 
 def reference_config(
@@ -167,7 +124,7 @@ def measure(
         torch.cuda.reset_peak_memory_stats(device)
     step = build_step(cfg, (rows, rows, rows), device, seed=0)
     lengths = [jagged_lengths("jagged", batch_size, rng, cfg.sampler.max_seq_len) for _ in range(steps + WARM_STEPS)]
-    batches = [random_batch(cfg, n, rows, rng, skew).to(device) for n in lengths]
+    batches = [random_table_batch(cfg, n, rows, rng, skew).to(device) for n in lengths]
     started = time.perf_counter()
     step(batches[0], 0, 0)
     sync(device)

@@ -1,0 +1,189 @@
+"""Delta checkpoints: the table rows that changed since the checkpoint before, in place of whole tables.
+
+A window touches a small share of the tables' rows, and only the rows it touches change. The rows
+that changed since the last checkpoint are found at the save, for either backend and row- or
+table-wise sharding, with nothing done per step: each row (its weight and its Adagrad momentum, as
+bits) has a 64-bit fingerprint, the sum of its 32-bit words times fixed odd multipliers, and a row
+changed when its fingerprint differs from a snapshot taken at that checkpoint. A change to one
+word always changes the fingerprint (an odd multiplier times a nonzero difference below 2^33 is
+never 0 modulo 2^64); changes to several words of a row cancel out with probability 2^-64. The
+momentum alone would not do: once a row's momentum is large, a small update's squared gradient is
+absorbed in its float32 sum while the weight still moves.
+
+``ChangedRows`` keeps the snapshot (8 bytes a row, in host memory) and hands out the changed rows;
+``TableRowsDelta`` is the checkpoint entry that holds them, one piece per writing rank;
+``apply_delta`` writes a delta's rows into the live tables on any number of ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
+
+from dlrmv4.checkpoint.dcp_io import dcp_load
+from dlrmv4.checkpoint.tables import SparseEmbeddings
+from dlrmv4.distributed import Cluster
+from dlrmv4.errors import UserError
+
+ENTRY = "sparse_delta"  # the checkpoint entry (``<ENTRY>.rows.<table>.rank<r>.<part>`` in DCP's keys)
+PARTS = ("ids", "weight", "momentum")
+
+# (first row, weight rows [n, E], momentum [n]) of a table held on this rank
+Piece = tuple[int, torch.Tensor, torch.Tensor]
+
+
+def _pieces(name: str, parts: dict[str, Any], dim: int) -> list[Piece]:
+    """The row blocks of one table that this rank holds (none where a table-wise plan put it elsewhere)."""
+    weight, momentum = parts["weight"], parts["momentum"]
+    if weight is None or momentum is None:
+        return []
+    if not hasattr(weight, "local_shards"):
+        return [(0, weight, momentum)]
+    moments = {int(s.metadata.shard_offsets[0]): s.tensor for s in momentum.local_shards()}
+    pieces = []
+    for shard in weight.local_shards():
+        (row0, col0), (_, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        if col0 != 0 or cols != dim:
+            raise ValueError(f"table {name!r} is split by columns: a delta needs whole rows")
+        pieces.append((int(row0), shard.tensor, moments[int(row0)]))
+    return pieces
+
+
+def split_by_columns(embeddings: SparseEmbeddings) -> list[str]:
+    """The tables whose rows are split over ranks by columns (column-wise sharding): no delta can hold them."""
+    split = []
+    for name, parts in embeddings.live_tables().items():
+        weight = parts["weight"]
+        shards = weight.metadata().shards_metadata if hasattr(weight, "metadata") else []
+        if any(shard.shard_offsets[1] != 0 or shard.shard_sizes[1] != embeddings.dim for shard in shards):
+            split.append(name)
+    return split
+
+
+def _writes_its_pieces(parts: dict[str, Any], cluster: Cluster) -> bool:
+    """Whether this rank writes the rows it holds: a table whole on every rank is written by rank 0 alone."""
+    return hasattr(parts["weight"], "local_shards") or cluster.is_main
+
+
+_FINGERPRINT_CHUNK_ROWS = 1 << 18  # rows fingerprinted at once (their int64 words: 256 MiB at E = 128)
+
+
+def _multipliers(words: int, device: torch.device) -> torch.Tensor:
+    """Fixed odd 64-bit multipliers, one per 32-bit word of a row (the same on every rank and every run)."""
+    generator = torch.Generator().manual_seed(0x5EED_DE17A)
+    draws = torch.randint(-(2**62), 2**62, (words,), generator=generator, dtype=torch.int64)
+    return (draws | 1).to(device)
+
+
+@torch.no_grad()
+def _fingerprints(weight: torch.Tensor, momentum: torch.Tensor) -> torch.Tensor:
+    """One int64 per row over the bits of its weight and momentum (host copy; int64 arithmetic wraps)."""
+    if weight.dtype != torch.float32 or momentum.dtype != torch.float32:
+        raise UserError(f"delta checkpoints need fp32 tables and momentum, got {weight.dtype} / {momentum.dtype}")
+    multipliers = _multipliers(weight.shape[1] + 1, weight.device)
+    out = torch.empty(weight.shape[0], dtype=torch.int64)
+    for begin in range(0, weight.shape[0], _FINGERPRINT_CHUNK_ROWS):
+        end = min(begin + _FINGERPRINT_CHUNK_ROWS, weight.shape[0])
+        words = torch.cat([weight[begin:end], momentum[begin:end, None]], 1).contiguous().view(torch.int32)
+        out[begin:end] = (words.to(torch.int64) * multipliers).sum(1).cpu()
+    return out
+
+
+class ChangedRows:
+    """The rows of this rank's tables that changed since ``reset`` or the last ``take``."""
+
+    def __init__(self) -> None:
+        self._fingerprints: dict[tuple[str, int], torch.Tensor] | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether a snapshot exists (taken at a whole checkpoint or a resume): a delta has a base."""
+        return self._fingerprints is not None
+
+    @torch.no_grad()
+    def reset(self, embeddings: SparseEmbeddings) -> None:
+        """Snapshot the rows as they are now: the state the next delta is written against."""
+        self._fingerprints = {}
+        for name, parts in embeddings.live_tables().items():
+            if _writes_its_pieces(parts, embeddings.cluster):
+                for row0, weight, momentum in _pieces(name, parts, embeddings.dim):
+                    self._fingerprints[(name, row0)] = _fingerprints(weight, momentum)
+
+    @torch.no_grad()
+    def take(self, embeddings: SparseEmbeddings) -> dict[str, dict[str, torch.Tensor]]:
+        """``{table: {'ids': [n] global rows, 'weight': [n, E], 'momentum': [n]}}`` (host copies) of the rows
+        this rank writes that changed since the snapshot, which moves to now. Tables with none are left out."""
+        if self._fingerprints is None:
+            raise RuntimeError("a delta needs a snapshot: reset() at the whole checkpoint or resume it follows")
+        changed: dict[str, dict[str, torch.Tensor]] = {}
+        for name, parts in embeddings.live_tables().items():
+            if not _writes_its_pieces(parts, embeddings.cluster):
+                continue
+            pieces: dict[str, list[torch.Tensor]] = {part: [] for part in PARTS}
+            for row0, weight, momentum in _pieces(name, parts, embeddings.dim):
+                now = _fingerprints(weight, momentum)
+                local = torch.nonzero(now != self._fingerprints[(name, row0)]).flatten()
+                self._fingerprints[(name, row0)] = now
+                on_device = local.to(weight.device)
+                pieces["ids"].append(local + row0)
+                pieces["weight"].append(weight.detach()[on_device].to("cpu"))
+                pieces["momentum"].append(momentum.detach()[on_device].to("cpu"))
+            rows = {part: torch.cat(tensors) for part, tensors in pieces.items() if tensors}
+            if rows and rows["ids"].numel():
+                changed[name] = rows
+        return changed
+
+
+class TableRowsDelta(Stateful):
+    """This rank's changed rows as a checkpoint entry (host copies, written as they are; never loaded into:
+    ``apply_delta`` reads a delta back)."""
+
+    def __init__(self, rows: dict[str, dict[str, torch.Tensor]], rank: int) -> None:
+        self.rows, self.rank = rows, rank
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows": {name: {f"rank{self.rank}": parts} for name, parts in self.rows.items()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise TypeError("a delta is applied with apply_delta, not loaded into")
+
+
+def delta_bytes(rows: dict[str, dict[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for parts in rows.values() for t in parts.values())
+
+
+@torch.no_grad()
+def apply_delta(path: Path, embeddings: SparseEmbeddings, cluster: Cluster) -> int:
+    """Write the rows of the delta checkpoint at ``path`` into the live tables (each rank the rows it holds,
+    whatever the number of ranks that wrote it); returns the rows the delta holds."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    rows: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+    prefix = f"{ENTRY}.rows."
+    for key, entry in metadata.state_dict_metadata.items():
+        if not key.startswith(prefix):
+            continue
+        assert isinstance(entry, TensorStorageMetadata)
+        table, writer, part = key[len(prefix) :].rsplit(".", 2)
+        rows.setdefault(table, {}).setdefault(writer, {})[part] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    if rows:
+        dcp_load({ENTRY: {"rows": rows}}, path, cluster)
+    live = embeddings.live_tables()
+    unknown = sorted(set(rows) - set(live))
+    if unknown:
+        raise UserError(f"the delta checkpoint {path} holds rows of tables this model does not have: {unknown}")
+    count = 0
+    for table, by_writer in rows.items():
+        for parts in by_writer.values():
+            ids = parts["ids"]
+            count += ids.numel()
+            for row0, weight, momentum in _pieces(table, live[table], embeddings.dim):
+                inside = (ids >= row0) & (ids < row0 + weight.shape[0])
+                local = (ids[inside] - row0).to(weight.device)
+                weight[local] = parts["weight"][inside].to(weight.device, weight.dtype)
+                momentum[local] = parts["momentum"][inside].to(momentum.device, momentum.dtype)
+    return count

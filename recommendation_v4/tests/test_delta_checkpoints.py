@@ -1,0 +1,162 @@
+"""Delta checkpoints (checkpoint/table_deltas.py, the chains of checkpoint/files.py): the rows found
+changed are exactly the rows that changed, a chain applied over its whole checkpoint gives the tables
+back bit for bit, a delta is usable only with its whole chain, and pruning keeps the chains it needs.
+The whole-run resume from deltas (kills included, other world sizes) is in tests/test_train.py and
+tests/test_distributed.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlrmv4.checkpoint.files import (
+    CHAIN_FILE,
+    MARKER,
+    CheckpointPosition,
+    checkpoint_chain,
+    latest_checkpoint,
+    load_checkpoint,
+    resume_point,
+    save_checkpoint,
+)
+from dlrmv4.checkpoint.table_deltas import ENTRY, ChangedRows, TableRowsDelta, apply_delta
+from dlrmv4.checkpoint.tables import TableState
+from dlrmv4.distributed import Cluster
+from dlrmv4.errors import UserError
+
+DIM = 8
+
+
+class Tables:
+    """The part of a backend's tables that checkpoints read: plain tensors whole on one rank."""
+
+    def __init__(self, rows: dict[str, int], seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.cluster = Cluster.single(torch.device("cpu"))
+        self.dim = DIM
+        self.tables = {
+            name: {"weight": torch.randn(n, DIM, generator=generator), "momentum": torch.rand(n, generator=generator)}
+            for name, n in rows.items()
+        }
+
+    def live_tables(self) -> dict:
+        return self.tables
+
+
+def _position(step: int) -> CheckpointPosition:
+    return CheckpointPosition(step=step, samples_seen=step * 4, window=0)
+
+
+def _update(tables: Tables, name: str, rows: list[int], generator: torch.Generator) -> None:
+    """Row-wise Adagrad's shape of update on ``rows``: the momentum grows, the weight moves."""
+    grad = torch.randn(len(rows), DIM, generator=generator)
+    table = tables.tables[name]
+    table["momentum"][rows] += grad.pow(2).mean(1)
+    table["weight"][rows] -= 0.01 * grad / (table["momentum"][rows, None].sqrt() + 1e-8)
+
+
+def test_the_rows_found_changed_are_the_rows_that_changed():
+    tables = Tables({"item": 1000, "uid": 50})
+    tracker = ChangedRows()
+    tracker.reset(tables)
+    generator = torch.Generator().manual_seed(1)
+    _update(tables, "item", [3, 17, 999], generator)
+    # A small step on a row with a large momentum: the squared gradient is absorbed in the float32 sum,
+    # the momentum keeps its bits and only the weight moves. It must still be found.
+    item = tables.tables["item"]
+    item["momentum"][500] = 1e6
+    tracker.reset(tables)
+    before = item["momentum"][500].clone()
+    item["momentum"][500] += 1e-6
+    item["weight"][500, 3] += 1e-3
+    assert torch.equal(item["momentum"][500], before)
+    _update(tables, "item", [3, 40], generator)
+    item["weight"][41, 0] = -item["weight"][41, 0]  # one sign bit
+    changed = tracker.take(tables)
+    assert set(changed) == {"item"}  # a table with no changed row is left out
+    assert changed["item"]["ids"].tolist() == [3, 40, 41, 500]
+    assert torch.equal(changed["item"]["weight"], item["weight"][[3, 40, 41, 500]])
+    assert torch.equal(changed["item"]["momentum"], item["momentum"][[3, 40, 41, 500]])
+    assert tracker.take(tables) == {}  # the snapshot moved to now
+
+
+def test_a_chain_applied_over_its_whole_checkpoint_gives_the_tables_back(tmp_path):
+    tables = Tables({"item": 300, "artist": 40})
+    tracker = ChangedRows()
+    save_checkpoint(tmp_path, _position(1), {"sparse": TableState(tables)}, keep_last=5)
+    tracker.reset(tables)
+    generator = torch.Generator().manual_seed(2)
+    parent = tmp_path / "checkpoints" / "step-00000001"
+    for step, touched in ((2, [1, 2, 3]), (3, [2, 200]), (4, [])):
+        if touched:
+            _update(tables, "item", touched, generator)
+        _update(tables, "artist", [step], generator)
+        delta = TableRowsDelta(tracker.take(tables), rank=0)
+        parent = save_checkpoint(tmp_path, _position(step), {ENTRY: delta}, keep_last=5, parent=parent)
+    newest = latest_checkpoint(tmp_path)
+    assert [p.name for p in checkpoint_chain(newest)] == [f"step-0000000{s}" for s in (1, 2, 3, 4)]
+    assert json.loads((newest / CHAIN_FILE).read_text())["parent"] == "step-00000003"
+
+    restored = Tables({"item": 300, "artist": 40}, seed=9)  # other numbers: everything must come from the files
+    whole, *deltas = checkpoint_chain(newest)
+    load_checkpoint(whole, {"sparse": TableState(restored)})
+    assert [apply_delta(d, restored, restored.cluster) for d in deltas] == [4, 3, 1]
+    for name, parts in tables.tables.items():
+        for part, tensor in parts.items():
+            assert torch.equal(restored.tables[name][part], tensor), (name, part)
+
+
+def _chain(tmp_path: Path, keep_last: int = 5) -> Tables:
+    """A whole checkpoint at step 1 and deltas at steps 2 and 3."""
+    tables = Tables({"item": 100})
+    tracker = ChangedRows()
+    parent = save_checkpoint(tmp_path, _position(1), {"sparse": TableState(tables)}, keep_last=keep_last)
+    tracker.reset(tables)
+    generator = torch.Generator().manual_seed(3)
+    for step in (2, 3):
+        _update(tables, "item", [step], generator)
+        entry = {ENTRY: TableRowsDelta(tracker.take(tables), rank=0)}
+        parent = save_checkpoint(tmp_path, _position(step), entry, keep_last=keep_last, parent=parent)
+    return tables
+
+
+@pytest.mark.parametrize("damage", ["gone", "damaged", "written again"])
+def test_a_delta_is_usable_only_with_its_whole_chain(tmp_path, capsys, damage):
+    _chain(tmp_path)
+    root = tmp_path / "checkpoints"
+    middle = root / "step-00000002"
+    if damage == "gone":
+        shutil.rmtree(middle)
+    elif damage == "damaged":
+        (middle / "position.json").write_text("{}")
+    else:  # another run wrote step 2 again: step 3's rows are not relative to it
+        shutil.rmtree(middle)
+        save_checkpoint(tmp_path, _position(2), {"sparse": TableState(Tables({"item": 100}, seed=5))}, keep_last=5)
+    capsys.readouterr()
+    expected = "step-00000002" if damage == "written again" else "step-00000001"
+    assert resume_point(tmp_path).name == expected
+    warnings = capsys.readouterr().err
+    assert "skipping checkpoint" in warnings and "step-00000003" in warnings
+    reason = {"gone": "is gone", "damaged": "position.json", "written again": "was written again since"}[damage]
+    assert reason in warnings, warnings
+
+
+def test_a_chain_whose_whole_checkpoint_is_damaged_is_refused_in_one_line(tmp_path, capsys):
+    _chain(tmp_path)
+    (tmp_path / "checkpoints" / "step-00000001" / MARKER).write_text("not json")
+    with pytest.raises(UserError) as err:
+        resume_point(tmp_path)
+    assert "none is usable" in str(err.value) and "\n" not in str(err.value)
+    assert "the checkpoint it continues, step-00000001" in str(err.value)
+
+
+def test_pruning_keeps_every_checkpoint_a_kept_chain_needs(tmp_path):
+    tables = _chain(tmp_path, keep_last=1)  # keep one checkpoint: its chain stays whole
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002", "step-00000003"]
+    save_checkpoint(tmp_path, _position(4), {"sparse": TableState(tables)}, keep_last=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000004"]
