@@ -1,7 +1,7 @@
 """What a delta checkpoint costs (``checkpoint/table_deltas.py``): the step's wait to find the changed
 rows and copy them to host memory, and the delta's bytes and write time, against the whole tables.
 
-The state: ``--gib`` of fp32 tables (E = 128, as the real job's, with their row-wise momentum) on the
+The state: ``--gib`` of fp32 tables (E = 512, as the real job's, with their row-wise momentum) on the
 device, in 8 tables. For each share of changed rows: the snapshot is taken (as at a whole checkpoint),
 that share of rows, drawn at random, gets an Adagrad-like update, and the changed rows are found and
 copied (``ChangedRows.take``: what the step waits for at a delta save, besides the dense state's copy),
@@ -29,7 +29,7 @@ from dlrmv4.checkpoint.table_deltas import ENTRY, ChangedRows, TableRowsDelta, d
 from dlrmv4.distributed import Cluster
 
 GIB = 1 << 30
-DIM = 128
+DIM = 512  # the real job's rows
 TABLES = 8
 
 
