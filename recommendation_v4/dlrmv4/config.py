@@ -293,6 +293,11 @@ class TrainConfig:
         "step windows to record with the torch profiler on every rank, 'start-end,...' "
         "(half-open; Chrome traces in <run_dir>/traces, merge with merge-traces)",
     )
+    tensorboard: bool = _field(
+        True,
+        "write TensorBoard scalars (loss, learning rates, samples/s, GPU memory, evals, checkpoint "
+        "waits) into <run_dir>/tensorboard from rank 0, where the tensorboard package is installed",
+    )
     allow_changed_settings: bool = _field(
         False,
         "resume a checkpoint even when settings that shape the run (the "

@@ -40,6 +40,7 @@ RESUMABLE_FIELDS = frozenset(
         "train.final_checkpoint",
         "train.keep_last_checkpoints",
         "train.checkpoint_full_every",
+        "train.tensorboard",
         "train.async_checkpoints",
         "train.profile_steps",
         "train.allow_changed_settings",

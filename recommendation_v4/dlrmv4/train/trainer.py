@@ -15,7 +15,8 @@ ranks, decisions that depend on the clock are shared, and only rank 0 writes the
 ``build_trainer`` assembles a ``Trainer`` from the config (``build_model_and_tables`` the parts a
 bare step needs); the components each own one concern: ``Evaluator`` (evals), ``Checkpointer``
 (checkpoints and resume), ``RunLog`` (the MLPerf log), ``TrainProgress`` (the bar),
-``StepProfiler`` (profiler windows), ``TrainStep`` (one optimizer step).
+``TensorBoardScalars`` (live scalars), ``StepProfiler`` (profiler windows), ``TrainStep`` (one
+optimizer step).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from dlrmv4.train.optim import FiniteMonitor, TrainingDivergedError
 from dlrmv4.train.prefetch import DevicePrefetcher, with_next
 from dlrmv4.train.progress import TrainProgress
 from dlrmv4.train.step import TrainStep
+from dlrmv4.train.tensorboard_scalars import TensorBoardScalars
 from dlrmv4.train.trace import StepProfiler, parse_step_windows
 
 
@@ -161,6 +163,9 @@ class Trainer:
         self.profiler = StepProfiler(
             parse_step_windows(cfg.train.profile_steps), Path(cfg.train.run_dir), cluster.rank, self.device
         )
+        self.scalars = TensorBoardScalars(
+            Path(cfg.train.run_dir), cluster, self.step.schedule, cfg.train.tensorboard, self.log
+        )
         # The current window's running loss: checkpointed, so a resumed window reports the same mean.
         self.window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self.window_steps = 0
@@ -196,11 +201,13 @@ class Trainer:
             self.show_progress and self.cluster.is_main,
         )
         try:
+            self.scalars.open(history.steps, resumed=self.resume_from is not None)
             self._stream(history, loader)
         except TrainingDivergedError:
             self.runlog.run_stop(history.samples, self.train_samples, "aborted")
             raise
         finally:
+            self.scalars.close()
             self._trace_written(self.profiler.close())
             self.progress.close()
             self.progress = None
@@ -270,7 +277,9 @@ class Trainer:
 
     def _train_step(self, history: RunHistory, batch, window: int, upcoming=None) -> None:
         self.profiler.before_step(history.steps)
-        self.window_loss += self.step(batch, history.steps, window, upcoming)
+        loss = self.step(batch, history.steps, window, upcoming)
+        self.window_loss += loss
+        self.scalars.add_step(loss)
         self._trace_written(self.profiler.after_step(history.steps))
         self.window_steps += 1
         history.steps += 1
@@ -281,7 +290,9 @@ class Trainer:
     def _eval(self, history: RunHistory, window: int, eval_window: int, started: float) -> bool:
         """Score ``eval_window``; True when it reached the target."""
         self.finite.check()
+        self.scalars.write_steps()
         record = self.evaluator.run(history, window, eval_window, history.seconds + time.perf_counter() - started)
+        self.scalars.write_eval(record)
         self.log(
             f"eval at {history.samples:,} samples (window {window}, scored window {eval_window}): AUC {record.auc:.4f}"
         )
@@ -300,6 +311,7 @@ class Trainer:
 
     def _checkpoint(self, history: RunHistory, window: int, finished: bool) -> None:
         self.finite.check()  # never log RUN_STOP for, or checkpoint, a diverged state
+        self.scalars.write_steps()  # on disk before the checkpoint: a resume from it continues the curves
         # A max_steps stop may be continued: its checkpoint records the log before RUN_STOP.
         paused_log = self.runlog.state() if history.status == "stopped" else None
         if finished:  # before the save: a finished run's checkpoint records the log with RUN_STOP in it
@@ -310,8 +322,10 @@ class Trainer:
         runlog_state = paused_log if paused_log is not None else self.runlog.state()
         started = time.perf_counter()
         self.checkpointer.save(history, window, self.window_loss, self.window_steps, runlog_state)
+        waited = time.perf_counter() - started
         if not finished:  # a finished run's last save comes after RUN_STOP, outside the timed run
-            history.checkpoint_seconds += time.perf_counter() - started
+            history.checkpoint_seconds += waited
+        self.scalars.write_checkpoint_wait(history.steps, waited)
 
     def _trace_written(self, path: Path | None) -> None:
         if path is not None:
@@ -330,6 +344,8 @@ class Trainer:
         history.window_losses.append((window, history.samples, mean_loss))
         history.throughput.append((history.seconds + time.perf_counter() - started, rate))
         self.log(f"window {window}: {self.window_steps} steps, mean loss {mean_loss:.4f}, {rate:,.0f} samples/s")
+        self.scalars.write_steps()
+        self.scalars.write_window(history.steps, mean_loss, rate)
         self.window_loss.zero_()
         self.window_steps = 0
         self.train_clock = TrainClock()
