@@ -29,3 +29,47 @@ def test_the_staging_copy_made_ahead_is_the_one_every_save_uses(tmp_path):
     fresh = torch.nn.Linear(1024, 512).cuda()
     position, _ = load_checkpoint(latest_checkpoint(tmp_path), {"model": fresh})
     assert position.step == 2 and torch.equal(fresh.weight, net.weight)
+
+
+class _CudaTables:
+    """Plain fp32 tables on the GPU, the part of a backend that checkpoints read."""
+
+    def __init__(self, seed: int) -> None:
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        self.cluster, self.dim = Cluster.single(torch.device("cuda")), 512
+        self.tables = {
+            name: {
+                "weight": torch.rand(rows, 512, device="cuda", generator=generator),
+                "momentum": torch.rand(rows, device="cuda", generator=generator),
+            }
+            for name, rows in (("item", 300_000), ("uid", 5_000))
+        }
+
+    def live_tables(self) -> dict:
+        return self.tables
+
+
+def test_a_delta_of_gpu_tables_applied_over_its_whole_checkpoint_gives_them_back(tmp_path):
+    from dlrmv4.checkpoint.files import checkpoint_chain, save_checkpoint
+    from dlrmv4.checkpoint.table_deltas import ENTRY, ChangedRows, TableRowsDelta, apply_delta
+    from dlrmv4.checkpoint.tables import TableState
+
+    tables, tracker = _CudaTables(0), ChangedRows()
+    parent = save_checkpoint(tmp_path, CheckpointPosition(1, 1, 0), {"sparse": TableState(tables)}, keep_last=3)
+    tracker.reset(tables)
+    item = tables.tables["item"]
+    rows = torch.randint(0, 300_000, (3_000,), device="cuda")
+    item["momentum"][rows] += 1e-3
+    item["weight"][rows] -= 1e-3
+    item["weight"][7, 5] = torch.nextafter(item["weight"][7, 5], torch.tensor(2.0, device="cuda"))  # one ulp
+    changed = tracker.take(tables)
+    assert set(changed) == {"item"} and 7 in changed["item"]["ids"].tolist()
+    entry = {ENTRY: TableRowsDelta(changed, 0)}
+    newest = save_checkpoint(tmp_path, CheckpointPosition(2, 2, 0), entry, keep_last=3, parent=parent)
+    restored = _CudaTables(1)
+    whole, delta = checkpoint_chain(newest)
+    load_checkpoint(whole, {"sparse": TableState(restored)})
+    apply_delta(delta, restored, restored.cluster)
+    for name, parts in tables.tables.items():
+        for part, tensor in parts.items():
+            assert torch.equal(restored.tables[name][part], tensor), (name, part)
