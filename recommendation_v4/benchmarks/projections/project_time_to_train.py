@@ -512,7 +512,11 @@ def main() -> None:
         "model and set it beside what the run measured (results/projection_<label>)",
     )
     parser.add_argument("--label", default="run", help="with --measured-run: the results' name")
-    parser.add_argument("--delta-rows-from", default="delta_rows", help="the share of the tables a window changes")
+    parser.add_argument(
+        "--delta-rows-from",
+        default="delta_rows_50m",
+        help="the share of the tables a window changes (synthetic-50m's windows: the 1b store is not measured yet)",
+    )
     parser.add_argument(
         "--delta-cost-from", default="delta_checkpoint_gpu", help="what finding and copying the changed rows costs"
     )
