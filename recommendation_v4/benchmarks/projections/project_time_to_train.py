@@ -299,16 +299,19 @@ def checkpoint_seconds(
 
 def delta_parts(rows_from: str, cost_from: str) -> dict | None:
     """The delta checkpoints' measured parts: the busiest rank's share a window changes (the largest
-    over the windows measured) and the step's wait per GiB of a rank's tables at the share measured
-    nearest to it; None without either file."""
+    over the windows measured) and the step's wait per GiB of a rank's tables at that share
+    (linear between the shares measured, and past the last two); None without either file."""
     if not (RESULTS / f"{rows_from}.json").exists() or not (RESULTS / f"{cost_from}.json").exists():
         return None
     rows, cost = load(rows_from), load(cost_from)
     share = max(r["busiest_rank_share"] for r in rows["results"])
-    nearest = min(cost["results"], key=lambda r: abs(r["changed_pct"] / 100 - share))
+    points = sorted((r["changed_pct"] / 100, r["take_ms_per_gib"] / 1e3) for r in cost["results"])
+    (x0, y0), (x1, y1) = next(
+        (pair for pair in zip(points, points[1:]) if share <= pair[1][0]), (points[-2], points[-1])
+    )
     return {
         "window_share": share,
-        "find_s_per_gib": nearest["take_ms_per_gib"] / 1e3,
+        "find_s_per_gib": max(y0, y0 + (y1 - y0) * (share - x0) / (x1 - x0)),
         "source": f"{rows_from} ({rows['preset']}, commit {rows['commit']}), {cost_from} "
         f"({cost['machine'].get('gpu', 'CPU')}, commit {cost['commit']})",
     }
