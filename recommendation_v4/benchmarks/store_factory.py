@@ -233,3 +233,16 @@ def random_store(
         window_seconds=window_seconds,
         num_windows=num_windows,
     )
+
+
+def prepared_store(preset: str, data_path: str):
+    """(config, store) of a preset's prepared store under ``data_path``; exits in one line when it is missing."""
+    from dlrmv4.config_loading import load_config
+    from dlrmv4.data.paths import store_dir
+    from dlrmv4.data.store import open_store
+
+    cfg = load_config(preset, None, {("dataset", "data_path"): data_path})
+    path = store_dir(cfg.dataset)
+    if not (path / META_FILE).exists():
+        raise SystemExit(f"no store at {path}: prepare it first (see this script's docstring)")
+    return cfg, open_store(path)

@@ -24,13 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpe
 
 import numpy as np
 from harness import RESULTS, command_line, write_results
+from store_factory import prepared_store
 
-from dlrmv4.config_loading import load_config
 from dlrmv4.data.loader import plan_batches, window_order
-from dlrmv4.data.paths import store_dir
 from dlrmv4.data.sampler import build_batch, pack_item_sides
 from dlrmv4.data.sparse_features import feature_ids
-from dlrmv4.data.store import open_store
 from dlrmv4.model.embeddings.tables import store_table_counts, table_features, table_specs
 
 ID_BYTES = 8  # a delta stores each row's global id beside its weight and momentum
@@ -46,11 +44,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
-    cfg = load_config(args.preset, None, {("dataset", "data_path"): args.data_path})
-    path = store_dir(cfg.dataset)
-    if not (path / "meta.json").exists():
-        raise SystemExit(f"no store at {path}: prepare it first (see this script's docstring)")
-    store = open_store(path)
+    cfg, store = prepared_store(args.preset, args.data_path)
     train_windows = store.num_windows - 1
     windows = args.windows or sorted({0, train_windows // 3, 2 * train_windows // 3, train_windows - 1})
     if any(not 0 <= w < train_windows for w in windows):

@@ -22,13 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpe
 
 import numpy as np
 from harness import RESULTS, command_line, cpu_model, git_commit, write_results
+from store_factory import prepared_store
 
-from dlrmv4.config_loading import load_config
 from dlrmv4.data.batch import HISTORY_ID_FIELDS
 from dlrmv4.data.loader import plan_batches, rank_share, window_order
-from dlrmv4.data.paths import store_dir
 from dlrmv4.data.sampler import build_batch, history_lengths, pack_item_sides
-from dlrmv4.data.store import open_store
 
 
 def main() -> None:
@@ -42,11 +40,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
-    cfg = load_config(args.preset, None, {("dataset", "data_path"): args.data_path})
-    path = store_dir(cfg.dataset)
-    if not (path / "meta.json").exists():
-        raise SystemExit(f"no store at {path}: prepare it first (see this script's docstring)")
-    store = open_store(path)
+    cfg, store = prepared_store(args.preset, args.data_path)
     offsets = np.asarray(store.window_offsets)
     windows = range(store.num_windows - 1)
     plan = plan_batches([(w, int(offsets[w + 1] - offsets[w])) for w in windows], args.global_batch, drop_last=True)
@@ -90,7 +84,7 @@ def main() -> None:
         "commit": git_commit(),
         "device": f"{cpu_model()} CPU, one core",
         "preset": args.preset,
-        "store": path.name,
+        "store": cfg.dataset.name,
         "users": store.train.num_users,
         "global_batch": args.global_batch,
         "batches": len(plan),
