@@ -129,10 +129,8 @@ class Checkpointer:
             rows = self.changed_rows.take(self.embeddings)
             del state["sparse"]
             state[ENTRY] = TableRowsDelta(rows, self.cluster.rank)
-            what = (
-                f"a delta of {parent.name}: {self._total(sum(p['ids'].numel() for p in rows.values())):,} "
-                f"changed rows, {self._total(delta_bytes(rows)) / 2**20:,.1f} MiB"
-            )
+            count, size = self._totals(sum(p["ids"].numel() for p in rows.values()), delta_bytes(rows))
+            what = f"a delta of {parent.name}: {count:,} changed rows, {size / 2**20:,.1f} MiB"
         path = self.writer.save(position, state, rank_state=own, parent=parent)
         if parent is None and every > 1:
             self.changed_rows.reset(self.embeddings)  # the next deltas are written against this state
@@ -146,9 +144,10 @@ class Checkpointer:
         else:
             self.log(f"checkpoint {path.name}{kind} at step {history.steps}")
 
-    def _total(self, count: int) -> int:
-        """A count summed over the ranks (a collective)."""
-        return int(self.cluster.all_reduce_(torch.tensor(count, dtype=torch.int64, device=self.cluster.device)))
+    def _totals(self, *counts: int) -> list[int]:
+        """Counts summed over the ranks (one collective)."""
+        summed = self.cluster.all_reduce_(torch.tensor(counts, dtype=torch.int64, device=self.cluster.device))
+        return [int(n) for n in summed.tolist()]
 
     def _state(
         self, history: RunHistory, mean_loss: torch.Tensor | float, window_steps: int, runlog_state: dict[str, Any]
@@ -180,7 +179,9 @@ class Checkpointer:
         changed = self.check_settings(Path(path))
         dense = {"dense": ModelAndOptimizers(self.model, [self.optimizer])}
         whole, *deltas = checkpoint_chain(path)
-        position, state = load_checkpoint(whole, {**dense, "sparse": self.embeddings.checkpoint_state()}, self.cluster)
+        sparse = {"sparse": self.embeddings.checkpoint_state()}
+        # Behind deltas the whole checkpoint gives the tables alone: the dense state is the newest's.
+        position, state = load_checkpoint(whole, sparse if deltas else {**dense, **sparse}, self.cluster)
         for delta in deltas:
             rows = apply_delta(delta, self.embeddings, self.cluster)
             self.log(f"applied {delta.name}: {rows:,} changed rows of the tables since {whole.name}")
