@@ -15,6 +15,7 @@ from typing import Callable, NoReturn
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.config_loading import add_config_arguments, config_from_args, list_presets, to_toml
+from dlrmv4.distributed import RankLostError
 from dlrmv4.errors import ERROR_PREFIX, UserError, report_failure, under_launcher
 from dlrmv4.files import remove_dead_temps
 from dlrmv4.slurm_tasks import adopt_slurm_tasks
@@ -421,6 +422,24 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated()
 
 
+# A launcher stopping the job sends every rank its SIGTERM at once; a rank in a collective may see the
+# peer that stopped first leave before its own signal is handled.
+LAUNCHER_STOP_GRACE_SECONDS = 1.0
+
+
+def _stopped_by_the_launcher(exc: UserError) -> bool:
+    """Whether ``exc`` is a collective that lost a rank that left no line, because the launcher is
+    stopping the job: then this rank's own SIGTERM follows within the grace, and the launcher says the
+    job's line (waits only under a launcher, for such a loss)."""
+    if not (isinstance(exc, RankLostError) and not exc.peer_said_why and under_launcher()):
+        return False
+    try:
+        time.sleep(LAUNCHER_STOP_GRACE_SECONDS)
+    except Terminated:
+        return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -431,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         COMMANDS[args.command][0](cfg, args)
     except UserError as exc:
+        if _stopped_by_the_launcher(exc):
+            return 143
         report_failure(str(exc), exc.caused_by_another_rank)
         return 1
     except OSError as exc:  # an I/O failure no step turned into its own line: the file and the cause

@@ -47,6 +47,10 @@ class RankLostError(UserError):
 
     caused_by_another_rank = True
 
+    def __init__(self, message: str, peer_said_why: bool) -> None:
+        super().__init__(message)
+        self.peer_said_why = peer_said_why  # False: the other rank left no line (stopped, killed, hung)
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -253,11 +257,12 @@ def is_comm_failure(exc: BaseException) -> bool:
 def lost_rank_error(cluster: Cluster, what: str, exc: BaseException) -> RankLostError:
     posted = cluster.posted_failure()
     if posted is not None:
-        return RankLostError(f"rank {cluster.rank} of {cluster.world_size}: {what} failed because {posted}")
+        return RankLostError(f"rank {cluster.rank} of {cluster.world_size}: {what} failed because {posted}", True)
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return RankLostError(
         f"rank {cluster.rank} of {cluster.world_size}: {what} failed, another rank exited or "
-        f"stopped answering (timeout {cluster.timeout_seconds:g} s): {first_line[:200]}"
+        f"stopped answering (timeout {cluster.timeout_seconds:g} s): {first_line[:200]}",
+        False,
     )
 
 

@@ -176,3 +176,28 @@ def test_a_killed_writers_temp_files_are_removed_by_the_next_run(tiny, tmp_path)
     for path in dead:
         assert not path.exists() and f"removed {path}, left by process {gone.pid}" in proc.stdout
     assert live.exists()
+
+
+def test_a_rank_that_loses_a_silent_peer_while_the_launcher_stops_the_job_stays_silent(monkeypatch):
+    """The launcher sends every rank its SIGTERM at once: a rank whose collective lost a peer that left no
+    line waits for its own signal and ends as stopped (143, no line of its own). A peer that said why, or
+    no launcher, is reported at once."""
+    import signal
+    import threading
+
+    from dlrmv4 import cli
+    from dlrmv4.distributed import RankLostError
+    from dlrmv4.errors import LAUNCHER_ENV
+
+    lost = RankLostError("rank 1 of 2: a collective of the training step failed, another rank exited", False)
+    previous = signal.signal(signal.SIGTERM, cli._raise_terminated)
+    try:
+        monkeypatch.setenv(LAUNCHER_ENV, "1")
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        assert cli._stopped_by_the_launcher(lost)
+        said = RankLostError("rank 1 of 2: a collective failed because rank 0 ran out of device memory", True)
+        assert not cli._stopped_by_the_launcher(said)
+        monkeypatch.delenv(LAUNCHER_ENV)
+        assert not cli._stopped_by_the_launcher(lost)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
