@@ -14,6 +14,10 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
+import re
+import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,9 +119,72 @@ def compile_model_kernels(
     return compiled
 
 
-def describe(variant: CompiledVariant, target: KernelTarget) -> dict:
-    """A variant as JSON: where it was compiled for, its constants, options and shared memory."""
+SM_REGISTERS, SM_SHARED, SM_WARPS, SM_BLOCKS = 65_536, 233_472, 64, 32
+AMD_WAVES_PER_SIMD = 8
+
+
+def _amd(asm: str) -> dict:
+    def value(pattern: str) -> int:
+        found = re.search(pattern, asm)
+        return int(found.group(1)) if found else 0
+
+    waves = value(r"; Occupancy: (\d+)")
+    vgpr_spills, sgpr_spills = value(r"\.vgpr_spill_count:\s+(\d+)"), value(r"\.sgpr_spill_count:\s+(\d+)")
+    return {
+        "registers": value(r"\.vgpr_count:\s+(\d+)") + value(r"\.agpr_count:\s+(\d+)"),
+        "spills": f"{vgpr_spills} VGPRs, {sgpr_spills} SGPRs",
+        "spilled": vgpr_spills > 0,
+        "occupancy": waves / AMD_WAVES_PER_SIMD,
+        "occupancy_text": f"{waves} waves/SIMD",
+    }
+
+
+def _nvidia(variant: CompiledVariant, target: KernelTarget) -> dict:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    arch = f"sm_{target.arch}a"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(variant.binary.asm["ptx"])
+        proc = subprocess.run(
+            [get_ptxas(int(target.arch)).path, "--verbose", f"--gpu-name={arch}", str(ptx), "-o", str(Path(tmp) / "k")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    report = proc.stdout + proc.stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    stores = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    loads = int(re.search(r"(\d+) bytes spill loads", report).group(1))
+    warps = variant.num_warps
+    per_warp = math.ceil(registers * 32 / 256) * 256
+    blocks = min(
+        SM_REGISTERS // (per_warp * warps),
+        SM_SHARED // (variant.shared_memory + 1024),
+        SM_WARPS // warps,
+        SM_BLOCKS,
+    )
+    return {
+        "registers": registers,
+        "spills": f"{stores} B stored, {loads} B loaded",
+        "spilled": stores + loads > 0,
+        "occupancy": blocks * warps / SM_WARPS,
+        "occupancy_text": f"{blocks} blocks x {warps} warps",
+    }
+
+
+def resources(variant: CompiledVariant, target: KernelTarget) -> dict:
+    """Registers, spills and occupancy of a compiled variant: AMD's from its ``amdgcn`` assembly,
+    NVIDIA's from Triton's own ``ptxas --verbose`` on its PTX. ``spilled``: VGPRs (AMD) or bytes
+    (NVIDIA) go to memory; SGPRs an AMD kernel parks in VGPR lanes do not count."""
+    return _nvidia(variant, target) if target.nvidia else _amd(variant.binary.asm["amdgcn"])
+
+
+def describe(variant: CompiledVariant, target: KernelTarget, with_resources: bool = False) -> dict:
+    """A variant as JSON: where it was compiled for, its constants, options and shared memory (and
+    with ``with_resources``, its registers and spills)."""
     plain = (bool, int, float, str, type(None))
+    facts = resources(variant, target) if with_resources else {}
     return {
         "target": target.name,
         "kernel": variant.kernel,
@@ -126,6 +193,7 @@ def describe(variant: CompiledVariant, target: KernelTarget) -> dict:
         "num_warps": variant.num_warps,
         "num_stages": variant.num_stages,
         "shared_memory": variant.shared_memory,
+        **facts,
     }
 
 
@@ -135,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", default="first", choices=CONFIG_CHOICES, help="an autotuned kernel's configs")
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--json", required=True, help="where to write the compiled variants")
+    parser.add_argument("--resources", action="store_true", help="with each variant's registers and spills")
     args = parser.parse_args(argv)
     rows = []
     for name in args.targets:
@@ -142,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         started = time.perf_counter()
         compiled = compile_model_kernels(target, args.configs, tuple(args.dtypes))
         print(f"{name}: {len(compiled)} kernel variants in {time.perf_counter() - started:.1f} s", flush=True)
-        rows += [describe(v, target) for v in compiled]
+        rows += [describe(v, target, args.resources) for v in compiled]
     Path(args.json).write_text(json.dumps(rows, indent=1))
 
 

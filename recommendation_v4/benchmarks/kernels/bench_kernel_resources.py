@@ -14,80 +14,22 @@ blocks per SM, registers allocated per warp in units of 256).
 from __future__ import annotations
 
 import argparse
-import math
-import re
-import subprocess
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 from harness import RESULTS, command_line, write_results
-from kernel_targets import DTYPES, compile_model_kernels
+from kernel_targets import DTYPES, compile_model_kernels, resources
 
-from dlrmv4.ops.triton.cross_compile import CompiledVariant
 from dlrmv4.ops.triton.targets import TARGETS, KernelTarget
-
-SM_REGISTERS, SM_SHARED, SM_WARPS, SM_BLOCKS = 65_536, 233_472, 64, 32
-AMD_WAVES_PER_SIMD = 8
-
-
-def _amd(asm: str) -> dict:
-    def value(pattern: str) -> int:
-        found = re.search(pattern, asm)
-        return int(found.group(1)) if found else 0
-
-    waves = value(r"; Occupancy: (\d+)")
-    vgpr_spills, sgpr_spills = value(r"\.vgpr_spill_count:\s+(\d+)"), value(r"\.sgpr_spill_count:\s+(\d+)")
-    return {
-        "registers": value(r"\.vgpr_count:\s+(\d+)") + value(r"\.agpr_count:\s+(\d+)"),
-        "spills": f"{vgpr_spills} VGPRs, {sgpr_spills} SGPRs",
-        "spilled": vgpr_spills > 0,
-        "occupancy": waves / AMD_WAVES_PER_SIMD,
-        "occupancy_text": f"{waves} waves/SIMD",
-    }
-
-
-def _nvidia(variant: CompiledVariant, target: KernelTarget) -> dict:
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    arch = f"sm_{target.arch}a"
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "kernel.ptx"
-        ptx.write_text(variant.binary.asm["ptx"])
-        proc = subprocess.run(
-            [get_ptxas(int(target.arch)).path, "--verbose", f"--gpu-name={arch}", str(ptx), "-o", str(Path(tmp) / "k")],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    report = proc.stdout + proc.stderr
-    registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    stores = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    loads = int(re.search(r"(\d+) bytes spill loads", report).group(1))
-    warps = variant.num_warps
-    per_warp = math.ceil(registers * 32 / 256) * 256
-    blocks = min(
-        SM_REGISTERS // (per_warp * warps),
-        SM_SHARED // (variant.shared_memory + 1024),
-        SM_WARPS // warps,
-        SM_BLOCKS,
-    )
-    return {
-        "registers": registers,
-        "spills": f"{stores} B stored, {loads} B loaded",
-        "spilled": stores + loads > 0,
-        "occupancy": blocks * warps / SM_WARPS,
-        "occupancy_text": f"{blocks} blocks x {warps} warps",
-    }
 
 
 def measure(target: KernelTarget) -> list[dict]:
     rows = []
     for v in compile_model_kernels(target, "all", DTYPES):
-        facts = _nvidia(v, target) if target.nvidia else _amd(v.binary.asm["amdgcn"])
+        facts = resources(v, target)
         rows.append(
             {
                 "target": target.name,

@@ -13,28 +13,36 @@ exists in memory):
   scores (``dq_mode="separate"``: 7 matmuls per tile pair, deterministic) or is accumulated in fp32
   with atomics from the dK/dV kernel (``"atomic"``: 5 matmuls). The default was chosen by
   measurement (benchmarks/kernels/notes_attention.md).
+- q, k, v and dO tiles are read through tensor descriptors over each input's [T, H*D] rows (TMA
+  on Hopper and Blackwell): no per-element addresses in registers, which took 254 of the forward's
+  255 and made the dK/dV kernel spill. A tile may run past its sequence's end into the next
+  sequence's rows (zeros past T): every span that can is masked, and the dK/dV kernel's masks also
+  drop query rows past the end, so each sequence's outputs are the same bits as with masked loads.
 - tiles, warps and stages are autotuned per (bucket of max_seq_len = next power of two, head dims,
-  dtype), from small config lists pruned by the device's shared memory, so a new jagged maximum
-  inside a bucket never re-tunes. max_seq_len only sizes the grid and gives 1/N: no host sync.
-  Under ``torch.use_deterministic_algorithms(True)`` the first config that fits is taken instead
-  (no timings) and atomic dQ is refused, so the same inputs give the same bits in every process.
+  dtype), from small per-backend config lists pruned by the device's shared memory, so a new jagged
+  maximum inside a bucket never re-tunes. max_seq_len only sizes the grid and gives 1/N: no host
+  sync. Under ``torch.use_deterministic_algorithms(True)`` the first config that fits is taken
+  instead (no timings) and atomic dQ is refused, so the same inputs give the same bits in every
+  process.
 - SiLU on 16-bit inputs: x*sigmoid(x) = t + t*tanh(t) with t = x/2, one ``tanh.approx`` per score
   instead of exp + reciprocal. The multi-function unit (16 ops/clock/SM) does not overlap the
   tensor cores here (Triton waits on each QK^T before the SiLU), so its time adds to the matmuls'.
-  The dK/dV kernel evaluates SiLU and SiLU' in packed bf16x2 arithmetic (``_silu_form``). Masks
-  zero the fp32 scores / dP before the SiLU (SiLU(0) = 0), so the bf16 conversions stay packed.
+  The dK/dV kernel evaluates SiLU and SiLU' in packed bf16x2 / f16x2 arithmetic (``_silu_form``).
+  Masks zero the fp32 scores / dP before the SiLU (SiLU(0) = 0), so the conversions stay packed.
 - fp32 inputs use 3xTF32 products (fp32-level error) and one small tile config: the accuracy
   path, not the speed path.
 
-Portability: nothing Hopper-only (no TMA descriptors, no warp specialization); ``tl.dot`` lowers to
-wgmma on sm_90, tcgen05 MMA on sm_100 (B200) and MFMA on gfx942 / gfx950 (MI300X / MI350X). Every
-choice that depends on the hardware is made from the launch's ``KernelTarget`` (targets.py): the
-inline PTX (``tanh.approx.f32``, sm_75+; the packed bf16x2 forms, sm_90+) only on NVIDIA, AMD and
-fp32 take ``tl.sigmoid``; AMD's dot takes "ieee" precision; the configs a target keeps follow the
+Portability: no warp specialization; ``tl.dot`` lowers to wgmma on sm_90, tcgen05 MMA on sm_100
+(B200) and MFMA on gfx942 / gfx950 (MI300X / MI350X), and a descriptor's loads to TMA on NVIDIA and
+to ordinary loads on gfx942 / gfx950. Every choice that depends on the hardware is made from the
+launch's ``KernelTarget`` (targets.py): the inline PTX (``tanh.approx.f32``, sm_75+; the packed
+forms, sm_90+) only on NVIDIA, AMD and fp32 take ``tl.sigmoid``; AMD's dot takes "ieee" precision;
+each backend has its own config list (``CONFIGS``), and the configs a target keeps follow the
 pruning rule in ``_pruner`` (estimated shared memory and registers against the target's), with
-small-memory configs where none of the list passes (MI300X's 64 KB of LDS). CI compiles every
-kernel for all four targets (tests/test_kernel_targets.py); the config lists were tuned on H100 /
-H200 only (on MI350X, ``waves_per_eu`` / ``matrix_instr_nonkdim`` are the knobs to try).
+small-memory configs where none of the list passes. CI compiles every config each target keeps
+and checks that no 16-bit kernel spills (tests/test_kernel_targets.py); the NVIDIA lists were timed
+on an H200, the AMD lists chosen by registers alone (on MI350X, ``waves_per_eu`` /
+``matrix_instr_nonkdim`` are the knobs to time).
 """
 
 from __future__ import annotations
@@ -42,13 +50,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..dispatch import interpreting
 from ..strides import unit_cols
 from .targets import KernelTarget, current_target
 
 DQ_MODES = ("separate", "atomic")
-SILU_FORMS = ("bf16x2", "tanh", "sigmoid")
+SILU_FORMS = ("bf16x2", "f16x2", "tanh", "sigmoid")
 DQ_MODE = "separate"
 # Interpreter tiles (CPU tests): small and unequal, so every span and alignment case is exercised.
 INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
@@ -59,24 +68,51 @@ def _tanh(t):
     return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [t], dtype=tl.float32, is_pure=True, pack=1)
 
 
+def _packed_silu_asm(fmt: str, half: str, one: str, two: str) -> tuple[tl.constexpr, tl.constexpr]:
+    """PTX for SiLU, and SiLU with dP * SiLU', on a pair of 16-bit lanes (``fmt`` bf16x2 or f16x2;
+    the constants are 0.5, 1 and 2 in that format, twice)."""
+    weights = f"""{{
+    .reg .b32 t, h;
+    cvt.rn.{fmt}.f32 t, $2, $1;
+    tanh.approx.{fmt} h, t;
+    fma.rn.{fmt} $0, t, h, t;
+    }}"""
+    grads = f"""{{
+    .reg .b32 t, h, a, sg, u, dp, half, one, two;
+    mov.b32 half, {half};
+    mov.b32 one, {one};
+    mov.b32 two, {two};
+    cvt.rn.{fmt}.f32 t, $3, $2;
+    tanh.approx.{fmt} h, t;
+    fma.rn.{fmt} a, t, h, t;
+    fma.rn.{fmt} sg, h, half, half;
+    fma.rn.{fmt} u, t, two, one;
+    sub.rn.{fmt} u, u, a;
+    mul.rn.{fmt} u, sg, u;
+    cvt.rn.{fmt}.f32 dp, $5, $4;
+    mul.rn.{fmt} $1, dp, u;
+    mov.b32 $0, a;
+    }}"""
+    return tl.constexpr(weights), tl.constexpr(grads)
+
+
+_BF16X2_WEIGHTS, _BF16X2_GRADS = _packed_silu_asm("bf16x2", "0x3F003F00", "0x3F803F80", "0x40004000")
+_F16X2_WEIGHTS, _F16X2_GRADS = _packed_silu_asm("f16x2", "0x38003800", "0x3C003C00", "0x40004000")
+
+
 @triton.jit
 def _weights(s, alpha, dtype: tl.constexpr, SILU: tl.constexpr):
     """SiLU(alpha * s) as the ``dtype`` operand of the next product. With t = alpha*s/2,
-    SiLU = t + t*tanh(t): "bf16x2" in packed bf16 arithmetic (two lanes per instruction; sm_90
-    still issues one MUFU op per lane for the tanh), "tanh" in fp32, "sigmoid" as x * sigmoid(x)."""
+    SiLU = t + t*tanh(t): "bf16x2" / "f16x2" in packed 16-bit arithmetic (two lanes per
+    instruction; sm_90 still issues one MUFU op per lane for the tanh), "tanh" in fp32, "sigmoid"
+    as x * sigmoid(x)."""
     if SILU == "bf16x2":
         a = tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t, h;
-            cvt.rn.bf16x2.f32 t, $2, $1;
-            tanh.approx.bf16x2 h, t;
-            fma.rn.bf16x2 $0, t, h, t;
-            }""",
-            "=r,f,f",
-            [s * (0.5 * alpha)],
-            dtype=tl.bfloat16,
-            is_pure=True,
-            pack=2,
+            _BF16X2_WEIGHTS, "=r,f,f", [s * (0.5 * alpha)], dtype=tl.bfloat16, is_pure=True, pack=2
+        )
+    elif SILU == "f16x2":
+        a = tl.inline_asm_elementwise(
+            _F16X2_WEIGHTS, "=r,f,f", [s * (0.5 * alpha)], dtype=tl.float16, is_pure=True, pack=2
         )
     elif SILU == "tanh":
         t = s * (0.5 * alpha)
@@ -93,25 +129,19 @@ def _weights_and_grads(s, dp, alpha, dtype: tl.constexpr, SILU: tl.constexpr):
     SiLU'(x) = sigmoid(x) * (1 + x - SiLU(x)) and sigmoid(x) = (1 + tanh(x/2)) / 2."""
     if SILU == "bf16x2":
         a, ds = tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t, h, a, sg, u, dp, half, one, two;
-            mov.b32 half, 0x3F003F00;
-            mov.b32 one, 0x3F803F80;
-            mov.b32 two, 0x40004000;
-            cvt.rn.bf16x2.f32 t, $3, $2;
-            tanh.approx.bf16x2 h, t;
-            fma.rn.bf16x2 a, t, h, t;
-            fma.rn.bf16x2 sg, h, half, half;
-            fma.rn.bf16x2 u, t, two, one;
-            sub.rn.bf16x2 u, u, a;
-            mul.rn.bf16x2 u, sg, u;
-            cvt.rn.bf16x2.f32 dp, $5, $4;
-            mul.rn.bf16x2 $1, dp, u;
-            mov.b32 $0, a;
-            }""",
+            _BF16X2_GRADS,
             "=r,=r,f,f,f,f",
             [s * (0.5 * alpha), dp],
             dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=2,
+        )
+    elif SILU == "f16x2":
+        a, ds = tl.inline_asm_elementwise(
+            _F16X2_GRADS,
+            "=r,=r,f,f,f,f",
+            [s * (0.5 * alpha), dp],
+            dtype=(tl.float16, tl.float16),
             is_pure=True,
             pack=2,
         )
@@ -171,32 +201,27 @@ def _key_spans(m_start, seq_len, prefix, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 def _fwd_span(
     acc,
     q,
-    k_seq,
-    v_seq,
-    stride_kt,
-    stride_vt,
+    K,
+    V,
+    row0,
+    col_k,
+    col_v,
     offs_m,
     lo,
     hi,
-    seq_len,
     prefix,
     alpha,
-    DQK: tl.constexpr,
-    DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     SILU: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    offs_dk = tl.arange(0, DQK)
-    offs_dv = tl.arange(0, DV)
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_seq = (offs_n < seq_len)[:, None]
-        k = tl.load(k_seq + offs_n[:, None] * stride_kt + offs_dk[None, :], mask=in_seq, other=0.0)
-        v = tl.load(v_seq + offs_n[:, None] * stride_vt + offs_dv[None, :], mask=in_seq, other=0.0)
+        k = K.load([row0 + n0, col_k])
+        v = V.load([row0 + n0, col_v])
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         if MASKED:  # on the fp32 scores: SiLU(0) = 0, and the packed conversion stays packed
+            offs_n = n0 + tl.arange(0, BLOCK_N)
             s = tl.where(_keep(offs_m[:, None], offs_n[None, :], _last_seen(offs_m, prefix)[:, None]), s, 0.0)
         acc = tl.dot(_weights(s, alpha, v.dtype, SILU), v, acc, input_precision=PREC)
     return acc
@@ -210,12 +235,6 @@ def _hstu_attention_fwd(
     O,
     seq_offsets,
     num_targets,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
     stride_ot,
     stride_oh,
     H,
@@ -236,79 +255,16 @@ def _hstu_attention_fwd(
     start, seq_len, prefix = _sequence(seq_offsets, num_targets, b, HAS_TARGETS)
     if m_start >= seq_len:
         return
+    row0 = start.to(tl.int32)
     offs_m = m_start + tl.arange(0, BLOCK_M)
-    in_seq = (offs_m < seq_len)[:, None]
-    q = tl.load(
-        Q + start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + tl.arange(0, DQK)[None, :],
-        mask=in_seq,
-        other=0.0,
-    )
-    k_seq = K + start * stride_kt + h * stride_kh
-    v_seq = V + start * stride_vt + h * stride_vh
+    q = Q.load([row0 + m_start, h * DQK])
     nf, e1, s2, hi = _key_spans(m_start, seq_len, prefix, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
-    acc = _fwd_span(
-        acc,
-        q,
-        k_seq,
-        v_seq,
-        stride_kt,
-        stride_vt,
-        offs_m,
-        0,
-        nf,
-        seq_len,
-        prefix,
-        alpha,
-        DQK,
-        DV,
-        BLOCK_N,
-        False,
-        SILU,
-        PREC,
-    )
-    acc = _fwd_span(
-        acc,
-        q,
-        k_seq,
-        v_seq,
-        stride_kt,
-        stride_vt,
-        offs_m,
-        nf,
-        e1,
-        seq_len,
-        prefix,
-        alpha,
-        DQK,
-        DV,
-        BLOCK_N,
-        True,
-        SILU,
-        PREC,
-    )
-    acc = _fwd_span(
-        acc,
-        q,
-        k_seq,
-        v_seq,
-        stride_kt,
-        stride_vt,
-        offs_m,
-        s2,
-        hi,
-        seq_len,
-        prefix,
-        alpha,
-        DQK,
-        DV,
-        BLOCK_N,
-        True,
-        SILU,
-        PREC,
-    )
+    acc = _fwd_span(acc, q, K, V, row0, h * DQK, h * DV, offs_m, 0, nf, prefix, alpha, BLOCK_N, False, SILU, PREC)
+    acc = _fwd_span(acc, q, K, V, row0, h * DQK, h * DV, offs_m, nf, e1, prefix, alpha, BLOCK_N, True, SILU, PREC)
+    acc = _fwd_span(acc, q, K, V, row0, h * DQK, h * DV, offs_m, s2, hi, prefix, alpha, BLOCK_N, True, SILU, PREC)
     o_ptrs = O + start * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + tl.arange(0, DV)[None, :]
-    tl.store(o_ptrs, (acc * inv_n).to(O.dtype.element_ty), mask=in_seq)
+    tl.store(o_ptrs, (acc * inv_n).to(O.dtype.element_ty), mask=(offs_m < seq_len)[:, None])
 
 
 @triton.jit
@@ -325,12 +281,13 @@ def _dkdv_span(
     dv,
     k,
     v,
-    q_seq,
-    do_seq,
+    Q,
+    DO,
     dq_seq,
-    stride_qt,
-    stride_dot,
     stride_dqt,
+    row0,
+    col_q,
+    col_do,
     offs_n,
     lo,
     hi,
@@ -339,33 +296,32 @@ def _dkdv_span(
     alpha,
     dq_scale,
     DQK: tl.constexpr,
-    DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
     SILU: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    offs_dk = tl.arange(0, DQK)
-    offs_dv = tl.arange(0, DV)
     for m0 in range(lo, hi, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        in_seq = (offs_m < seq_len)[:, None]
-        q = tl.load(q_seq + offs_m[:, None] * stride_qt + offs_dk[None, :], mask=in_seq, other=0.0)
-        do = tl.load(do_seq + offs_m[:, None] * stride_dot + offs_dv[None, :], mask=in_seq, other=0.0)
+        q = Q.load([row0 + m0, col_q])
+        do = DO.load([row0 + m0, col_do])
         # Transposed tiles [BLOCK_N, BLOCK_M], so dV and dK are plain products with dO and Q.
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-        if MASKED:  # zero scores and dP give exactly zero weights and dS
+        if MASKED:  # zero scores and dP give exactly zero weights and dS (rows past the end too)
+            offs_m = m0 + tl.arange(0, BLOCK_M)
             keep = _keep(offs_m[None, :], offs_n[:, None], _last_seen(offs_m, prefix)[None, :])
+            keep = keep & (offs_m < seq_len)[None, :]
             s_t = tl.where(keep, s_t, 0.0)
             dp_t = tl.where(keep, dp_t, 0.0)
         a_t, ds_t = _weights_and_grads(s_t, dp_t, alpha, q.dtype, SILU)
         dv = tl.dot(a_t, do, dv, input_precision=PREC)
         dk = tl.dot(ds_t, q, dk, input_precision=PREC)
         if ATOMIC_DQ:
+            offs_m = m0 + tl.arange(0, BLOCK_M)
             dq = tl.dot(tl.trans(ds_t), k, input_precision=PREC) * dq_scale
-            tl.atomic_add(dq_seq + offs_m[:, None] * stride_dqt + offs_dk[None, :], dq, mask=in_seq, sem="relaxed")
+            dq_ptrs = dq_seq + offs_m[:, None] * stride_dqt + tl.arange(0, DQK)[None, :]
+            tl.atomic_add(dq_ptrs, dq, mask=(offs_m < seq_len)[:, None], sem="relaxed")
     return dk, dv
 
 
@@ -382,14 +338,6 @@ def _hstu_attention_dkdv(
     DVS,
     seq_offsets,
     num_targets,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_dot,
-    stride_doh,
     stride_dqt,
     stride_dqh,
     stride_dkt,
@@ -419,110 +367,38 @@ def _hstu_attention_dkdv(
             _store_sums(DKS, tl.zeros([DQK], dtype=tl.float32), DQK)
             _store_sums(DVS, tl.zeros([DV], dtype=tl.float32), DV)
         return
+    row0 = start.to(tl.int32)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     in_seq = (offs_n < seq_len)[:, None]
-    k = tl.load(
-        K + start * stride_kt + h * stride_kh + offs_n[:, None] * stride_kt + tl.arange(0, DQK)[None, :],
-        mask=in_seq,
-        other=0.0,
-    )
-    v = tl.load(
-        V + start * stride_vt + h * stride_vh + offs_n[:, None] * stride_vt + tl.arange(0, DV)[None, :],
-        mask=in_seq,
-        other=0.0,
-    )
+    k = K.load([row0 + n_start, h * DQK])
+    v = V.load([row0 + n_start, h * DV])
     # Query spans: [m_lo, d_end) masked (diagonal), [d_end, u_end) unmasked, [u_end, m_hi) masked
-    # (candidate rows, when this block straddles the prefix end). Candidate keys: diagonal only.
+    # (candidate rows, when this block straddles the prefix end, and the last block's rows past the
+    # sequence's end: they are the next sequence's). Candidate keys: diagonal only.
     n_end = tl.minimum(n_start + BLOCK_N, seq_len)
     m_lo = (n_start // BLOCK_M) * BLOCK_M
     d_end = tl.cdiv(n_end, BLOCK_M) * BLOCK_M
     sees_prefix = n_start < prefix
     m_hi = tl.where(sees_prefix, tl.cdiv(seq_len, BLOCK_M) * BLOCK_M, d_end)
-    u_end = tl.where(sees_prefix & (n_end > prefix), tl.maximum(d_end, (prefix // BLOCK_M) * BLOCK_M), m_hi)
-    q_seq = Q + start * stride_qt + h * stride_qh
-    do_seq = DO + start * stride_dot + h * stride_doh
+    u_end = tl.where(sees_prefix & (n_end > prefix), (prefix // BLOCK_M) * BLOCK_M, (seq_len // BLOCK_M) * BLOCK_M)
+    u_end = tl.minimum(tl.maximum(d_end, u_end), m_hi)
     dq_seq = DQ + start * stride_dqt + h * stride_dqh
     dq_scale = alpha * inv_n
     dk = tl.zeros([BLOCK_N, DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, DV], dtype=tl.float32)
+    col_q, col_do = h * DQK, h * DV
     dk, dv = _dkdv_span(
-        dk,
-        dv,
-        k,
-        v,
-        q_seq,
-        do_seq,
-        dq_seq,
-        stride_qt,
-        stride_dot,
-        stride_dqt,
-        offs_n,
-        m_lo,
-        d_end,
-        seq_len,
-        prefix,
-        alpha,
-        dq_scale,
-        DQK,
-        DV,
-        BLOCK_M,
-        True,
-        ATOMIC_DQ,
-        SILU,
-        PREC,
-    )
+        dk, dv, k, v, Q, DO, dq_seq, stride_dqt, row0, col_q, col_do, offs_n, m_lo, d_end, seq_len, prefix,
+        alpha, dq_scale, DQK, BLOCK_M, True, ATOMIC_DQ, SILU, PREC,
+    )  # fmt: skip
     dk, dv = _dkdv_span(
-        dk,
-        dv,
-        k,
-        v,
-        q_seq,
-        do_seq,
-        dq_seq,
-        stride_qt,
-        stride_dot,
-        stride_dqt,
-        offs_n,
-        d_end,
-        u_end,
-        seq_len,
-        prefix,
-        alpha,
-        dq_scale,
-        DQK,
-        DV,
-        BLOCK_M,
-        False,
-        ATOMIC_DQ,
-        SILU,
-        PREC,
-    )
+        dk, dv, k, v, Q, DO, dq_seq, stride_dqt, row0, col_q, col_do, offs_n, d_end, u_end, seq_len, prefix,
+        alpha, dq_scale, DQK, BLOCK_M, False, ATOMIC_DQ, SILU, PREC,
+    )  # fmt: skip
     dk, dv = _dkdv_span(
-        dk,
-        dv,
-        k,
-        v,
-        q_seq,
-        do_seq,
-        dq_seq,
-        stride_qt,
-        stride_dot,
-        stride_dqt,
-        offs_n,
-        u_end,
-        m_hi,
-        seq_len,
-        prefix,
-        alpha,
-        dq_scale,
-        DQK,
-        DV,
-        BLOCK_M,
-        True,
-        ATOMIC_DQ,
-        SILU,
-        PREC,
-    )
+        dk, dv, k, v, Q, DO, dq_seq, stride_dqt, row0, col_q, col_do, offs_n, u_end, m_hi, seq_len, prefix,
+        alpha, dq_scale, DQK, BLOCK_M, True, ATOMIC_DQ, SILU, PREC,
+    )  # fmt: skip
     dk_ptrs = DK + start * stride_dkt + h * stride_dkh + offs_n[:, None] * stride_dkt + tl.arange(0, DQK)[None, :]
     dv_ptrs = DV_ + start * stride_dvt + h * stride_dvh + offs_n[:, None] * stride_dvt + tl.arange(0, DV)[None, :]
     dk = dk * dq_scale
@@ -539,33 +415,28 @@ def _dq_span(
     dq,
     q,
     do,
-    k_seq,
-    v_seq,
-    stride_kt,
-    stride_vt,
+    K,
+    V,
+    row0,
+    col_k,
+    col_v,
     offs_m,
     lo,
     hi,
-    seq_len,
     prefix,
     alpha,
-    DQK: tl.constexpr,
-    DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     SILU: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    offs_dk = tl.arange(0, DQK)
-    offs_dv = tl.arange(0, DV)
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_seq = (offs_n < seq_len)[:, None]
-        k = tl.load(k_seq + offs_n[:, None] * stride_kt + offs_dk[None, :], mask=in_seq, other=0.0)
-        v = tl.load(v_seq + offs_n[:, None] * stride_vt + offs_dv[None, :], mask=in_seq, other=0.0)
+        k = K.load([row0 + n0, col_k])
+        v = V.load([row0 + n0, col_v])
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if MASKED:  # dS = dP * SiLU'(x): a zero dP gives exactly zero
+            offs_n = n0 + tl.arange(0, BLOCK_N)
             dp = tl.where(_keep(offs_m[:, None], offs_n[None, :], _last_seen(offs_m, prefix)[:, None]), dp, 0.0)
         _, ds = _weights_and_grads(s, dp, alpha, k.dtype, SILU)
         dq = tl.dot(ds, k, dq, input_precision=PREC)
@@ -582,14 +453,6 @@ def _hstu_attention_dq(
     DQS,
     seq_offsets,
     num_targets,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_dot,
-    stride_doh,
     stride_dqt,
     stride_dqh,
     H,
@@ -613,85 +476,16 @@ def _hstu_attention_dq(
         if SUMS:
             _store_sums(DQS, tl.zeros([DQK], dtype=tl.float32), DQK)
         return
+    row0 = start.to(tl.int32)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     in_seq = (offs_m < seq_len)[:, None]
-    q = tl.load(
-        Q + start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + tl.arange(0, DQK)[None, :],
-        mask=in_seq,
-        other=0.0,
-    )
-    do = tl.load(
-        DO + start * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot + tl.arange(0, DV)[None, :],
-        mask=in_seq,
-        other=0.0,
-    )
-    k_seq = K + start * stride_kt + h * stride_kh
-    v_seq = V + start * stride_vt + h * stride_vh
+    q = Q.load([row0 + m_start, h * DQK])
+    do = DO.load([row0 + m_start, h * DV])
     nf, e1, s2, hi = _key_spans(m_start, seq_len, prefix, BLOCK_M, BLOCK_N)
     dq = tl.zeros([BLOCK_M, DQK], dtype=tl.float32)
-    dq = _dq_span(
-        dq,
-        q,
-        do,
-        k_seq,
-        v_seq,
-        stride_kt,
-        stride_vt,
-        offs_m,
-        0,
-        nf,
-        seq_len,
-        prefix,
-        alpha,
-        DQK,
-        DV,
-        BLOCK_N,
-        False,
-        SILU,
-        PREC,
-    )
-    dq = _dq_span(
-        dq,
-        q,
-        do,
-        k_seq,
-        v_seq,
-        stride_kt,
-        stride_vt,
-        offs_m,
-        nf,
-        e1,
-        seq_len,
-        prefix,
-        alpha,
-        DQK,
-        DV,
-        BLOCK_N,
-        True,
-        SILU,
-        PREC,
-    )
-    dq = _dq_span(
-        dq,
-        q,
-        do,
-        k_seq,
-        v_seq,
-        stride_kt,
-        stride_vt,
-        offs_m,
-        s2,
-        hi,
-        seq_len,
-        prefix,
-        alpha,
-        DQK,
-        DV,
-        BLOCK_N,
-        True,
-        SILU,
-        PREC,
-    )
+    dq = _dq_span(dq, q, do, K, V, row0, h * DQK, h * DV, offs_m, 0, nf, prefix, alpha, BLOCK_N, False, SILU, PREC)
+    dq = _dq_span(dq, q, do, K, V, row0, h * DQK, h * DV, offs_m, nf, e1, prefix, alpha, BLOCK_N, True, SILU, PREC)
+    dq = _dq_span(dq, q, do, K, V, row0, h * DQK, h * DV, offs_m, s2, hi, prefix, alpha, BLOCK_N, True, SILU, PREC)
     dq_ptrs = DQ + start * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt + tl.arange(0, DQK)[None, :]
     dq = dq * (alpha * inv_n)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_seq)
@@ -699,12 +493,23 @@ def _hstu_attention_dq(
         _store_sums(DQS, tl.sum(tl.where(in_seq, dq, 0.0), axis=0), DQK)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs. Few configs: cold start compiles each.
-FWD_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 4)]
-DKDV_CONFIGS = [(64, 128, 8, 3), (64, 128, 8, 4), (64, 128, 8, 2)]
-DQ_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 2)]
-# For targets none of those fits by the rule below (MI300X's 64 KB of LDS): about 52 KB or less.
-SMALL_MEMORY_CONFIGS = {"fwd": [(64, 32, 4, 2)], "dkdv": [(32, 32, 4, 2)], "dq": [(32, 32, 4, 2)]}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs, by backend; few, since a cold start
+# compiles each. Every one builds without spills on its backend's targets (sm_90 and sm_100;
+# gfx942 and gfx950, of those its shared memory keeps): results/kernel_resources.md.
+CONFIGS = {
+    "cuda": {
+        "fwd": [(64, 64, 4, 3), (128, 64, 8, 4), (128, 64, 8, 3)],
+        "dkdv": [(64, 128, 8, 3), (32, 64, 4, 3)],
+        "dq": [(128, 64, 8, 3), (128, 64, 8, 4)],
+    },
+    "hip": {
+        "fwd": [(128, 32, 8, 3), (64, 32, 4, 2)],
+        "dkdv": [(32, 64, 4, 3), (16, 64, 4, 2)],
+        "dq": [(64, 32, 4, 2)],
+    },
+}
+# For targets none of those fits by the rule below (a smaller shared memory, or wider heads).
+SMALL_MEMORY_CONFIGS = {"fwd": [(32, 32, 4, 2)], "dkdv": [(16, 32, 4, 2)], "dq": [(16, 32, 4, 2)]}
 # fp32 is the accuracy path, not the speed path: one small config that fits any GPU's shared memory.
 FP32_CONFIG = (32, 32, 4, 2)
 TUNE_KEY = ["N_BUCKET", "DQK", "DV", "HAS_TARGETS", "SILU"]
@@ -722,18 +527,43 @@ def _footprint(kind: str, bm: int, bn: int, stages: int, dqk: int, dv: int, atom
     return stages * bn * (dqk + dv) + bm * (dqk + dv), bm * dqk + 2 * bm * bn
 
 
+# Which tile each input's descriptor loads: query-side rows by BLOCK_M, key-side rows by BLOCK_N.
+_TILES = {"Q": ("BLOCK_M", "DQK"), "DO": ("BLOCK_M", "DV"), "K": ("BLOCK_N", "DQK"), "V": ("BLOCK_N", "DV")}
+
+
+def _set_tiles(nargs: dict) -> None:
+    """Each descriptor's block shape for the config about to run (a descriptor's block is part of
+    the compiled kernel's signature): every config's pre-launch hook."""
+    for name, (rows, dim) in _TILES.items():
+        if name in nargs:
+            nargs[name].block_shape = [nargs[rows], nargs[dim]]
+
+
 def _config(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages, pre_hook=_set_tiles)
+
+
+def _rows(x: torch.Tensor) -> TensorDescriptor:
+    """x [T, H, D] as a descriptor over its [T, H * D] rows; its tiles are [rows, D] at column h * D,
+    read by the tensor-memory accelerator where there is one (no per-element addresses held in
+    registers). A layout the descriptor cannot take (heads not side by side, a row stride or start
+    not a multiple of 16 bytes) is copied first. Rows past T read as zeros."""
+    total, heads, dim = x.shape
+    size = x.element_size()
+    if not ((heads == 1 or x.stride(1) == dim) and (x.stride(0) * size) % 16 == 0 and x.data_ptr() % 16 == 0):
+        x = x.clone(memory_format=torch.contiguous_format)
+    return TensorDescriptor(x, [total, heads * dim], [x.stride(0), 1], [1, dim])
 
 
 def _pruner(kind: str):
-    """The rule that keeps a target's configs: the estimated shared memory within the target's,
-    and the fp32 accumulators within its registers (a lane's registers x lanes of the block). When
-    no config of the list passes, the small-memory configs that pass are kept instead; when none
-    passes either, the launch is refused here rather than failing on the device."""
+    """The rule that keeps a target's configs, from its backend's list in ``CONFIGS``: the estimated
+    shared memory within the target's, and the fp32 accumulators within its registers (a lane's
+    registers x lanes of the block). When no config of the list passes, the small-memory configs
+    that pass are kept instead; when none passes either, the launch is refused here rather than
+    failing on the device."""
 
-    def prune(configs, named_args, **meta):
-        q = named_args["Q"]
+    def prune(_placeholder, named_args, **meta):
+        q = named_args["Q"].base
         if q.element_size() == 4:
             return [_config(*FP32_CONFIG)]
         target = current_target()
@@ -752,8 +582,9 @@ def _pruner(kind: str):
             lanes = target.warp_size * c.num_warps
             return smem * q.element_size() <= target.shared_memory and regs <= target.registers_per_lane * lanes
 
+        listed = [_config(*entry) for entry in CONFIGS[target.backend][kind]]
         small = [_config(*entry) for entry in SMALL_MEMORY_CONFIGS[kind]]
-        kept = [c for c in configs if fits(c)] or [c for c in small if fits(c)]
+        kept = [c for c in listed if fits(c)] or [c for c in small if fits(c)]
         if not kept:
             raise RuntimeError(
                 f"no {kind} attention config fits {target.name} ({target.shared_memory} bytes of shared memory) "
@@ -764,18 +595,19 @@ def _pruner(kind: str):
     return prune
 
 
-def _tuned(kernel, kind: str, configs, extra_key=(), reset=None):
+def _tuned(kernel, kind: str, extra_key=(), reset=None):
+    # The list given here is Triton's placeholder: the pruner hands the autotuner the target's list.
     return triton.autotune(
-        configs=[_config(*c) for c in configs],
+        configs=[_config(*c) for c in CONFIGS["cuda"][kind]],
         key=TUNE_KEY + list(extra_key),
         prune_configs_by={"early_config_prune": _pruner(kind)},
         reset_to_zero=reset,
     )(kernel)
 
 
-_fwd_tuned = _tuned(_hstu_attention_fwd, "fwd", FWD_CONFIGS)
-_dkdv_tuned = _tuned(_hstu_attention_dkdv, "dkdv", DKDV_CONFIGS, extra_key=("ATOMIC_DQ", "SUMS"), reset=["DQ"])
-_dq_tuned = _tuned(_hstu_attention_dq, "dq", DQ_CONFIGS, extra_key=("SUMS",))
+_fwd_tuned = _tuned(_hstu_attention_fwd, "fwd")
+_dkdv_tuned = _tuned(_hstu_attention_dkdv, "dkdv", extra_key=("ATOMIC_DQ", "SUMS"), reset=["DQ"])
+_dq_tuned = _tuned(_hstu_attention_dq, "dq", extra_key=("SUMS",))
 
 
 def _launch(kind: str, tuned, plain, rows: int, bh: int, args: tuple, consts: dict) -> int:
@@ -785,14 +617,17 @@ def _launch(kind: str, tuned, plain, rows: int, bh: int, args: tuple, consts: di
     list that fits the device is taken instead, so a run's results do not depend on timings.
     Returns the tile along the grid's first axis (the launch's programs there: cdiv(rows, tile))."""
     tile = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
+    named = dict(zip(plain.arg_names, args))
     if interpreting():
         bm, bn = INTERPRET_BLOCKS[kind]
         size = bn if kind == "dkdv" else bm
+        _set_tiles({**named, **consts, "BLOCK_M": bm, "BLOCK_N": bn})
         plain[(triton.cdiv(rows, size), bh)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn)
         return size
     if torch.are_deterministic_algorithms_enabled():
-        config = _pruner(kind)(tuned.configs, {"Q": args[0]}, **consts)[0]
+        config = _pruner(kind)(tuned.configs, named, **consts)[0]
         grid = (triton.cdiv(rows, config.kwargs[tile]), bh)
+        _set_tiles({**named, **consts, **config.kwargs})
         plain[grid](*args, **consts, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
         return config.kwargs[tile]
     tuned[lambda meta: (triton.cdiv(rows, meta[tile]), bh)](*args, **consts)
@@ -804,8 +639,8 @@ def _launch(kind: str, tuned, plain, rows: int, bh: int, args: tuple, consts: di
 # The smallest tile along any launch's first grid axis: partial-sum buffers are sized for it.
 _MIN_TILE = min(
     [min(INTERPRET_BLOCKS["dkdv"][1], INTERPRET_BLOCKS["dq"][0], FP32_CONFIG[0], FP32_CONFIG[1])]
-    + [c[1] for c in DKDV_CONFIGS + SMALL_MEMORY_CONFIGS["dkdv"]]
-    + [c[0] for c in DQ_CONFIGS + SMALL_MEMORY_CONFIGS["dq"]]
+    + [c[1] for lists in CONFIGS.values() for c in lists["dkdv"] + SMALL_MEMORY_CONFIGS["dkdv"]]
+    + [c[0] for lists in CONFIGS.values() for c in lists["dq"] + SMALL_MEMORY_CONFIGS["dq"]]
 )
 
 
@@ -816,18 +651,20 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 def _silu_form(target: KernelTarget | None, dtype: torch.dtype, silu: str | None, kind: str) -> str:
     """Which SiLU a kernel evaluates (see ``_weights``), by target. Measured on an H200
-    (notes_attention.md): packed bf16 pays in the dK/dV kernel (fewer FMA-pipe instructions); the
-    forward and dQ kernels are as fast or faster with fp32 tanh.approx (packed, dQ needs 255
-    registers and spills). results/kernel_resources.md has each form's registers and spills. Both
-    are PTX: AMD targets, fp32 inputs and the interpreter (``target`` None) take the portable
-    x * sigmoid(x)."""
+    (notes_attention.md): packed 16-bit arithmetic pays in the dK/dV kernel (fewer FMA-pipe
+    instructions, and fp16's fp32 form spills there); the forward and dQ kernels are as fast or
+    faster with fp32 tanh.approx (packed, dQ needs more registers). results/kernel_resources.md has
+    each form's registers and spills. Both are PTX: AMD targets, fp32 inputs and the interpreter
+    (``target`` None) take the portable x * sigmoid(x)."""
     nvidia = target is not None and target.nvidia
-    packed = target is not None and nvidia and dtype == torch.bfloat16 and int(target.arch) >= 90
+    packed_form = {torch.bfloat16: "bf16x2", torch.float16: "f16x2"}.get(dtype, "")
+    packed = target is not None and nvidia and packed_form != "" and int(target.arch) >= 90
     if silu is None:
         if not nvidia or dtype == torch.float32:
             return "sigmoid"
-        return "bf16x2" if packed and kind == "dkdv" else "tanh"
-    if silu not in SILU_FORMS or (silu == "bf16x2" and not packed) or (silu == "tanh" and not nvidia):
+        return packed_form if packed and kind == "dkdv" else "tanh"
+    packed_wrong = silu in ("bf16x2", "f16x2") and not (packed and silu == packed_form)
+    if silu not in SILU_FORMS or packed_wrong or (silu == "tanh" and not nvidia):
         where = "the interpreter" if target is None else target.name
         raise ValueError(f"silu={silu!r} is not available for {dtype} on {where}")
     return silu
@@ -864,18 +701,12 @@ def attention_fwd(
     bh = (seq_offsets.numel() - 1) * heads
     targets = num_targets if num_targets is not None else seq_offsets
     args = (
-        q,
-        k,
-        v,
+        _rows(q),
+        _rows(k),
+        _rows(v),
         out,
         seq_offsets,
         targets,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
         out.stride(0),
         out.stride(1),
         heads,
@@ -983,11 +814,12 @@ def attention_bwd(
     )
     targets = num_targets if num_targets is not None else seq_offsets
     scalars = (heads, float(alpha), 1.0 / max_seq_len, triton.next_power_of_2(max_seq_len))
+    q_rows, k_rows, v_rows, do_rows = (_rows(t) for t in (q, k, v, do))
     args = (
-        q,
-        k,
-        v,
-        do,
+        q_rows,
+        k_rows,
+        v_rows,
+        do_rows,
         dq,
         dk,
         dv,
@@ -995,14 +827,6 @@ def attention_bwd(
         dv_part,
         seq_offsets,
         targets,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        do.stride(0),
-        do.stride(1),
         dq.stride(0),
         dq.stride(1),
         dk.stride(0),
@@ -1027,22 +851,14 @@ def attention_bwd(
             torch.sum(dq, dim=0, out=sums[0])
         return (dq.to(q.dtype) if dq_out is None else dq_out.copy_(dq)), dk, dv
     dq_args = (
-        q,
-        k,
-        v,
-        do,
+        q_rows,
+        k_rows,
+        v_rows,
+        do_rows,
         dq,
         dq_part,
         seq_offsets,
         targets,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        do.stride(0),
-        do.stride(1),
         dq.stride(0),
         dq.stride(1),
     ) + scalars

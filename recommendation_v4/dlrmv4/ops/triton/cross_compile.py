@@ -124,6 +124,8 @@ def compiling_for(target: KernelTarget, configs: str = "first") -> Iterator[list
         self.nargs = dict(zip(self.arg_names, args))
         kept = self.prune_configs(kwargs)
         for config in kept if configs == "all" else kept[:1]:
+            if config.pre_hook is not None:  # as Autotuner.run: e.g. a descriptor's block shape
+                config.pre_hook({**self.nargs, **kwargs, **config.all_kwargs()})
             self.fn.run(*args, grid=grid, warmup=True, **kwargs, **config.all_kwargs())
         self.nargs = None
 
