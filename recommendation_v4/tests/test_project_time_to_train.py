@@ -45,12 +45,24 @@ def test_a_two_rank_step_faster_than_its_nccl_time_counts_no_work():
     assert projection.exchange_work_per_sample(scaling, "gpus", NVLINK_GBS, NETWORK_GBS) == 0.0
 
 
+def test_the_exchange_work_comes_from_the_widest_step_the_row_ran():
+    row = scaling_row("gpus", 2_000.0, 2_800.0)
+    row["results"] += [
+        {**r, "world_size": 4, "global_batch": 4_096, "bare_samples_per_s": 4_800.0} for r in row["results"][3:]
+    ]
+    per_sample = projection.exchange_work_per_sample({"rows": [row]}, "gpus", NVLINK_GBS, NETWORK_GBS)
+    one_step, four_step = 1_024 / 2_000.0, 4_096 / 4_800.0
+    nccl = projection.alltoall_seconds(4, 1_024, 2_800.0, NVLINK_GBS, NETWORK_GBS)
+    assert per_sample * 1_024 == pytest.approx(four_step - one_step - nccl)
+
+
 @pytest.mark.parametrize(
     "rows, message",
     [
         ([], "no single weak-scaling row labelled 'gpus'"),
         ([scaling_row("gpus", 1.0, 1.0, scaling="strong")], "no single weak-scaling row"),
-        ([{"label": "gpus", "scaling": "weak", "results": scaling_row("x", 1.0, 1.0)["results"][:3]}], "no run on 2"),
+        ([{"label": "gpus", "scaling": "weak", "results": scaling_row("x", 1.0, 1.0)["results"][:3]}], "no run on more"),
+        ([{"label": "gpus", "scaling": "weak", "results": scaling_row("x", 1.0, 1.0)["results"][3:]}], "no run on 1"),
     ],
 )
 def test_a_missing_measurement_is_one_clear_error(rows, message):

@@ -35,8 +35,9 @@ and fully overlapped (a lower bound).
 
 The exchange's work around the wire: TorchRec's sequence all-to-all also permutes and casts every
 row and gradient a rank serves and receives, on the same GPU as the step, where nothing hides it.
-``--exchange-from`` names a weak-scaling row of ``scaling.json`` at the real per-rank shape (1 vs 2
-GPUs of one node): the two-rank bare step's extra time per step, less its modelled NCCL time, per
+``--exchange-from`` names a weak-scaling row of ``scaling.json`` at the real per-rank shape (one GPU
+against the most GPUs of one node the row ran: two on the H200 row, four on the H100 row, the
+defaults of ``--gpu``): the bare step's extra time per step there, less its modelled NCCL time, per
 sample of the rank's batch, is counted for each GPU's batch in both totals.
 
 
@@ -118,8 +119,9 @@ def distinct_share(dedup_ids: dict) -> float:
 def exchange_work_per_sample(
     scaling: dict, label: str, nvlink_gbs: float, network_gbs: float, history_share: float = 1.0
 ) -> float:
-    """Seconds per sample of a rank's batch that the two-rank step spends beyond the one-rank step
-    and its modelled NCCL time: the medians over the row's repeats of the bare step (no loader)."""
+    """Seconds per sample of a rank's batch that the row's widest step (the most ranks it ran) spends
+    beyond the one-rank step and its modelled NCCL time: the medians over the row's repeats of the
+    bare step (no loader)."""
     rows = [row for row in scaling["rows"] if row["label"] == label]
     if len(rows) != 1 or rows[0]["scaling"] != "weak":
         raise SystemExit(f"scaling.json holds no single weak-scaling row labelled {label!r}")
@@ -132,11 +134,14 @@ def exchange_work_per_sample(
         rate = statistics.median(r["bare_samples_per_s"] for r in runs)
         return runs[0]["global_batch"] / rate, runs[0]
 
+    widest = max(r["world_size"] for r in results)
+    if widest < 2:
+        raise SystemExit(f"the scaling row {label!r} has no run on more than one process")
     one, _ = step_seconds(1)
-    two, run = step_seconds(2)
+    wide, run = step_seconds(widest)
     per_rank = run["per_rank_batch"]
-    nccl = alltoall_seconds(2, per_rank, run["mean_history_tokens"], nvlink_gbs, network_gbs, history_share)
-    return max(0.0, two - one - nccl) / per_rank
+    nccl = alltoall_seconds(widest, per_rank, run["mean_history_tokens"], nvlink_gbs, network_gbs, history_share)
+    return max(0.0, wide - one - nccl) / per_rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,6 +479,10 @@ def exchange_source(p: dict) -> str:
     )
 
 
+# Each GPU's weak-scaling row at the real per-rank tables: the H200's ran one and two ranks, the H100's four.
+EXCHANGE_ROWS = {"h200": "h200x4-torchrec-real-tables-dedup", "h100": "h100x4-torchrec-real-tables-dedup"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", default="h200", choices=("h200", "h100"), help="whose rehearsal to use")
@@ -484,9 +493,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--exchange-from",
-        default="h200x4-torchrec-real-tables-dedup",
-        help="the weak-scaling row of scaling.json whose two-rank step measures the exchange's work "
-        "beyond NCCL ('' to leave it out)",
+        default=None,
+        help="the weak-scaling row of scaling.json whose widest step measures the exchange's work beyond "
+        "NCCL (default: the GPU's own row, h200x4-torchrec-real-tables-dedup's two ranks or "
+        "h100x4-torchrec-real-tables-dedup's four; '' to leave it out)",
     )
     parser.add_argument(
         "--distinct-from",
@@ -525,6 +535,8 @@ def main() -> None:
     )
     parser.add_argument("--full-every", type=int, default=8, help="every Nth checkpoint whole (the trainer's default)")
     args = parser.parse_args()
+    if args.exchange_from is None:
+        args.exchange_from = EXCHANGE_ROWS[args.gpu]
     nvlink_gbs, source = args.nvlink_gbs, None
     if args.alltoall_from:
         hot_ids = load(args.alltoall_from)
@@ -541,7 +553,8 @@ def main() -> None:
                 f"the scaling row {args.exchange_from!r} ran with dedup_ids {bool(row.get('dedup_ids'))}: "
                 f"{'give' if row.get('dedup_ids') else 'leave out'} --distinct-from to match"
             )
-        exchange_from = f"scaling {args.exchange_from}, {row['device']}, commit {row['commit']}"
+        widest = max(r["world_size"] for r in row["results"])
+        exchange_from = f"scaling {args.exchange_from} at {widest} ranks, {row['device']}, commit {row['commit']}"
     deltas = delta_parts(args.delta_rows_from, args.delta_cost_from)
     if args.measured_run is not None:
         run, world, measured = measured_run(args.measured_run)
