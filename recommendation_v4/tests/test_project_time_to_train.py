@@ -61,7 +61,10 @@ def test_the_exchange_work_comes_from_the_widest_step_the_row_ran():
     [
         ([], "no single weak-scaling row labelled 'gpus'"),
         ([scaling_row("gpus", 1.0, 1.0, scaling="strong")], "no single weak-scaling row"),
-        ([{"label": "gpus", "scaling": "weak", "results": scaling_row("x", 1.0, 1.0)["results"][:3]}], "no run on more"),
+        (
+            [{"label": "gpus", "scaling": "weak", "results": scaling_row("x", 1.0, 1.0)["results"][:3]}],
+            "no run on more",
+        ),
         ([{"label": "gpus", "scaling": "weak", "results": scaling_row("x", 1.0, 1.0)["results"][3:]}], "no run on 1"),
     ],
 )
