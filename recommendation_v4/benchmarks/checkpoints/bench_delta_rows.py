@@ -10,7 +10,9 @@ momentum and the row's id) for the whole job and for the busiest of ``--world`` 
 row-wise blocks, and their share of the whole tables (of the rank's block).
 
     python -m dlrmv4 prepare --preset synthetic-1b --data-path data/1b
-    python benchmarks/checkpoints/bench_delta_rows.py --preset synthetic-1b --data-path data/1b --windows 0 100 200 297
+    python benchmarks/checkpoints/bench_delta_rows.py --preset synthetic-1b --data-path data/1b --windows 0 92 184 276 --label _1b
+
+(synthetic-1b has 277 train windows; its window 0 holds no full batch of 1,024, so it changes nothing.)
 """
 
 from __future__ import annotations

@@ -527,8 +527,8 @@ def main() -> None:
     parser.add_argument("--label", default="run", help="with --measured-run: the results' name")
     parser.add_argument(
         "--delta-rows-from",
-        default="delta_rows_50m",
-        help="the share of the tables a window changes (synthetic-50m's windows: the 1b store is not measured yet)",
+        default="delta_rows_1b",
+        help="the share of the tables a window changes (synthetic-1b's windows: Yambda-5B's users and catalog)",
     )
     parser.add_argument(
         "--delta-cost-from", default="delta_checkpoint_gpu", help="what finding and copying the changed rows costs"
