@@ -610,6 +610,13 @@ _dkdv_tuned = _tuned(_hstu_attention_dkdv, "dkdv", extra_key=("ATOMIC_DQ", "SUMS
 _dq_tuned = _tuned(_hstu_attention_dq, "dq", extra_key=("SUMS",))
 
 
+def _launch_fixed(plain, grid, args: tuple, consts: dict, tiles: dict, options: dict | None = None) -> None:
+    """One launch at the given tiles, outside the autotuner: the descriptors' block shapes set as
+    a config's pre-launch hook would set them."""
+    _set_tiles({**dict(zip(plain.arg_names, args)), **consts, **tiles})
+    plain[grid](*args, **consts, **tiles, **(options or {}))
+
+
 def _launch(kind: str, tuned, plain, rows: int, bh: int, args: tuple, consts: dict) -> int:
     """Autotuned launch on a GPU; fixed small tiles under the interpreter (its timings mean nothing).
     Tiles set the order of each sum, and the autotuner picks them by timing, which differs from one
@@ -617,18 +624,16 @@ def _launch(kind: str, tuned, plain, rows: int, bh: int, args: tuple, consts: di
     list that fits the device is taken instead, so a run's results do not depend on timings.
     Returns the tile along the grid's first axis (the launch's programs there: cdiv(rows, tile))."""
     tile = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
-    named = dict(zip(plain.arg_names, args))
     if interpreting():
         bm, bn = INTERPRET_BLOCKS[kind]
         size = bn if kind == "dkdv" else bm
-        _set_tiles({**named, **consts, "BLOCK_M": bm, "BLOCK_N": bn})
-        plain[(triton.cdiv(rows, size), bh)](*args, **consts, BLOCK_M=bm, BLOCK_N=bn)
+        _launch_fixed(plain, (triton.cdiv(rows, size), bh), args, consts, {"BLOCK_M": bm, "BLOCK_N": bn})
         return size
     if torch.are_deterministic_algorithms_enabled():
-        config = _pruner(kind)(tuned.configs, named, **consts)[0]
+        config = _pruner(kind)(tuned.configs, {"Q": args[0]}, **consts)[0]
         grid = (triton.cdiv(rows, config.kwargs[tile]), bh)
-        _set_tiles({**named, **consts, **config.kwargs})
-        plain[grid](*args, **consts, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        _launch_fixed(plain, grid, args, consts, config.kwargs, options)
         return config.kwargs[tile]
     tuned[lambda meta: (triton.cdiv(rows, meta[tile]), bh)](*args, **consts)
     # The config the autotuner ran (compile-only runs launch nothing and leave it unset).
