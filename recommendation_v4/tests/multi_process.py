@@ -1,6 +1,6 @@
 """Runs of ``python -m dlrmv4 train`` under torchrun on a small store: the flags, the environment,
 and the comparison of two runs' trajectories (the CPU tests in test_distributed.py and the 2-GPU
-tests in gpu/test_two_gpus.py share them)."""
+tests in gpu/test_multi_gpu.py share them)."""
 
 from __future__ import annotations
 
@@ -161,14 +161,17 @@ def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
     )
 
 
-def run_with_rank_1_out_of_memory(data_path: Path, run_dir: Path, timeout_seconds: float, **extra) -> list[str]:
-    """Two ranks started like srun tasks (no launcher); rank 1 runs out of device memory at step 5
-    (tests/failure_injection). Both must exit 1 within the collective timeout (plus start-up) with one
-    error line each, naming rank 1 and the cause, and no traceback; returns the two lines, by rank."""
+def run_with_rank_1_out_of_memory(
+    data_path: Path, run_dir: Path, timeout_seconds: float, world: int = 2, **extra
+) -> list[str]:
+    """``world`` ranks started like srun tasks (no launcher); rank 1 runs out of device memory at
+    step 5 (tests/failure_injection). Every rank must exit 1 within the collective timeout (plus
+    start-up) with one error line, naming rank 1 and the cause, and no traceback; returns the lines,
+    by rank."""
     port = free_port()
     procs = []
-    for rank in range(2):
-        env = rank_env(rank, 2, port, DLRMV4_TEST_OOM="1:5")
+    for rank in range(world):
+        env = rank_env(rank, world, port, DLRMV4_TEST_OOM="1:5")
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "failure_injection"), env["PYTHONPATH"]])
         flags = run_flags(data_path, run_dir, **{**extra, "distributed.timeout_seconds": timeout_seconds})
         cmd = [sys.executable, "-m", "dlrmv4", "train", *flags]
@@ -180,9 +183,13 @@ def run_with_rank_1_out_of_memory(data_path: Path, run_dir: Path, timeout_second
     for rank, (proc, (_, err)) in enumerate(zip(procs, outputs)):
         errors = [line for line in err.splitlines() if line.startswith("[dlrmv4] error:")]
         assert proc.returncode == 1 and len(errors) == 1, f"rank {rank}: {err[-3000:]}"
-        assert "rank 1 of 2 ran out of device memory: CUDA out of memory" in errors[0], errors[0]
+        assert f"rank 1 of {world} ran out of device memory: CUDA out of memory" in errors[0], errors[0]
         assert "Traceback" not in err, err[-3000:]
         lines.append(errors[0])
-    assert lines[1].startswith("[dlrmv4] error: rank 1 of 2")
-    assert lines[0].startswith("[dlrmv4] error: rank 0 of 2:") and "failed because rank 1 of 2" in lines[0], lines[0]
+    for rank, line in enumerate(lines):
+        if rank == 1:
+            assert line.startswith(f"[dlrmv4] error: rank 1 of {world}"), line
+        else:
+            assert line.startswith(f"[dlrmv4] error: rank {rank} of {world}:"), line
+            assert f"failed because rank 1 of {world}" in line, line
     return lines
