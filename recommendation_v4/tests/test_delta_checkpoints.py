@@ -12,11 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
+from dlrmv4.checkpoint import files
 from dlrmv4.checkpoint.files import (
     CHAIN_FILE,
     MARKER,
     CheckpointPosition,
+    CheckpointWriter,
     checkpoint_chain,
     latest_checkpoint,
     load_checkpoint,
@@ -105,6 +109,47 @@ def test_a_chain_applied_over_its_whole_checkpoint_gives_the_tables_back(tmp_pat
     whole, *deltas = checkpoint_chain(newest)
     load_checkpoint(whole, {"sparse": TableState(restored)})
     assert [apply_delta(d, restored, restored.cluster) for d in deltas] == [4, 3, 1]
+    for name, parts in tables.tables.items():
+        for part, tensor in parts.items():
+            assert torch.equal(restored.tables[name][part], tensor), (name, part)
+
+
+class _ReusedStagingCopy(BlockingAsyncStager):
+    """The asynchronous writer's staging on a GPU (one host copy made at the first save and copied into
+    at every later one), without the pinning that needs CUDA."""
+
+    def __init__(self, cache_staged_state_dict: bool = False) -> None:
+        super().__init__(cache_staged_state_dict=True)
+
+    def stage(self, state_dict):
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(state_dict)
+        return _copy_state_dict(state_dict, self.state_dict_cache)
+
+
+def test_deltas_of_different_sizes_go_through_the_asynchronous_writer(tmp_path, monkeypatch):
+    """A delta's rows are written as they are: the dense state beside them goes through the staging copy
+    reused from save to save, and the next delta (other rows, other sizes) must not."""
+    monkeypatch.setattr(files, "BlockingAsyncStager", _ReusedStagingCopy)
+    tables, tracker, net = Tables({"item": 300, "artist": 40}), ChangedRows(), torch.nn.Linear(4, 3)
+    writer = CheckpointWriter(tmp_path, 5, tables.cluster, asynchronous=True)
+    writer.save(_position(1), {"model": net, "sparse": TableState(tables)})
+    parent = writer.wait()
+    tracker.reset(tables)
+    generator = torch.Generator().manual_seed(4)
+    for step, touched in ((2, [1, 2, 3]), (3, [5, 6, 7, 8, 9, 200]), (4, [9])):
+        _update(tables, "item", touched, generator)
+        with torch.no_grad():
+            net.weight.add_(1.0)
+        writer.save(_position(step), {"model": net, ENTRY: TableRowsDelta(tracker.take(tables), rank=0)}, parent=parent)
+        parent = writer.wait()
+    writer.close()
+    restored, fresh = Tables({"item": 300, "artist": 40}, seed=9), torch.nn.Linear(4, 3)
+    whole, *deltas = checkpoint_chain(latest_checkpoint(tmp_path))
+    load_checkpoint(whole, {"sparse": TableState(restored)})
+    assert [apply_delta(d, restored, restored.cluster) for d in deltas] == [3, 6, 1]
+    load_checkpoint(deltas[-1], {"model": fresh})
+    assert torch.equal(fresh.weight, net.weight)
     for name, parts in tables.tables.items():
         for part, tensor in parts.items():
             assert torch.equal(restored.tables[name][part], tensor), (name, part)

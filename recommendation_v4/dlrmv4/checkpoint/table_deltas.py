@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.stateful import Stateful
 
 from dlrmv4.checkpoint.dcp_io import dcp_load
+from dlrmv4.checkpoint.files import HostCopy
 from dlrmv4.checkpoint.tables import SparseEmbeddings
 from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
@@ -139,9 +139,10 @@ class ChangedRows:
         return changed
 
 
-class TableRowsDelta(Stateful):
+class TableRowsDelta(HostCopy):
     """This rank's changed rows as a checkpoint entry (host copies, written as they are; never loaded into:
-    ``apply_delta`` reads a delta back)."""
+    ``apply_delta`` reads a delta back). Their sizes change from one delta to the next, so they must not
+    go through a staging copy that is reused from save to save (the asynchronous writer's on a GPU)."""
 
     def __init__(self, rows: dict[str, dict[str, torch.Tensor]], rank: int) -> None:
         self.rows, self.rank = rows, rank

@@ -73,3 +73,37 @@ def test_a_delta_of_gpu_tables_applied_over_its_whole_checkpoint_gives_them_back
     for name, parts in tables.tables.items():
         for part, tensor in parts.items():
             assert torch.equal(restored.tables[name][part], tensor), (name, part)
+
+
+def test_deltas_of_different_sizes_through_the_pinned_staging_copy(tmp_path):
+    """The asynchronous writer reuses its pinned staging copy for the dense state; the deltas' rows (other
+    rows, other sizes at every save) are written as they are."""
+    from dlrmv4.checkpoint.files import checkpoint_chain
+    from dlrmv4.checkpoint.table_deltas import ENTRY, ChangedRows, TableRowsDelta, apply_delta
+    from dlrmv4.checkpoint.tables import TableState
+
+    tables, tracker, net = _CudaTables(0), ChangedRows(), torch.nn.Linear(64, 32).cuda()
+    writer = CheckpointWriter(tmp_path, 5, tables.cluster, asynchronous=True)
+    writer.save(CheckpointPosition(1, 1, 0), {"model": net, "sparse": TableState(tables)})
+    parent = writer.wait()
+    tracker.reset(tables)
+    for step, count in ((2, 3_000), (3, 5_000)):
+        rows = torch.randint(0, 300_000, (count,), device="cuda")
+        tables.tables["item"]["momentum"][rows] += 1e-3
+        tables.tables["item"]["weight"][rows] -= 1e-3
+        with torch.no_grad():
+            net.weight.add_(1.0)
+        delta = TableRowsDelta(tracker.take(tables), 0)
+        writer.save(CheckpointPosition(step, step, 0), {"model": net, ENTRY: delta}, parent=parent)
+        parent = writer.wait()
+    writer.close()
+    restored, fresh = _CudaTables(1), torch.nn.Linear(64, 32).cuda()
+    whole, *deltas = checkpoint_chain(parent)
+    load_checkpoint(whole, {"sparse": TableState(restored)})
+    for delta in deltas:
+        apply_delta(delta, restored, restored.cluster)
+    load_checkpoint(deltas[-1], {"model": fresh})
+    assert torch.equal(fresh.weight, net.weight)
+    for name, parts in tables.tables.items():
+        for part, tensor in parts.items():
+            assert torch.equal(restored.tables[name][part], tensor), (name, part)
