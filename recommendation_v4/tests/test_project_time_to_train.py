@@ -149,13 +149,23 @@ def test_a_measured_run_that_did_not_reach_its_target_is_refused(tmp_path):
 def test_delta_checkpoints_save_at_every_window_end_the_disk_allows():
     """8 ranks of 69.9 GiB on a 1 GB/s disk, 440-s windows: the whole save's 600-s write spans the next
     window end (skipped), then a delta of the two windows since, then deltas of one window each; the
-    step waits 20 ms per GiB for the whole save and 5 ms per GiB for each delta."""
-    saves = {"later_s_per_gib": 0.02, "write_gbps": 1.0}
+    step waits 20 ms per GiB for the whole save and 5 ms per GiB for each delta, and its loop loses
+    100 ms per GiB written: the whole rank's block, then 2 % and six times 1 % of it."""
+    saves = {"later_s_per_gib": 0.02, "slowdown_s_per_gib": 0.1, "write_gbps": 1.0}
     delta = {"window_share": 0.01, "find_s_per_gib": 0.005}
     waited, skipped = projection.delta_checkpoint_seconds(saves, delta, 8, 9, 440.0, 559.0, 8)
     rank_gib = 559.0 / 8
     assert skipped == 1
-    assert waited == pytest.approx(rank_gib * 0.02 + 7 * rank_gib * 0.005)
+    written = rank_gib * (1 + 0.02 + 6 * 0.01)
+    assert waited == pytest.approx(rank_gib * 0.02 + 7 * rank_gib * 0.005 + written * 0.1)
     # Every save whole: each 600-s write spans a window end.
     waited, skipped = projection.delta_checkpoint_seconds(saves, delta, 8, 9, 440.0, 559.0, 1)
-    assert (skipped, waited) == (4, pytest.approx(5 * rank_gib * 0.02))
+    assert (skipped, waited) == (4, pytest.approx(5 * rank_gib * (0.02 + 0.1)))
+
+
+def test_whole_checkpoints_cost_the_wait_and_the_slowdown_of_each_save_made():
+    """8 ranks of 69.9 GiB on a 1 GB/s disk, 440-s windows: a 600-s node write, so a save every second
+    window end (5 of 9), each costing the copy's wait and the loop's slowdown over the rank's block."""
+    saves = {"later_s_per_gib": 0.02, "slowdown_s_per_gib": 0.1, "write_gbps": 1.0}
+    seconds = projection.checkpoint_seconds(saves, 1.0, 8, 9, 440.0, 559.0)
+    assert seconds == pytest.approx(9 / 2 * 559.0 / 8 * (0.02 + 0.1))

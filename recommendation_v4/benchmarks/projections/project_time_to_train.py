@@ -11,10 +11,12 @@ Measured (files in benchmarks/results/, each naming its device and commit):
   Triton cache to the end of its first step: compilation and autotuning happen after RUN_START);
 - checkpoints at window ends (the trainer's default cadence) of a rank's share of the 559 GiB of
   tables, asynchronous (the default): ``checkpoint_<gpu>.json`` gives the seconds per GiB the step
-  waits for the copy to host memory and one writer's rate; a node's ranks share its disk. A
+  waits for the copy to host memory, how much its loop slows while a write goes on in the
+  background (per GiB written), and one writer's rate; a node's ranks share its disk. A
   window-end checkpoint due while the previous write is in flight is skipped, so a save is made
-  every ceil(node write / window) windows and the step waits only for each save's copy (the buffer
-  is pinned before RUN_START). Without that file, blocking saves at ``train_<gpu>.json``'s rate;
+  every ceil(node write / window) windows and the step waits for each save's copy (the buffer is
+  pinned before RUN_START) and runs slower during its write. Without that file, blocking saves at
+  ``train_<gpu>.json``'s rate;
 - delta checkpoints (``train.checkpoint_full_every``, ``--full-every``): a save at every window end
   the disk allows, every K-th whole and the others holding the rows changed since the save before:
   ``delta_rows.json`` gives the share of the busiest rank's block a window changes (``synthetic-1b``'s
@@ -266,7 +268,8 @@ def project(parts: dict) -> dict:
 
 def checkpoint_saves(gpu: str) -> dict | None:
     """From ``checkpoint_<gpu>.json``: seconds per GiB the step waits at the first asynchronous save
-    and at the later ones (the pinned buffer reused), and one writer's GB/s at the later ones (the
+    and at the later ones (the pinned buffer reused), the seconds per GiB written that the loop lost
+    while the later ones were written in the background, and one writer's GB/s at the later ones (the
     disk, not the page cache, sets it once the run has written a few); None without the file."""
     path = RESULTS / f"checkpoint_{gpu}.json"
     if not path.exists():
@@ -278,6 +281,7 @@ def checkpoint_saves(gpu: str) -> dict | None:
     return {
         "first_s_per_gib": first["step_waited_s"] / gib,
         "later_s_per_gib": statistics.mean(r["step_waited_s"] for r in later) / gib,
+        "slowdown_s_per_gib": statistics.mean(r["loop_slowdown_s"] for r in later) / gib,
         "write_gbps": statistics.mean(r["write_gbps"] for r in later),
         "source": f"checkpoint_{gpu}, {measured['machine']['gpu']}, commit {measured['commit']}",
     }
@@ -291,15 +295,15 @@ def checkpoint_seconds(
     window_s: float,
     table_gib: float = TABLE_GIB,
 ) -> float:
-    """The time checkpoints add to the run: what the step waits for the copy of each save made. A
-    window-end save is skipped while a node's previous writes are in flight, so one is made every
-    ceil(write / window) windows."""
+    """The time checkpoints add to the run: what the step waits for the copy of each save made, and
+    what its loop loses while the save is written. A window-end save is skipped while a node's
+    previous writes are in flight, so one is made every ceil(write / window) windows."""
     rank_gib = table_gib / world
     if saves is None:
         return windows * rank_gib / blocking_gib_per_s
     node_write_s = rank_gib * min(world, GPUS_PER_NODE) * 2**30 / (saves["write_gbps"] * 1e9)
     made = windows / max(1, math.ceil(node_write_s / window_s))
-    return made * rank_gib * saves["later_s_per_gib"]
+    return made * rank_gib * (saves["later_s_per_gib"] + saves["slowdown_s_per_gib"])
 
 
 def delta_parts(rows_from: str, cost_from: str) -> dict | None:
@@ -325,8 +329,9 @@ def delta_parts(rows_from: str, cost_from: str) -> dict | None:
 def delta_checkpoint_seconds(
     saves: dict, delta: dict, world: int, windows: float, window_s: float, table_gib: float, full_every: int
 ) -> tuple[float, int]:
-    """(seconds the step waits, window ends without a checkpoint) with a save at every window end the
-    disk allows: every ``full_every``-th save whole, the others deltas of the windows since the save before."""
+    """(seconds the run loses, window ends without a checkpoint) with a save at every window end the
+    disk allows: every ``full_every``-th save whole, the others deltas of the windows since the save
+    before; each save costs the step's wait for its copy and the loop's slowdown while it is written."""
     rank_gib = table_gib / world
     node_bytes = rank_gib * min(world, GPUS_PER_NODE) * 2**30
     write_bps = saves["write_gbps"] * 1e9
@@ -338,11 +343,12 @@ def delta_checkpoint_seconds(
             skipped += 1
             continue
         if since_whole is None or since_whole + 1 >= full_every:
-            waited += rank_gib * saves["later_s_per_gib"]
+            waited += rank_gib * (saves["later_s_per_gib"] + saves["slowdown_s_per_gib"])
             busy_until, since_whole = now + node_bytes / write_bps, 0
         else:
-            waited += rank_gib * delta["find_s_per_gib"]
-            busy_until = now + min(1.0, delta["window_share"] * since_save) * node_bytes / write_bps
+            written = min(1.0, delta["window_share"] * since_save)
+            waited += rank_gib * (delta["find_s_per_gib"] + written * saves["slowdown_s_per_gib"])
+            busy_until = now + written * node_bytes / write_bps
             since_whole += 1
         since_save = 0
     return waited, skipped
@@ -452,7 +458,8 @@ def checkpoint_source(p: dict) -> str:
     return (
         f"Checkpoints asynchronous at window ends, skipped while the previous write is in flight: the step waits "
         f"{saves['later_s_per_gib'] * 1e3:.0f} ms per GiB of a rank's tables for each save made (the buffer is "
-        f"pinned before RUN_START), a node's ranks write at {saves['write_gbps']:.2f} GB/s together (measured: "
+        f"pinned before RUN_START) and its loop loses {saves['slowdown_s_per_gib'] * 1e3:.0f} ms per GiB written "
+        f"in the background, a node's ranks write at {saves['write_gbps']:.2f} GB/s together (measured: "
         f"{saves['source']}).{delta_text}"
     )
 
