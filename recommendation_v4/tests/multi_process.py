@@ -161,21 +161,30 @@ def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
     )
 
 
-def run_with_rank_1_out_of_memory(
-    data_path: Path, run_dir: Path, timeout_seconds: float, world: int = 2, **extra
-) -> list[str]:
-    """``world`` ranks started like srun tasks (no launcher); rank 1 runs out of device memory at
-    step 5 (tests/failure_injection). Every rank must exit 1 within the collective timeout (plus
-    start-up) with one error line, naming rank 1 and the cause, and no traceback; returns the lines,
-    by rank."""
+def start_injected_ranks(
+    world: int, data_path: Path, run_dir: Path, hooks: dict[str, str], **extra
+) -> list[subprocess.Popen]:
+    """``world`` ranks of ``python -m dlrmv4 train`` started like srun tasks (no launcher), with the
+    failure-injection hook of tests/failure_injection on their path, switched on by ``hooks``."""
     port = free_port()
     procs = []
     for rank in range(world):
-        env = rank_env(rank, world, port, DLRMV4_TEST_OOM="1:5")
+        env = rank_env(rank, world, port, **hooks)
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "failure_injection"), env["PYTHONPATH"]])
-        flags = run_flags(data_path, run_dir, **{**extra, "distributed.timeout_seconds": timeout_seconds})
-        cmd = [sys.executable, "-m", "dlrmv4", "train", *flags]
+        cmd = [sys.executable, "-m", "dlrmv4", "train", *run_flags(data_path, run_dir, **extra)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    return procs
+
+
+def run_with_rank_1_out_of_memory(
+    data_path: Path, run_dir: Path, timeout_seconds: float, world: int = 2, hooks: dict[str, str] | None = None, **extra
+) -> list[str]:
+    """``world`` ranks started like srun tasks (no launcher); rank 1 runs out of device memory at
+    step 5 (tests/failure_injection; ``hooks``: more of its switches). Every rank must exit 1 within
+    the collective timeout (plus start-up) with one error line, naming rank 1 and the cause, and no
+    traceback; returns the lines, by rank."""
+    flags = {**extra, "distributed.timeout_seconds": timeout_seconds}
+    procs = start_injected_ranks(world, data_path, run_dir, {"DLRMV4_TEST_OOM": "1:5", **(hooks or {})}, **flags)
     started = time.time()
     outputs = [proc.communicate(timeout=300) for proc in procs]
     assert time.time() - started < timeout_seconds + 120  # no hang

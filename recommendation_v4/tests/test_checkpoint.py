@@ -161,6 +161,30 @@ def test_rng_round_trip_and_mismatch():
         restore_rng_state(state, {"dropout": gen})
 
 
+def test_a_resume_sees_its_own_gpu_whatever_the_node_shape(monkeypatch):
+    """A rank saves its own device's CUDA state: a resume where another number of GPUs is visible (8 per
+    node then 4, a one-GPU machine) restores it to the resuming process's device, and a GPU
+    checkpoint resumed without CUDA (or a CPU one with CUDA) restores everything else."""
+    saved, restored = torch.arange(16, dtype=torch.uint8), []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": saved)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state))
+    gen = torch.Generator().manual_seed(5)
+    on_gpu = capture_rng_state({"dropout": gen})
+    for count in (8, 4, 1):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda count=count: count)
+        restore_rng_state(on_gpu, {"dropout": gen})
+    assert len(restored) == 3 and all(torch.equal(state, saved) for state in restored)
+    first = torch.rand(3, generator=gen).tolist()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    restore_rng_state(on_gpu, {"dropout": gen})  # no CUDA here: the rest still comes back
+    assert torch.rand(3, generator=gen).tolist() == first and len(restored) == 3
+    on_cpu = capture_rng_state({"dropout": gen})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    restore_rng_state(on_cpu, {"dropout": gen})
+    assert on_cpu["cuda"] is None and len(restored) == 3
+
+
 def test_bare_optimizer_is_refused(tmp_path):
     _, opts, _ = _build(0)
     with pytest.raises(TypeError, match="ModelAndOptimizers"):

@@ -27,6 +27,7 @@ from multi_process import (
     rank_env,
     run_flags,
     run_with_rank_1_out_of_memory,
+    start_injected_ranks,
     torchrun,
     train_report,
 )
@@ -274,8 +275,25 @@ def test_a_killed_rank_ends_the_others_without_a_launcher(data_path, tmp_path):
 def test_a_rank_out_of_memory_ends_every_rank_naming_it(data_path, tmp_path):
     """Rank 1 runs out of device memory mid-run (injected: tests/failure_injection): it exits with one
     line saying so, and rank 0, waiting in the step's collective, exits within the collective timeout
-    with one line naming rank 1 and the cause (no launcher: ranks started like srun tasks)."""
-    run_with_rank_1_out_of_memory(data_path, tmp_path / "run", timeout_seconds=20.0)
+    with one line naming rank 1 and the cause (no launcher: ranks started like srun tasks). The group's
+    teardown waits for every rank, as NCCL's does: the failed rank, whose peers have gone, must not
+    enter it."""
+    hooks = {"DLRMV4_TEST_COLLECTIVE_TEARDOWN": "20"}
+    run_with_rank_1_out_of_memory(data_path, tmp_path / "run", timeout_seconds=20.0, hooks=hooks)
+
+
+def test_rank_0_failing_after_the_last_collective_leaves_no_rank_waiting(data_path, tmp_path):
+    """Rank 0's report cannot be written (a full disk, injected) after the run's last collective: rank
+    0 exits 1 with one line saying so, and rank 1, whose run had ended, exits 0 at once. With a
+    teardown that waits for every rank, as NCCL's does, rank 1 would wait there for ever (srun tasks
+    have no agent to stop it)."""
+    hooks = {"DLRMV4_TEST_REPORT_FAILS": "1", "DLRMV4_TEST_COLLECTIVE_TEARDOWN": "20"}
+    procs = start_injected_ranks(2, data_path, tmp_path / "run", hooks, **{"train.max_steps": 12})
+    (_, err0), (_, err1) = (proc.communicate(timeout=300) for proc in procs)
+    assert [proc.returncode for proc in procs] == [1, 0], err0[-2000:] + err1[-2000:]
+    errors = [line for line in err0.splitlines() if line.startswith("[dlrmv4] error:")]
+    assert len(errors) == 1 and "No space left on device" in errors[0], err0[-3000:]
+    assert "Traceback" not in err0 + err1
 
 
 def test_the_slurm_path_trains_checks_the_log_and_traces(data_path, tmp_path):

@@ -15,14 +15,15 @@ import torch
 
 
 def capture_rng_state(extra_generators: dict[str, torch.Generator]) -> dict[str, Any]:
-    """Python ``random``, numpy's legacy global state, torch CPU, each CUDA device, and the named
-    generators (for example the model's dropout generator and the loader's)."""
+    """Python ``random``, numpy's legacy global state, torch CPU, this process's CUDA device, and the
+    named generators (for example the model's dropout generator and the loader's)."""
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(legacy=True),
         "torch": torch.get_rng_state(),
-        # One state per visible device; an empty list on a CPU-only machine.
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        # The process's own device only: a resume may see another number of GPUs (another node
+        # shape, a one-GPU machine), and no process draws on another's device. None without CUDA.
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "extra": {name: gen.get_state() for name, gen in extra_generators.items()},
     }
 
@@ -30,8 +31,10 @@ def capture_rng_state(extra_generators: dict[str, torch.Generator]) -> dict[str,
 def restore_rng_state(state: dict[str, Any], extra_generators: dict[str, torch.Generator]) -> None:
     """Put every generator back where ``capture_rng_state`` found it.
 
-    A mismatch (other generator names, another number of CUDA devices) raises ValueError before
-    anything is changed: a partial restore would silently break bit-exact resume.
+    Other generator names raise ValueError before anything is changed: a partial restore would
+    silently break bit-exact resume. The CUDA state goes to this process's device when both the
+    saving and the resuming process had one (the training draws nothing from it: dropout's seeds
+    come from the named generator).
     """
     saved_names, given_names = set(state["extra"]), set(extra_generators)
     if saved_names != given_names:
@@ -39,17 +42,11 @@ def restore_rng_state(state: dict[str, Any], extra_generators: dict[str, torch.G
             f"RNG state holds generators {sorted(saved_names)} but {sorted(given_names)} were "
             "given: resume with the same generators the run was saved with"
         )
-    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if len(state["cuda"]) != devices:
-        raise ValueError(
-            f"RNG state holds {len(state['cuda'])} CUDA device state(s) but {devices} device(s) "
-            "are visible: resume on the same number of devices per process"
-        )
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if devices:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
     for name, gen in extra_generators.items():
         gen.set_state(state["extra"][name])
 

@@ -103,11 +103,8 @@ def run_training(
     check_sharding_options(cfg.embeddings)
     cluster = start_cluster(cfg.distributed, need_group=needs_process_group(cfg))
     watch = cluster.watch_failures()
-    ended = False
     try:
-        history = _run(cfg, cluster, log if cluster.is_main else (lambda _: None), progress, restart, config_filename)
-        ended = True
-        return history
+        return _run(cfg, cluster, log if cluster.is_main else (lambda _: None), progress, restart, config_filename)
     except Exception as exc:
         if watch is not None:
             watch.stop()  # from here this thread reports, and only this thread
@@ -126,10 +123,11 @@ def run_training(
     finally:
         if watch is not None:
             watch.stop()
-        # A failed rank of several leaves the group as it is: its peers have exited or are about to,
-        # and NCCL's teardown waits for every member (seen at four GPUs: the failed rank hung in it
-        # and never printed its line). The process ends with os._exit (exit_process) right after.
-        if ended or cluster.world_size == 1:
+        # A rank of several leaves the group as it is and ends with os._exit (exit_process): NCCL's
+        # teardown waits for every member, and a member may have gone (a failed rank's peers exit as
+        # soon as they read its line; rank 0 may fail writing the report after the last collective).
+        # At four GPUs a failed rank hung there and never printed its line.
+        if cluster.world_size == 1:
             cluster.shutdown()
 
 

@@ -1,6 +1,11 @@
-"""Test-only start-up hook (on PYTHONPATH in the multi-process tests): ``DLRMV4_TEST_OOM=rank:step``
-makes that rank's training step run out of device memory at that step: on a GPU by allocating more
-than the device holds (the allocator's own error), on the CPU by raising the error a GPU would."""
+"""Test-only start-up hook (on PYTHONPATH in the multi-process tests).
+
+``DLRMV4_TEST_OOM=rank:step`` makes that rank's training step run out of device memory at that step:
+on a GPU by allocating more than the device holds (the allocator's own error), on the CPU by raising
+the error a GPU would. ``DLRMV4_TEST_REPORT_FAILS=1`` makes rank 0's report fail to write (after the
+run's last collective). ``DLRMV4_TEST_COLLECTIVE_TEARDOWN=seconds`` makes ``destroy_process_group``
+wait, as NCCL's teardown does, until every rank of the group has called it; a rank still waiting
+after that many seconds exits 3 (where NCCL would wait for ever)."""
 
 import os
 
@@ -25,3 +30,34 @@ if _spec:
             return _original(self, batch, index, *args, **kwargs)
 
         _step_module.TrainStep.__call__ = _failing
+
+if os.environ.get("DLRMV4_TEST_REPORT_FAILS") and os.environ.get("RANK") == "0":
+    from dlrmv4.train import run as _run_module
+
+    def _report_fails(*args, **kwargs):
+        raise OSError(28, "No space left on device (injected by the test)")
+
+    _run_module.write_report = _report_fails
+
+if os.environ.get("DLRMV4_TEST_COLLECTIVE_TEARDOWN"):
+    import time
+
+    import torch.distributed as _dist
+
+    _destroy = _dist.destroy_process_group
+
+    def _destroy_with_every_rank(group=None):
+        world, deadline = _dist.get_world_size(), time.time() + float(os.environ["DLRMV4_TEST_COLLECTIVE_TEARDOWN"])
+        store = _dist.distributed_c10d._get_default_store()
+        joined = store.add("test/teardown", 1)
+        while joined < world:
+            if time.time() > deadline:
+                os._exit(3)
+            time.sleep(0.1)
+            try:
+                joined = store.add("test/teardown", 0)
+            except Exception:  # noqa: BLE001 - the store went with rank 0: NCCL would go on waiting
+                pass
+        _destroy(group)
+
+    _dist.destroy_process_group = _destroy_with_every_rank
