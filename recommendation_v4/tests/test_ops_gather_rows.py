@@ -8,7 +8,8 @@ import pytest
 import torch
 from test_ops_layer_norm import gen, poison, randn  # noqa: F401  (fixtures)
 
-from dlrmv4.ops.gather_rows import gather_rows
+from dlrmv4.ops import gather_rows as gather_rows_module
+from dlrmv4.ops.gather_rows import gather_rows, segment_sum
 from dlrmv4.ops.reference import gather_rows as ref
 from dlrmv4.ops.triton import gather_rows as tri
 
@@ -40,6 +41,17 @@ def test_segment_sum_matches_index_add(chunk, dtype, m, num_rows, e, gen, poison
         unnamed = torch.ones(num_rows, dtype=torch.bool)
         unnamed[index.long()] = False
         assert not got[unnamed].any()
+
+
+def test_the_public_segment_sum_is_the_deterministic_kernel_on_a_gpu(gen, poison, monkeypatch):
+    """``segment_sum`` (the plain backend's dense gradient exchange) takes the Triton kernel where
+    ``auto`` picks Triton (a GPU, where ``index_add_`` adds with atomics in a changing order) and
+    ``index_add_`` on the CPU, which adds in index order: the same bits on every run either way."""
+    index, grad = skewed_index(900, 30, gen), randn((900, 40), gen)
+    assert torch.equal(segment_sum(grad, index, 30), ref.segment_sum(grad, index, 30))
+    monkeypatch.setattr(gather_rows_module, "resolve", lambda kernels, device: "triton")
+    on_gpu = segment_sum(grad, index, 30)
+    assert torch.equal(on_gpu, tri.segment_sum(grad, index, 30)) and torch.equal(on_gpu, segment_sum(grad, index, 30))
 
 
 def test_segment_sum_of_nothing(gen, poison):

@@ -14,7 +14,7 @@ from dlrmv4.ops.dispatch import resolve
 from dlrmv4.ops.reference import gather_rows as ref
 from dlrmv4.ops.strides import unit_cols
 
-__all__ = ["gather_rows"]
+__all__ = ["gather_rows", "segment_sum"]
 
 
 class _GatherRowsFn(torch.autograd.Function):
@@ -41,3 +41,15 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor, kernels: str = "auto") 
     if resolve(kernels, rows.device) == "pytorch":
         return ref.gather_rows(rows, index)
     return _GatherRowsFn.apply(rows, index)
+
+
+def segment_sum(grad: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """grad [M, E], index [M] (in [0, num_rows)) -> [num_rows, E] in grad's dtype: row r the fp32 sum
+    of grad's rows i with index[i] == r, in the same order on every run. On a GPU the Triton segment
+    sum (``index_add_`` there adds with atomics, in an order that changes from run to run); on the CPU
+    ``index_add_``, which adds in index order."""
+    if resolve("auto", grad.device) == "pytorch":
+        return ref.segment_sum(grad, index, num_rows)
+    from dlrmv4.ops.triton import gather_rows as tri
+
+    return tri.segment_sum(unit_cols(grad), index, num_rows)

@@ -14,6 +14,7 @@ import torch
 
 from dlrmv4.distributed import Cluster
 from dlrmv4.model.embeddings.tables import TableSpec
+from dlrmv4.ops.gather_rows import segment_sum
 
 
 def exchange_gradients(
@@ -26,7 +27,8 @@ def exchange_gradients(
     """Every rank's gradient of every table; values / world size, as each rank's loss is the mean
     over its own slice. Row counts are host-side shapes (one small gloo message between ranks).
     A table with fewer rows than the gradient rows of all ranks goes dense: the rows summed into
-    [rows, E] (then one all-reduce, identical sums on every rank); the others as (id, row) pairs,
+    [rows, E] in a fixed order on every device (then one all-reduce, identical sums on every rank);
+    the others as (id, row) pairs,
     all-gathered in rank order. One rank keeps its own (ids, gradient pieces): the update reads
     them in place."""
     world = cluster.world_size
@@ -44,9 +46,7 @@ def exchange_gradients(
     for k, spec in enumerate(specs):
         ids, values = local[spec.name]
         if spec.rows < sum(rank_counts[k] for rank_counts in counts):
-            dense = torch.zeros(spec.rows, dim, dtype=torch.float32, device=device)
-            dense.index_add_(0, ids, values / world)
-            out[spec.name] = cluster.all_reduce_(dense)
+            out[spec.name] = cluster.all_reduce_(segment_sum(values / world, ids, spec.rows))
         else:
             gathered.append(k)
     if gathered:
