@@ -28,9 +28,8 @@ def exchange_gradients(
     over its own slice. Row counts are host-side shapes (one small gloo message between ranks).
     A table with fewer rows than the gradient rows of all ranks goes dense: the rows summed into
     [rows, E] in a fixed order on every device (then one all-reduce, identical sums on every rank);
-    the others as (id, row) pairs,
-    all-gathered in rank order. One rank keeps its own (ids, gradient pieces): the update reads
-    them in place."""
+    the others as (id, row) pairs, all-gathered in rank order. One rank keeps its own (ids, gradient
+    pieces): the update reads them in place."""
     world = cluster.world_size
     if world == 1:
         return grads
