@@ -418,8 +418,17 @@ class Terminated(KeyboardInterrupt):
     does on SIGINT (temp files removed, checkpoints whole), with its own line and status."""
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated()
+class TerminationSignal:
+    """SIGTERM's handler: raises ``Terminated`` and remembers that it ran. The exception can be lost:
+    raised while the autograd engine runs a collective's backward that then fails (the peer, stopped
+    by the same scheduler, has gone), the engine re-raises the collective's error, not the handler's."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.received = True
+        raise Terminated()
 
 
 # A launcher stopping the job sends every rank its SIGTERM at once; a rank in a collective may see the
@@ -427,11 +436,15 @@ def _raise_terminated(signum: int, frame: object) -> None:
 LAUNCHER_STOP_GRACE_SECONDS = 1.0
 
 
-def _stopped_by_the_launcher(exc: UserError) -> bool:
-    """Whether ``exc`` is a collective that lost a rank that left no line, because the launcher is
-    stopping the job: then this rank's own SIGTERM follows within the grace, and the launcher says the
-    job's line (waits only under a launcher, for such a loss)."""
-    if not (isinstance(exc, RankLostError) and not exc.peer_said_why and under_launcher()):
+def _ended_by_sigterm(exc: UserError, sigterm: TerminationSignal) -> bool:
+    """Whether ``exc`` is a collective that lost a rank that left no line because the job is being
+    stopped: this rank's own SIGTERM came (its ``Terminated`` lost on the way), or, under a launcher,
+    follows within the grace (the launcher then says the job's line)."""
+    if not (isinstance(exc, RankLostError) and not exc.peer_said_why):
+        return False
+    if sigterm.received:
+        return True
+    if not under_launcher():
         return False
     try:
         time.sleep(LAUNCHER_STOP_GRACE_SECONDS)
@@ -440,18 +453,25 @@ def _stopped_by_the_launcher(exc: UserError) -> bool:
     return False
 
 
+def _say_terminated() -> int:
+    if not under_launcher():  # dlrmv4.launch says the job's one line about the stop
+        print("[dlrmv4] terminated (SIGTERM)", file=sys.stderr)
+    return 143
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    sigterm = TerminationSignal()
+    signal.signal(signal.SIGTERM, sigterm)
     try:
         adopt_slurm_tasks()  # an srun task of several is one rank: the names torch reads, before anything reads them
         _preset_from_dataset_flags(args, argv)
         cfg = config_from_args(args)
         COMMANDS[args.command][0](cfg, args)
     except UserError as exc:
-        if _stopped_by_the_launcher(exc):
-            return 143
+        if _ended_by_sigterm(exc, sigterm):
+            return _say_terminated()
         report_failure(str(exc), exc.caused_by_another_rank)
         return 1
     except OSError as exc:  # an I/O failure no step turned into its own line: the file and the cause
@@ -459,9 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         report_failure(f"{where}{exc.strerror or ' '.join(str(exc).split())}")
         return 1
     except Terminated:
-        if not under_launcher():  # dlrmv4.launch says the job's one line about the stop
-            print("[dlrmv4] terminated (SIGTERM)", file=sys.stderr)
-        return 143
+        return _say_terminated()
     except KeyboardInterrupt:
         print("[dlrmv4] interrupted", file=sys.stderr)
         return 130

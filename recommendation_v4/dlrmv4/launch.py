@@ -70,6 +70,20 @@ def join_timeout(rdzv_conf: str) -> float:
     return DEFAULT_JOIN_TIMEOUT_S
 
 
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+
+
+def quiet_the_agent() -> None:
+    """The agent's own log lines repeat what the one line says (and its start-up notes are noise).
+    torch gives each of its modules' loggers a level of its own (WARNING), so the parents' level
+    alone does not reach them."""
+    for name in AGENT_LOGGERS:
+        logging.getLogger(name)
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger) and name.startswith(AGENT_LOGGERS):
+            logger.setLevel(logging.CRITICAL)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
     nodes = str(args.nnodes).split(":")[-1]
@@ -77,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.standalone and nodes != "1":
         waiting = f"{nodes} nodes at {args.rdzv_endpoint} (up to {join_timeout(args.rdzv_conf):g} s)"
         print(f"[dlrmv4] node {args.node_rank}: waiting for {waiting}", file=sys.stderr, flush=True)
-    # The agent's own log lines repeat what the one line says (and its start-up notes are noise).
-    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    quiet_the_agent()
     os.environ[LAUNCHER_ENV] = "1"
     try:
         torchrun.run(args)

@@ -190,14 +190,33 @@ def test_a_rank_that_loses_a_silent_peer_while_the_launcher_stops_the_job_stays_
     from dlrmv4.errors import LAUNCHER_ENV
 
     lost = RankLostError("rank 1 of 2: a collective of the training step failed, another rank exited", False)
-    previous = signal.signal(signal.SIGTERM, cli._raise_terminated)
+    sigterm = cli.TerminationSignal()
+    previous = signal.signal(signal.SIGTERM, sigterm)
     try:
         monkeypatch.setenv(LAUNCHER_ENV, "1")
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
-        assert cli._stopped_by_the_launcher(lost)
+        assert cli._ended_by_sigterm(lost, cli.TerminationSignal())
         said = RankLostError("rank 1 of 2: a collective failed because rank 0 ran out of device memory", True)
-        assert not cli._stopped_by_the_launcher(said)
+        assert not cli._ended_by_sigterm(said, cli.TerminationSignal())
         monkeypatch.delenv(LAUNCHER_ENV)
-        assert not cli._stopped_by_the_launcher(lost)
+        assert not cli._ended_by_sigterm(lost, cli.TerminationSignal())
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_sigterm_whose_exception_was_lost_still_ends_the_rank_as_stopped():
+    """SIGTERM's handler ran inside a collective's backward that then failed (its peer stopped by the
+    same scheduler): the autograd engine re-raised the collective's error and the handler's
+    ``Terminated`` was lost (seen under load on two ranks). The rank still ends as stopped, with or
+    without a launcher, at once; a peer that said why is still reported."""
+    from dlrmv4 import cli
+    from dlrmv4.distributed import RankLostError
+
+    sigterm = cli.TerminationSignal()
+    with pytest.raises(cli.Terminated):
+        sigterm(15, None)
+    lost = RankLostError("rank 0 of 2: a collective of the training step failed, another rank exited", False)
+    assert cli._ended_by_sigterm(lost, sigterm)
+    said = RankLostError("rank 0 of 2: a collective failed because rank 1 ran out of device memory", True)
+    assert not cli._ended_by_sigterm(said, sigterm)
+    assert not cli._ended_by_sigterm(lost, cli.TerminationSignal())  # no signal, no launcher: reported

@@ -131,9 +131,13 @@ def _rank_pids(launcher_pid: int, nproc: int, deadline: float) -> dict[int, int]
             try:
                 stat = (entry / "stat").read_text()
                 env = (entry / "environ").read_bytes().split(b"\0")
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
             if int(stat.rsplit(")", 1)[1].split()[1]) != launcher_pid:
+                continue
+            # the trainer itself, not a short-lived child of the launcher (a shell's command substitution)
+            if not (Path(argv[0].decode()).name.startswith("python") and b"train" in argv):
                 continue
             # torchrun's workers start with RANK; srun's tasks with SLURM_PROCID (python -m dlrmv4 reads it)
             rank = next((int(v.split(b"=", 1)[1]) for v in env if v.startswith((b"RANK=", b"SLURM_PROCID="))), None)
@@ -231,6 +235,8 @@ def test_a_terminated_launched_job_says_so_once(data_path, tmp_path):
     assert _last_line(err) == "[dlrmv4] terminated (SIGTERM): every rank was stopped", err[-3000:]
     for noise in ("ChildFailedError", "[dlrmv4] terminated (SIGTERM)\n", "Traceback", "error:"):
         assert noise not in out + err, err[-3000:]
+    strangers = [line for line in (out + err).splitlines() if line.strip() and not line.startswith(("[dlrmv4] ", "  "))]
+    assert not strangers, strangers  # the agent's "Received 15 death signal" among them before
     for pid in pids.values():
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
