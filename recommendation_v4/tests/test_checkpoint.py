@@ -347,6 +347,50 @@ def test_async_write_error_surfaces_at_the_next_wait_in_one_line(tmp_path):
     writer.close()
 
 
+# Two ranks build their asynchronous writers (a collective); rank 1 then never joins the writer's
+# own group again, and rank 0 waits for it there as a write's collectives would.
+_WRITER_PEER_GONE = textwrap.dedent("""
+    import sys, time, torch.distributed as dist
+    from dlrmv4.checkpoint.files import CheckpointWriter
+    from dlrmv4.config import DistributedConfig
+    from dlrmv4.distributed import start_cluster
+    cluster = start_cluster(DistributedConfig(timeout_seconds=5.0))
+    writer = CheckpointWriter(sys.argv[1], 2, cluster, asynchronous=True)
+    if cluster.rank == 1:
+        time.sleep(60)
+        sys.exit(0)
+    started = time.time()
+    try:
+        dist.barrier(group=writer.cluster.control)
+    except Exception:
+        print(f"failed after {time.time() - started:.1f} s", flush=True)
+""")
+
+
+@pytest.mark.slow  # two processes
+def test_the_writers_collectives_fail_at_the_runs_timeout(tmp_path):
+    """The asynchronous writer's own group has the run's collective timeout (5 s here), not torch's
+    30 minutes: a write whose peer died fails as the training step would."""
+    from multi_process import free_port, rank_env
+
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER_PEER_GONE, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=rank_env(rank, 2, port),
+        )
+        for rank in range(2)
+    ]
+    out, err = procs[0].communicate(timeout=50)
+    procs[1].kill()
+    procs[1].wait()
+    assert out.startswith("failed after"), err[-3000:]
+    assert float(out.split()[2]) < 20
+
+
 # Writes ~24 MB checkpoints in a loop, each tensor filled with its step, until it is killed.
 _WRITER = textwrap.dedent("""
     import sys, torch

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import hashlib
 import json
 import os
@@ -404,7 +405,9 @@ class CheckpointWriter:
         self.run_dir, self.keep_last, self.asynchronous = run_dir, keep_last, asynchronous
         self.cluster = cluster
         if asynchronous and cluster.world_size > 1:  # collective: every rank builds its writer
-            self.cluster = dataclasses.replace(cluster, control=dist.new_group(backend="gloo"))
+            # The run's collective timeout, not torch's 30 minutes: a write whose peer died fails as the step would.
+            timeout = datetime.timedelta(seconds=cluster.timeout_seconds)
+            self.cluster = dataclasses.replace(cluster, control=dist.new_group(backend="gloo", timeout=timeout))
         # One staging copy per kind of save (whole, delta's dense state): each is reused by the next save of its kind.
         self._stagers: dict[tuple[str, ...], BlockingAsyncStager] = {}
         self._thread = (
