@@ -313,13 +313,27 @@ def launched_world() -> tuple[int, int, int, int] | None:
 
 
 def _device(local_rank: int, local_world: int) -> torch.device:
+    """This process's GPU: the node's GPU of its local rank when it sees them all (torchrun, srun
+    --gpus-per-node), the one it sees when bound to one (srun --gpus-per-task=1, --gpu-bind)."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     count = torch.cuda.device_count()
-    if local_world > count:
-        raise UserError(f"{local_world} processes on this node but {count} visible GPU(s): one process per GPU")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    if count >= local_world:
+        index = local_rank
+    elif count == 1:
+        index = 0  # two processes bound to one GPU are refused once the group has formed (_node_layout)
+    else:
+        raise UserError(
+            f"{local_world} processes on this node but {count} visible GPUs: one GPU per process (every process "
+            "sees all the node's GPUs, or exactly its own)"
+        )
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _gpu_id(device: torch.device) -> str:
+    """The physical GPU's identity, the same whatever CUDA_VISIBLE_DEVICES numbers it ("" on the CPU)."""
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
 
 
 def start_cluster(cfg: DistributedConfig, need_group: bool = False) -> Cluster:
@@ -365,22 +379,38 @@ def start_cluster(cfg: DistributedConfig, need_group: bool = False) -> Cluster:
         ) from exc
     cluster = Cluster(rank, world, local_rank, local_world, device, backend, control, cfg.timeout_seconds)
     if world > 1:
-        _same_processes_per_node(cluster)
+        _node_layout(cluster)
     if rank == 0 and os.environ.get(RANK_ZERO_MARKER):
         open(os.environ[RANK_ZERO_MARKER], "a").close()
     return cluster
 
 
-def _same_processes_per_node(cluster: Cluster) -> None:
-    """Every node runs as many processes (the plan, the memory plan and rank slicing assume it);
-    nodes launched with different counts are refused on every rank, naming two of them."""
-    counts: list[int] = [0] * cluster.world_size
-    with cluster.guard("comparing the nodes' process counts"):
-        dist.all_gather_object(counts, cluster.local_world_size, group=cluster.control)
-    if len(set(counts)) > 1:
-        first = counts[0]
-        other = next(rank for rank, count in enumerate(counts) if count != first)
-        raise UserError(
-            f"the nodes run different numbers of processes: rank 0's node {first}, rank {other}'s node "
+def _node_layout(cluster: Cluster) -> None:
+    """Every node runs as many processes (the plan, the memory plan and rank slicing assume it), each
+    on a GPU of its own; otherwise every rank refuses, naming two of them."""
+    layouts: list[tuple[int, str]] = [(0, "")] * cluster.world_size
+    with cluster.guard("comparing the nodes' process counts and GPUs"):
+        dist.all_gather_object(layouts, (cluster.local_world_size, _gpu_id(cluster.device)), group=cluster.control)
+    problem = layout_problem(layouts)
+    if problem is not None:
+        raise UserError(problem)
+
+
+def layout_problem(layouts: list[tuple[int, str]]) -> str | None:
+    """What is wrong with the ranks' (processes on their node, GPU identity) pairs, or None."""
+    counts = [count for count, _ in layouts]
+    other = next((rank for rank, count in enumerate(counts) if count != counts[0]), None)
+    if other is not None:
+        return (
+            f"the nodes run different numbers of processes: rank 0's node {counts[0]}, rank {other}'s node "
             f"{counts[other]} (set GPUS_PER_NODE / --nproc-per-node alike on every node)"
         )
+    first_on: dict[str, int] = {}
+    for rank, (_, gpu) in enumerate(layouts):
+        if gpu and gpu in first_on:
+            return (
+                f"ranks {first_on[gpu]} and {rank} run on the same GPU ({gpu}): one GPU per process (bind one to "
+                "each task, srun --gpus-per-task=1, or let every process see all the node's GPUs)"
+            )
+        first_on.setdefault(gpu, rank)
+    return None

@@ -1,20 +1,25 @@
 """Several GPUs of one machine (NCCL, TorchRec row-wise tables, bf16 sequences), at 2, 4 and 8
 processes where the machine has the GPUs: the run follows the 1-GPU run on the same global batches,
 a checkpoint moves from N GPUs to one and back to N, a GPU that cannot allocate ends every rank with
-one line naming it, and the sparse-dist pipeline follows the unpipelined run. The gloo twins of these
-tests are in tests/test_distributed.py."""
+one line naming it, the sparse-dist pipeline follows the unpipelined run, and tasks a scheduler
+bound to one GPU each train as the node does. The gloo twins of these tests are in
+tests/test_distributed.py."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from multi_process import (
     STEPS,
     assert_same_trajectory,
+    free_port,
     lookups_sent_ahead,
     make_data,
+    rank_env,
     run_flags,
     run_with_rank_1_out_of_memory,
     torchrun,
@@ -120,3 +125,40 @@ def test_the_sparse_pipeline_on_n_gpus(data_path, tmp_path, world):
         0,
     )
     assert_same_trajectory(runs[True], runs[False], loss_rtol=BF16_LOSS_RTOL, auc_atol=BF16_AUC_ATOL)
+
+
+def _tasks_bound_to(gpus: list[int], data_path, run_dir) -> list[tuple[int, str, str]]:
+    """One srun-like task per entry, each seeing only that GPU (CUDA_VISIBLE_DEVICES, as srun
+    --gpus-per-task=1 leaves it): (status, stdout, stderr) by rank."""
+    port, world = free_port(), len(gpus)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dlrmv4", "train", *run_flags(data_path, run_dir, **{"train.max_steps": STEPS, **GPU})],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=rank_env(rank, world, port, CUDA_VISIBLE_DEVICES=str(gpu)),
+        )
+        for rank, gpu in enumerate(gpus)
+    ]
+    outputs = [proc.communicate(timeout=600) for proc in procs]
+    return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outputs)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_tasks_bound_to_one_gpu_each_train_as_the_node(data_path, tmp_path, one_gpu, world):
+    """A scheduler that binds one GPU to each task (each sees one device, numbered 0): every rank
+    takes its own and the run follows the one-GPU trajectory."""
+    for status, _, err in _tasks_bound_to(list(range(world)), data_path, tmp_path / "run"):
+        assert status == 0, err[-3000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["world_size"] == world
+    assert_same_trajectory(report, one_gpu, loss_rtol=BF16_LOSS_RTOL, auc_atol=BF16_AUC_ATOL)
+
+
+@pytest.mark.parametrize("world", gpu_counts(2))
+def test_two_tasks_bound_to_the_same_gpu_are_refused(data_path, tmp_path, world):
+    for status, _, err in _tasks_bound_to([0] * world, data_path, tmp_path / "run"):
+        errors = [line for line in err.splitlines() if line.startswith("[dlrmv4] error:")]
+        assert status != 0 and len(errors) == 1, err[-3000:]
+        assert "ranks 0 and 1 run on the same GPU" in errors[0], errors[0]

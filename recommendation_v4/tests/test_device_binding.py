@@ -1,0 +1,58 @@
+"""Which GPU a process takes: its local rank's when it sees all the node's GPUs (torchrun, srun
+--gpus-per-node), the one it sees when a scheduler bound one to each task (srun --gpus-per-task=1);
+two ranks on one GPU, or nodes with different process counts, are refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dlrmv4 import distributed
+from dlrmv4.errors import UserError
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend CUDA sees ``count`` GPUs; returns the indices set_device was called with."""
+    chosen: list[int] = []
+
+    def see(count: int) -> list[int]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+        return chosen
+
+    return see
+
+
+def test_a_process_that_sees_the_whole_node_takes_its_local_rank(gpus):
+    chosen = gpus(8)
+    assert distributed._device(3, 8) == torch.device("cuda", 3) and chosen == [3]
+
+
+def test_a_process_bound_to_one_gpu_takes_it(gpus):
+    chosen = gpus(1)
+    assert distributed._device(5, 8) == torch.device("cuda", 0) and chosen == [0]
+
+
+def test_too_few_gpus_for_the_node_is_refused(gpus):
+    chosen = gpus(2)
+    with pytest.raises(UserError, match="8 processes on this node but 2 visible GPUs: one GPU per process"):
+        distributed._device(5, 8)
+    assert chosen == []
+
+
+def test_no_gpu_is_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed._device(1, 2) == torch.device("cpu")
+
+
+def test_layouts():
+    assert distributed.layout_problem([(2, "GPU-a"), (2, "GPU-b"), (2, "GPU-a2"), (2, "GPU-b2")]) is None
+    assert distributed.layout_problem([(2, ""), (2, "")]) is None  # gloo ranks on the CPU
+    shared = distributed.layout_problem([(4, "GPU-a"), (4, "GPU-b"), (4, "GPU-c"), (4, "GPU-b")])
+    assert shared is not None and shared.startswith("ranks 1 and 3 run on the same GPU (GPU-b): one GPU per process")
+    counts = distributed.layout_problem([(2, "GPU-a"), (2, "GPU-b"), (1, "GPU-c")])
+    assert counts is not None and counts.startswith(
+        "the nodes run different numbers of processes: rank 0's node 2, rank 2's node 1"
+    )
