@@ -133,7 +133,13 @@ def _tasks_bound_to(gpus: list[int], data_path, run_dir) -> list[tuple[int, str,
     port, world = free_port(), len(gpus)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "dlrmv4", "train", *run_flags(data_path, run_dir, **{"train.max_steps": STEPS, **GPU})],
+            [
+                sys.executable,
+                "-m",
+                "dlrmv4",
+                "train",
+                *run_flags(data_path, run_dir, **{"train.max_steps": STEPS, **GPU}),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
