@@ -15,7 +15,7 @@ import torch
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from dlrmv4.checkpoint import files
+from dlrmv4.checkpoint import files, table_deltas
 from dlrmv4.checkpoint.files import (
     CHAIN_FILE,
     MARKER,
@@ -63,7 +63,11 @@ def _update(tables: Tables, name: str, rows: list[int], generator: torch.Generat
     table["weight"][rows] -= 0.01 * grad / (table["momentum"][rows, None].sqrt() + 1e-8)
 
 
-def test_the_rows_found_changed_are_the_rows_that_changed():
+# A chunk of 3 rows (int64 words of DIM + 1 per row): chunk boundaries fall inside every table.
+@pytest.mark.parametrize("chunk_bytes", [None, 3 * 8 * (DIM + 1)])
+def test_the_rows_found_changed_are_the_rows_that_changed(monkeypatch, chunk_bytes):
+    if chunk_bytes is not None:
+        monkeypatch.setattr(table_deltas, "_FINGERPRINT_CHUNK_BYTES", chunk_bytes)
     tables = Tables({"item": 1000, "uid": 50})
     tracker = ChangedRows()
     tracker.reset(tables)

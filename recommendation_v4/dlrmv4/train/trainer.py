@@ -140,8 +140,10 @@ class Trainer:
             )
         self.step = TrainStep(model, embeddings, cfg.train, self.finite, train_model)
         # Loader workers forked from a rank with tables in pinned host memory would copy them all;
-        # so would the evals' workers, forked after an asynchronous checkpoint pinned its staging
-        # copy (the training loader's start before any checkpoint, so they may fork).
+        # the evals' workers start from a fork server too once an asynchronous checkpoint pins its
+        # staging copy. The training loader's workers fork after stage_ahead has pinned it (before
+        # RUN_START, where they cannot start without loading data): what that fork costs is not
+        # measured yet.
         self.worker_start = "forkserver" if embeddings.holds_pinned_host_memory else None
         staging_pinned = cfg.train.async_checkpoints and self.device.type == "cuda"
         eval_worker_start = "forkserver" if staging_pinned else self.worker_start
