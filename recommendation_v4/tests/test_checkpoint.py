@@ -391,6 +391,54 @@ def test_the_writers_collectives_fail_at_the_runs_timeout(tmp_path):
     assert float(out.split()[2]) < 20
 
 
+# Two ranks save one checkpoint; rank 0's own part (the small files, the marker) fails as a full disk would.
+_RANK_0_FILES_FAIL = textwrap.dedent("""
+    import sys, time, torch
+    from dlrmv4.checkpoint import files
+    from dlrmv4.config import DistributedConfig
+    from dlrmv4.distributed import start_cluster
+    cluster = start_cluster(DistributedConfig(timeout_seconds=30.0))
+    if cluster.rank == 0:
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        files._write_small_files = full_disk
+    started = time.time()
+    try:
+        files.save_checkpoint(sys.argv[1], files.CheckpointPosition(1, 1, 0), {"m": torch.nn.Linear(2, 2)}, 2, cluster)
+        print("saved", flush=True)
+    except Exception as exc:
+        print(f"{time.time() - started:.1f} {type(exc).__name__}: {exc}", flush=True)
+""")
+
+
+@pytest.mark.slow  # two processes
+def test_rank_0_failing_its_own_part_of_a_save_ends_every_rank_with_its_line(tmp_path):
+    """Every rank's tensors are written; then rank 0 cannot write the checkpoint's small files. The
+    other ranks end at once with rank 0's line, not after the collective timeout (30 s here) with a
+    lost-rank line; no checkpoint is left."""
+    from multi_process import free_port, rank_env
+
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK_0_FILES_FAIL, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=rank_env(rank, 2, port),
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    for out, err in outputs:
+        seconds, line = out.strip().split(" ", 1)
+        assert (
+            line == f"UserError: cannot write {tmp_path / 'checkpoints' / 'step-00000001'}: No space left on device"
+        ), out + err[-3000:]
+        assert float(seconds) < 15
+    assert latest_checkpoint(tmp_path) is None
+
+
 # Writes ~24 MB checkpoints in a loop, each tensor filled with its step, until it is killed.
 _WRITER = textwrap.dedent("""
     import sys, torch
@@ -476,6 +524,68 @@ def test_cadence_names_the_explicit_cadence_before_the_window():
     checkpoints may be skipped while a write is in flight."""
     c = _cadence(checkpoint_every_steps=4, checkpoint_every_window=True)
     assert [c.due(s, 0.0, s in (3, 4)) for s in range(1, 6)] == [None, None, "window", "steps", None]
+
+
+def test_cadence_seconds_elapsed_elsewhere_restarts_this_clock_too():
+    """A rank whose own clock has not reached the interval saves with the rank whose clock has, and
+    restarts its clock then: it does not ask for a second save a step later."""
+    c = _cadence(checkpoint_every_seconds=10.0)
+    assert c.due(1, 100.0, False, seconds_elapsed=False) is None
+    assert c.due(2, 109.5, False, seconds_elapsed=True) == "seconds"
+    assert c.due(3, 110.5, False, seconds_elapsed=c.seconds_elapsed(110.5)) is None
+    assert c.due(4, 119.6, False) == "seconds"
+
+
+# Two ranks ask their Checkpointer at each step, rank 1's clock 0.5 s behind from its second step on,
+# a checkpoint every 10.2 s and at the end of window 0 (step 11); a due answer does what a save
+# does first (a collective on the main group).
+_SECONDS_CADENCE = textwrap.dedent("""
+    import sys, torch
+    from dlrmv4.config import DistributedConfig
+    from dlrmv4.config_loading import load_config
+    from dlrmv4.distributed import start_cluster
+    from dlrmv4.train.checkpointer import Checkpointer
+    from dlrmv4.train.history import RunHistory
+    cluster = start_cluster(DistributedConfig(timeout_seconds=10.0))
+    train = {"run_dir": sys.argv[1], "checkpoint_every_seconds": 10.2, "checkpoint_every_window": True,
+             "checkpoint_every_steps": 0, "checkpoint_full_every": 1, "async_checkpoints": True}
+    cfg = load_config(None, None, {("train", key): value for key, value in train.items()})
+    checkpointer = Checkpointer(cfg, cluster, None, None, None, lambda line: None)
+    clock = {"now": 0.0}
+    checkpointer.clock = lambda: clock["now"]
+    history, saves = RunHistory(), []
+    for step in range(1, 30):
+        clock["now"] = step + (0.5 if cluster.rank == 1 and step >= 2 else 0.0)
+        history.steps = step
+        if checkpointer.due(history, 0, step == 11):
+            saves.append(step)
+            cluster.mean(torch.zeros(()))
+    print(saves, flush=True)
+""")
+
+
+@pytest.mark.slow  # two processes
+def test_ranks_whose_clocks_differ_save_together_once_per_interval(tmp_path):
+    """Every rank saves at the same steps, once per interval (a rank restarting only its own clock
+    made every timed save a pair at adjacent steps), and a window end where one rank's interval has
+    passed and the other's has not is one decision (the ranks took different branches and waited in
+    different collectives until the timeout)."""
+    from multi_process import free_port, rank_env
+
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SECONDS_CADENCE, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=rank_env(rank, 2, port),
+        )
+        for rank in range(2)
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and out.strip() == "[11, 22]", out + err[-3000:]
 
 
 def test_a_write_failure_names_the_path_and_the_cause(tmp_path):

@@ -211,26 +211,44 @@ def save_checkpoint(
         elif cluster.is_main:
             root.mkdir(parents=True, exist_ok=True)
             remove_dead_temps(root)
-            with atomic_directory(final) as tmp:
-                cluster.broadcast(str(tmp))
-                own = _thread_problem(final, dcp_save(tensor_state, tmp, cluster))
-                gathered = cluster.gather((rank_state, own))
-                assert gathered is not None  # rank 0 gathers
-                problem = next((p for _, p in gathered if p is not None), None) or _incomplete(final, tmp)
-                cluster.broadcast(problem)  # every rank ends with the same line, or goes on
-                _raise_for(problem)
-                _write_small_files(tmp, position, {**small_state, "rank_states": [s for s, _ in gathered]}, parent)
-            cluster.barrier()  # the others go on once the checkpoint is complete
+            others_wait = False  # for the outcome of rank 0's own part: the small files and the rename
+            try:
+                with atomic_directory(final) as tmp:
+                    cluster.broadcast(str(tmp))
+                    own = _thread_problem(final, dcp_save(tensor_state, tmp, cluster))
+                    gathered = cluster.gather((rank_state, own))
+                    assert gathered is not None  # rank 0 gathers
+                    problem = next((p for _, p in gathered if p is not None), None) or _incomplete(final, tmp)
+                    cluster.broadcast(problem)  # every rank ends with the same line, or goes on
+                    _raise_for(problem)
+                    others_wait = True
+                    _write_small_files(tmp, position, {**small_state, "rank_states": [s for s, _ in gathered]}, parent)
+            except BaseException as exc:
+                if others_wait:  # they end with rank 0's line instead of waiting out the collective timeout
+                    with contextlib.suppress(Exception):  # this rank's own error is the one to raise
+                        cluster.broadcast(_rank_0_problem(final, exc))
+                raise
+            cluster.broadcast(None)  # the others go on once the checkpoint is complete
         else:
             tmp = Path(cluster.broadcast(None))
             own = _thread_problem(final, dcp_save(tensor_state, tmp, cluster))
             cluster.gather((rank_state, own))
             _raise_for(cluster.broadcast(None))
-            cluster.barrier()
+            _raise_for(cluster.broadcast(None))
             return final
     _fsync_dir(root)
     _prune(root, keep_last, final)
     return final
+
+
+def _rank_0_problem(final: Path, exc: BaseException) -> str:
+    """The line the other ranks end with when rank 0 fails to finish ``final`` (its files, its rename)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return f"cannot write {final}: rank 0 was stopped before it was complete"
+    if isinstance(exc, UserError):
+        return str(exc)
+    error = write_failure(final, exc)
+    return str(error) if error is not None else f"cannot write {final}: rank 0 failed: {type(exc).__name__}: {exc}"
 
 
 def _thread_problem(final: Path, error: BaseException | None) -> str | None:
@@ -488,7 +506,10 @@ class CheckpointCadence:
     Ask once per finished step; the answer says why one is due (``STEPS``, ``SECONDS`` or ``WINDOW``,
     in that order when several apply) or None, and a due answer is taken as a checkpoint written at
     ``now_seconds`` (the seconds clock restarts from it). The clock starts at the first question, so
-    a resumed run waits a full interval before its first timed checkpoint.
+    a resumed run waits a full interval before its first timed checkpoint. Ranks' clocks differ and a
+    save is collective: several ranks pass ``seconds_elapsed``, whether the interval has passed on any
+    of them (``seconds_elapsed`` of this clock, combined), so that all give the same answer and
+    restart their clocks together.
     """
 
     STEPS, SECONDS, WINDOW = "steps", "seconds", "window"
@@ -499,12 +520,19 @@ class CheckpointCadence:
         self.every_window = cfg.checkpoint_every_window
         self._last_seconds: float | None = None
 
-    def due(self, step: int, now_seconds: float, end_of_window: bool) -> str | None:
+    def seconds_elapsed(self, now_seconds: float) -> bool:
+        """Whether the seconds cadence's interval has passed on this clock."""
         if self._last_seconds is None:
             self._last_seconds = now_seconds
+        return self.every_seconds > 0 and now_seconds - self._last_seconds >= self.every_seconds
+
+    def due(
+        self, step: int, now_seconds: float, end_of_window: bool, seconds_elapsed: bool | None = None
+    ) -> str | None:
+        elapsed = self.seconds_elapsed(now_seconds)
         reasons = (
             (self.STEPS, self.every_steps > 0 and step > 0 and step % self.every_steps == 0),
-            (self.SECONDS, self.every_seconds > 0 and now_seconds - self._last_seconds >= self.every_seconds),
+            (self.SECONDS, elapsed if seconds_elapsed is None else seconds_elapsed),
             (self.WINDOW, self.every_window and end_of_window),
         )
         reason = next((name for name, due in reasons if due), None)

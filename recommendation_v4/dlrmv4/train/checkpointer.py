@@ -62,6 +62,7 @@ class Checkpointer:
         self.cfg, self.cluster, self.model, self.optimizer, self.embeddings = cfg, cluster, model, optimizer, embeddings
         self.log = log
         self.cadence = CheckpointCadence(cfg.train)
+        self.clock: Callable[[], float] = time.perf_counter  # the seconds cadence's (each rank its own)
         train = cfg.train
         self.writer = CheckpointWriter(train.run_dir, train.keep_last_checkpoints, cluster, train.async_checkpoints)
         # Delta checkpoints: the rows changed since ``parent`` (the last checkpoint written or resumed from),
@@ -83,11 +84,12 @@ class Checkpointer:
         is skipped while the previous one is still being written in the background, on every rank
         alike: the run never waits for a write to make the next one, and the next window's end tries
         again. A skipped one is said in the log and counted in ``history.checkpoints_skipped``."""
-        reason = self.cadence.due(history.steps, time.perf_counter(), last_of_window)
-        if self.cadence.every_seconds > 0:
-            # Clocks differ between ranks and the save is collective.
-            due = self.cluster.any(reason is not None)
-            reason = reason or (CheckpointCadence.SECONDS if due else None)
+        now = self.clock()
+        elapsed = None
+        if self.cadence.every_seconds > 0 and self.cluster.world_size > 1:
+            # Clocks differ between ranks and the save is collective: every rank the same answer.
+            elapsed = self.cluster.any(self.cadence.seconds_elapsed(now))
+        reason = self.cadence.due(history.steps, now, last_of_window, elapsed)
         if reason == CheckpointCadence.WINDOW and self.writer.asynchronous:
             if self.cluster.any(self.writer.writing):
                 history.checkpoints_skipped += 1
