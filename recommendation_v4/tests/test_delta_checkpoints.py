@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -116,6 +117,34 @@ def test_a_chain_applied_over_its_whole_checkpoint_gives_the_tables_back(tmp_pat
     for name, parts in tables.tables.items():
         for part, tensor in parts.items():
             assert torch.equal(restored.tables[name][part], tensor), (name, part)
+
+
+class _SplitByColumns:
+    """A weight whose rows two ranks hold half each, by columns (TorchRec's column_wise plan)."""
+
+    def __init__(self, rows: int) -> None:
+        halves = [SimpleNamespace(shard_offsets=[0, c0], shard_sizes=[rows, DIM // 2]) for c0 in (0, DIM // 2)]
+        self._metadata = SimpleNamespace(shards_metadata=halves)
+
+    def metadata(self) -> SimpleNamespace:
+        return self._metadata
+
+
+def test_a_delta_is_not_applied_to_tables_split_by_columns(tmp_path):
+    """A chain written with whole rows on each rank, resumed by a run that splits a table by columns:
+    refused in one line naming the table and what to do (the rows cannot be written half by half)."""
+    tables, tracker = Tables({"item": 30, "artist": 20}), ChangedRows()
+    whole = save_checkpoint(tmp_path, _position(1), {"sparse": TableState(tables)}, keep_last=5)
+    tracker.reset(tables)
+    _update(tables, "item", [4], torch.Generator().manual_seed(3))
+    delta = TableRowsDelta(tracker.take(tables), rank=0)
+    newest = save_checkpoint(tmp_path, _position(2), {ENTRY: delta}, keep_last=5, parent=whole)
+    resumed = Tables({"item": 30, "artist": 20})
+    resumed.tables["item"]["weight"] = _SplitByColumns(30)
+    with pytest.raises(UserError) as refused:
+        apply_delta(newest, resumed, resumed.cluster)
+    assert str(refused.value).startswith(f"cannot resume from {newest}, a delta checkpoint: this run splits item ")
+    assert "resume with those tables row_wise or table_wise" in str(refused.value)
 
 
 class _ReusedStagingCopy(BlockingAsyncStager):

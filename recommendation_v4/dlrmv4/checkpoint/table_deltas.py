@@ -180,6 +180,13 @@ def apply_delta(path: Path, embeddings: SparseEmbeddings, cluster: Cluster) -> i
     unknown = sorted(set(rows) - set(live))
     if unknown:
         raise UserError(f"the delta checkpoint {path} holds rows of tables this model does not have: {unknown}")
+    split = sorted(set(rows) & set(split_by_columns(embeddings)))
+    if split:
+        raise UserError(
+            f"cannot resume from {path}, a delta checkpoint: this run splits {', '.join(split)} by columns "
+            "(column_wise sharding) and a delta holds whole rows; resume with those tables row_wise or "
+            "table_wise (every checkpoint of a run that splits a table by columns is whole)"
+        )
     count = 0
     for table, by_writer in rows.items():
         for parts in by_writer.values():
