@@ -188,15 +188,30 @@ def test_writing_a_profiler_trace_is_left_out_of_the_training_rate(data_path, tm
     assert history.seconds > 4.0 and train_seconds[0] < 3.0, train_seconds
 
 
+# RUNNER, saying when the run stages its checkpoints' host copy ahead (pinning tens of GiB on a GPU).
+STAGING_RUNNER = RUNNER.replace(
+    "from dlrmv4.train.run import run_training",
+    "from dlrmv4.train.run import run_training\n"
+    "from dlrmv4.train.checkpointer import Checkpointer\n"
+    "stage_ahead = Checkpointer.stage_ahead\n"
+    "Checkpointer.stage_ahead = lambda self: (print('staging ahead', flush=True), stage_ahead(self))",
+)
+
+
 def test_max_steps_stops_the_run(data_path, tmp_path):
+    """A max_steps stop is a pause: called again with the same limit the run has nothing to do (and
+    stages no checkpoint copy for it); a larger limit continues it."""
     values = _overrides(data_path, tmp_path / "run")
-    values["train.max_steps"] = 9
-    proc = subprocess.run(
-        [sys.executable, "-c", RUNNER, json.dumps(values)], capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr
-    hist = _report(tmp_path / "run")
-    assert (hist["status"], hist["steps"], hist["samples"]) == ("stopped", 9, 9 * 16)
+    for max_steps, staged in ((9, True), (9, False), (10, True)):
+        values["train.max_steps"] = max_steps
+        proc = subprocess.run(
+            [sys.executable, "-c", STAGING_RUNNER, json.dumps(values)], capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert ("staging ahead" in proc.stdout) == staged, proc.stdout
+        hist = _report(tmp_path / "run")
+        assert (hist["status"], hist["steps"], hist["samples"]) == ("stopped", max_steps, max_steps * 16)
+    assert "continuing the stopped run from step 9" in proc.stdout
 
 
 def test_kill_and_resume_is_bit_exact(data_path, tmp_path):

@@ -226,8 +226,13 @@ class Trainer:
         """The newest checkpoint's history (its MLPerf log reopened if the run goes on), or a fresh
         run's, whose MLPerf log gets INIT_STOP and RUN_START here."""
         resumed = self.checkpointer.restore(self.resume_from)
-        if resumed is None or resumed.history.status in ("running", "stopped"):
-            self.checkpointer.stage_ahead()  # before RUN_START: outside the timed run
+        max_steps = self.cfg.train.max_steps
+        if resumed is not None and resumed.history.status == "stopped":
+            if max_steps == 0 or resumed.history.steps < max_steps:
+                resumed.history.status = "running"  # a max_steps stop is a pause: a larger limit continues the run
+                self.log(f"continuing the stopped run from step {resumed.history.steps}")
+        if resumed is None or resumed.history.status == "running":
+            self.checkpointer.stage_ahead()  # before RUN_START: outside the timed run (not for a run with nothing to do)
         facts = RunFacts(
             self.train_samples, self.eval_samples, self.config_filename, self.cluster.world_size, self.step.chunks
         )
@@ -239,10 +244,6 @@ class Trainer:
         self.window_loss.fill_(resumed.window_loss)
         self.window_steps = resumed.window_steps
         history = resumed.history
-        max_steps = self.cfg.train.max_steps
-        if history.status == "stopped" and (max_steps == 0 or history.steps < max_steps):
-            history.status = "running"  # a max_steps stop is a pause: a larger limit continues the run
-            self.log(f"continuing the stopped run from step {history.steps}")
         if history.status == "running":
             self.runlog.resume(resumed.runlog, self.cfg, facts, resumed.changed_settings)
         return history
