@@ -285,6 +285,7 @@ def _write_small_files(
         digests = list(pool.map(_sha256, paths))
     files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": d} for p, d in zip(paths, digests)}
     _write_synced(tmp / MARKER, json.dumps({"files": files}, indent=1, sort_keys=True).encode())
+    _fsync_dir(tmp)  # the entries themselves, before the rename makes the checkpoint the newest
 
 
 def _problem(ckpt: Path, verify_hashes: bool) -> str | None:
