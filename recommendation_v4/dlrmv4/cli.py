@@ -421,14 +421,24 @@ class Terminated(KeyboardInterrupt):
 class TerminationSignal:
     """SIGTERM's handler: raises ``Terminated`` and remembers that it ran. The exception can be lost:
     raised while the autograd engine runs a collective's backward that then fails (the peer, stopped
-    by the same scheduler, has gone), the engine re-raises the collective's error, not the handler's."""
+    by the same scheduler, has gone), the engine re-raises the collective's error, not the handler's.
+
+    torchrun stops a rank, and a scheduler a job, by signalling the whole process group: the loader's
+    workers die of the same SIGTERM, and torch's SIGCHLD handler would raise 'DataLoader worker ...
+    killed by signal' anywhere in the unwinding. Stopping, this process no longer listens for that."""
 
     def __init__(self) -> None:
         self.received = False
 
     def __call__(self, signum: int, frame: object) -> None:
         self.received = True
+        # A handler that does nothing, not SIG_DFL: a SIGCHLD already pending would raise OSError then.
+        signal.signal(signal.SIGCHLD, _ignore_signal)
         raise Terminated()
+
+
+def _ignore_signal(signum: int, frame: object) -> None:
+    return None
 
 
 # A launcher stopping the job sends every rank its SIGTERM at once; a rank in a collective may see the
@@ -481,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         return _say_terminated()
     except KeyboardInterrupt:
-        print("[dlrmv4] interrupted", file=sys.stderr)
+        if not under_launcher():  # dlrmv4.launch says the job's one line about the stop
+            print("[dlrmv4] interrupted", file=sys.stderr)
         return 130
     return 0

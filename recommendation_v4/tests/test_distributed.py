@@ -223,9 +223,10 @@ def test_a_failing_rank_ends_the_launched_job_naming_it(data_path, tmp_path):
 
 def test_a_terminated_launched_job_says_so_once(data_path, tmp_path):
     """SIGTERM to the launcher (a batch scheduler's time limit, passed on by run_and_time.sh): every rank
-    stops and the job's one line says so; the ranks say nothing of their own stop."""
+    stops and the job's one line says so; the ranks say nothing of their own stop, nor of their
+    loader workers, which the agent's SIGTERM to each rank's process group stops too."""
     run_dir = tmp_path / "run"
-    proc = _launched(data_path, run_dir)
+    proc = _launched(data_path, run_dir, **{"loader.num_workers": 2})
     deadline = time.time() + 300
     pids = _rank_pids(proc.pid, 2, deadline)
     _wait_for(run_dir / "checkpoints", deadline)

@@ -586,3 +586,28 @@ def test_a_run_without_its_final_checkpoint_ends_as_one_with_it(data_path, tmp_p
     assert proc.returncode == 0, proc.stderr
     assert _events(without / "mlperf_log.txt") == events[0]
     assert [e["auc"] for e in _report(without)["evals"]] == [e["auc"] for e in a["evals"]]
+
+
+@pytest.mark.slow  # three runs, each stopped mid-training
+def test_a_sigterm_to_the_process_group_ends_the_run_in_its_one_line(data_path, tmp_path):
+    """torchrun stops a rank, and a scheduler a job, by signalling its whole process group: the loader's
+    workers get the SIGTERM too and die of it. The run still ends as stopped, with its one line and
+    143, not with the loader's 'worker killed by signal' error and a traceback."""
+    for attempt in range(3):
+        run_dir = tmp_path / f"run{attempt}"
+        values = {**_overrides(data_path, run_dir), "loader.num_workers": 2, "train.checkpoint_every_steps": 2}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dlrmv4", "train", *_cli_flags(values)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        deadline = time.time() + 120
+        while not (run_dir / "checkpoints").exists():  # training is under way, the workers loading
+            assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        assert (proc.returncode, err.strip().splitlines()[-1:]) == (143, ["[dlrmv4] terminated (SIGTERM)"]), err
+        assert "Traceback" not in err and "Exception ignored" not in err, err
