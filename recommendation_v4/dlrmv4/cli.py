@@ -494,4 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         if not under_launcher():  # dlrmv4.launch says the job's one line about the stop
             print("[dlrmv4] interrupted", file=sys.stderr)
         return 130
+    except BaseException:
+        if sigterm.received:  # whatever failed once SIGTERM came failed because the run was being stopped
+            return _say_terminated()
+        raise
     return 0

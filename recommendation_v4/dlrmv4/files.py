@@ -62,6 +62,23 @@ def write_errors_in_one_line(path: Path) -> Iterator[None]:
         raise error from exc
 
 
+@contextlib.contextmanager
+def read_errors_in_one_line(path: Path) -> Iterator[None]:
+    """Reads under ``path`` that fail for an I/O cause (an OSError anywhere in the exception's chain,
+    DCP's per-rank failures included) end in one line naming the file and the cause."""
+    try:
+        yield
+    except (UserError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        cause = _os_error_in(exc)
+        if cause is None:
+            raise
+        raise UserError(
+            f"cannot read {cause.filename or path}: {cause.strerror or os.strerror(cause.errno or 0)}"
+        ) from exc
+
+
 def _os_error_in(exc: BaseException | None, seen: set[int] | None = None) -> OSError | None:
     seen = set() if seen is None else seen
     while exc is not None and id(exc) not in seen:

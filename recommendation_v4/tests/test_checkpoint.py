@@ -588,6 +588,39 @@ def test_ranks_whose_clocks_differ_save_together_once_per_interval(tmp_path):
         assert proc.returncode == 0 and out.strip() == "[11, 22]", out + err[-3000:]
 
 
+def test_a_stop_inside_the_tensor_write_comes_out_as_itself(tmp_path, monkeypatch):
+    """SIGTERM (its Terminated, a KeyboardInterrupt) or Ctrl-C while DCP writes: DCP wraps it in its own
+    exception, and the save gives it back as it was, so the run ends as stopped in its own line; no
+    checkpoint is left."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    class Stopped(KeyboardInterrupt):
+        pass
+
+    def stopped(self, *args, **kwargs):
+        raise Stopped()
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", stopped)
+    with pytest.raises(Stopped):
+        save_checkpoint(tmp_path, _position(1), {"model": torch.nn.Linear(2, 2)}, keep_last=2)
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_a_read_failure_of_a_checkpoint_is_one_line(tmp_path, monkeypatch):
+    """An I/O error while DCP reads a checkpoint back (a resume): one line naming the file and the cause."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    path = save_checkpoint(tmp_path, _position(1), {"model": torch.nn.Linear(2, 2)}, keep_last=2)
+
+    def failing(self, *args, **kwargs):
+        raise OSError(5, "Input/output error", str(path / "__0_0.distcp"))
+
+    monkeypatch.setattr(FileSystemReader, "read_data", failing)
+    with pytest.raises(UserError) as refused:
+        load_checkpoint(path, {"model": torch.nn.Linear(2, 2)})
+    assert str(refused.value) == f"cannot read {path / '__0_0.distcp'}: Input/output error"
+
+
 def test_a_write_failure_names_the_path_and_the_cause(tmp_path):
     """write_failure finds the OSError under the wrappers (an exception's cause, DCP's per-rank
     failures) and names its cause; an exception with no I/O cause is left to be raised as it is."""

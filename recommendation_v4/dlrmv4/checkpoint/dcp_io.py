@@ -81,6 +81,29 @@ def _several(cluster: Cluster | None) -> bool:
 
 
 def _run(fn: Any, state_dict: dict[str, Any], cluster: Cluster | None, **kwargs: Any) -> None:
+    """DCP wraps whatever a rank's part raised, Ctrl-C and SIGTERM's ``Terminated`` included, in its
+    ``CheckpointException``: a stop comes out as itself, so the run ends as stopped, in its own line."""
+    try:
+        _call(fn, state_dict, cluster, **kwargs)
+    except BaseException as exc:
+        stop = _stop_inside(exc)
+        if stop is None or stop is exc:
+            raise
+        raise stop from None
+
+
+def _stop_inside(exc: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt (Ctrl-C, or SIGTERM's subclass) among DCP's per-rank failures, if any."""
+    if isinstance(exc, KeyboardInterrupt):
+        return exc
+    for failure in getattr(exc, "failures", {}).values():  # rank -> exception, or (exception, traceback)
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, KeyboardInterrupt):
+            return inner
+    return None
+
+
+def _call(fn: Any, state_dict: dict[str, Any], cluster: Cluster | None, **kwargs: Any) -> None:
     """Without a process group DCP works in one process (``no_dist`` is implied in torch 2.13) but warns on
     every call, which says nothing new here."""
     if _several(cluster):

@@ -52,7 +52,13 @@ from dlrmv4.checkpoint.dcp_io import dcp_load, dcp_save, io_threads, missing_pie
 from dlrmv4.config import TrainConfig
 from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
-from dlrmv4.files import atomic_directory, remove_dead_temps, write_errors_in_one_line, write_failure
+from dlrmv4.files import (
+    atomic_directory,
+    read_errors_in_one_line,
+    remove_dead_temps,
+    write_errors_in_one_line,
+    write_failure,
+)
 
 MARKER = "COMPLETE"
 POSITION_FILE = "position.json"
@@ -385,12 +391,13 @@ def load_checkpoint(
     """
     path = Path(path)
     tensor_state, _ = _split_state(state_template)
-    saved = json.loads((path / POSITION_FILE).read_text())
-    # Checkpoints written before two unused counters were dropped still hold them.
-    position = CheckpointPosition(**{f.name: saved[f.name] for f in dataclasses.fields(CheckpointPosition)})
-    small_state = load_small_state(path)
-    if tensor_state:
-        dcp_load(tensor_state, path, cluster)
+    with read_errors_in_one_line(path):
+        saved = json.loads((path / POSITION_FILE).read_text())
+        # Checkpoints written before two unused counters were dropped still hold them.
+        position = CheckpointPosition(**{f.name: saved[f.name] for f in dataclasses.fields(CheckpointPosition)})
+        small_state = load_small_state(path)
+        if tensor_state:
+            dcp_load(tensor_state, path, cluster)
     return position, {**small_state, **tensor_state}
 
 

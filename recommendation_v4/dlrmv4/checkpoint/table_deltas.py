@@ -29,6 +29,7 @@ from dlrmv4.checkpoint.files import HostCopy
 from dlrmv4.checkpoint.tables import SparseEmbeddings
 from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
+from dlrmv4.files import read_errors_in_one_line
 
 ENTRY = "sparse_delta"  # the checkpoint entry (``<ENTRY>.rows.<table>.rank<r>.<part>`` in DCP's keys)
 PARTS = ("ids", "weight", "momentum")
@@ -165,17 +166,19 @@ def delta_bytes(rows: dict[str, dict[str, torch.Tensor]]) -> int:
 def apply_delta(path: Path, embeddings: SparseEmbeddings, cluster: Cluster) -> int:
     """Write the rows of the delta checkpoint at ``path`` into the live tables (each rank the rows it holds,
     whatever the number of ranks that wrote it); returns the rows the delta holds."""
-    metadata = FileSystemReader(str(path)).read_metadata()
     rows: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
-    prefix = f"{ENTRY}.rows."
-    for key, entry in metadata.state_dict_metadata.items():
-        if not key.startswith(prefix):
-            continue
-        assert isinstance(entry, TensorStorageMetadata)
-        table, writer, part = key[len(prefix) :].rsplit(".", 2)
-        rows.setdefault(table, {}).setdefault(writer, {})[part] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    if rows:
-        dcp_load({ENTRY: {"rows": rows}}, path, cluster)
+    with read_errors_in_one_line(path):
+        metadata = FileSystemReader(str(path)).read_metadata()
+        prefix = f"{ENTRY}.rows."
+        for key, entry in metadata.state_dict_metadata.items():
+            if not key.startswith(prefix):
+                continue
+            assert isinstance(entry, TensorStorageMetadata)
+            table, writer, part = key[len(prefix) :].rsplit(".", 2)
+            empty = torch.empty(entry.size, dtype=entry.properties.dtype)
+            rows.setdefault(table, {}).setdefault(writer, {})[part] = empty
+        if rows:
+            dcp_load({ENTRY: {"rows": rows}}, path, cluster)
     live = embeddings.live_tables()
     unknown = sorted(set(rows) - set(live))
     if unknown:
