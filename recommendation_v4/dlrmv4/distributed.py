@@ -216,7 +216,8 @@ class FailureWatch:
                 if self._stopped.is_set():
                     return
                 c = self._cluster
-                exit_with_error(f"rank {c.rank} of {c.world_size}: training failed because {posted}")
+                linger = FAILURE_LINGER_SECONDS if hosts_the_store() else 0.0
+                exit_with_error(f"rank {c.rank} of {c.world_size}: training failed because {posted}", linger)
 
     def stop(self) -> None:
         with self._lock:
@@ -277,11 +278,24 @@ def own_failure_line(cluster: Cluster, exc: BaseException) -> str:
     return f"rank {cluster.rank} of {cluster.world_size} failed: {type(exc).__name__}: {first}"
 
 
+def hosts_the_store() -> bool:
+    """Whether this process holds the rendezvous store that the ranks read a failed rank's line from:
+    rank 0 of ranks started without torchrun (srun tasks; torchrun's agent holds it otherwise). Its
+    exit takes the store with it, so on a failure it stays until the others have had time to read."""
+    return (
+        os.environ.get("RANK") == "0"
+        and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        and "TORCHELASTIC_RUN_ID" not in os.environ
+    )
+
+
 def exit_process(code: int) -> None:
     """End the process with ``code``; one of several processes leaves without the interpreter's
     teardown, in which torch's autograd and gloo threads can hang or abort the process after the
     run has ended (pytorch/pytorch#190489; seen here about once in ten two-process runs). What the
     process wrote must be closed by now."""
+    if code == 1 and hosts_the_store():
+        time.sleep(FAILURE_LINGER_SECONDS)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         logging.shutdown()
         sys.stdout.flush()

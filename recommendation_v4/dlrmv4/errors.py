@@ -51,10 +51,12 @@ def report_failure(line: str, caused_by_another_rank: bool = False) -> None:
     leave_for_launcher(line, caused_by_another_rank)
 
 
-def exit_with_error(message: str) -> None:
+def exit_with_error(message: str, linger_seconds: float = 0.0) -> None:
     """Report the one error line and end the process now, from any thread: for a thread that must end
     a run whose main thread is blocked in native code (a collective that will never complete) because
-    another rank failed."""
+    another rank failed. ``linger_seconds``: stay that long first (a process whose exit takes the
+    rendezvous store, which the other ranks still read, with it)."""
     report_failure(message, caused_by_another_rank=True)
     sys.stdout.flush()
+    time.sleep(linger_seconds)
     os._exit(1)

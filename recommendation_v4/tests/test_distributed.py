@@ -289,6 +289,17 @@ def test_a_rank_out_of_memory_ends_every_rank_naming_it(data_path, tmp_path):
     run_with_rank_1_out_of_memory(data_path, tmp_path / "run", timeout_seconds=20.0, hooks=hooks)
 
 
+def test_every_rank_reads_the_failed_ranks_line_before_rank_0_takes_the_store_away(data_path, tmp_path):
+    """Three ranks started like srun tasks: rank 0's process holds the rendezvous store. Rank 1 runs out
+    of memory; rank 0's watch reads its line first and ends rank 0, and rank 2's watch polls half a
+    second later. Every rank still names rank 1 and the cause (rank 0 used to exit at once, taking the
+    store, and rank 2 said only that another rank had gone)."""
+    hooks = {"DLRMV4_TEST_WATCH_DELAY": "2:0.5"}
+    run_with_rank_1_out_of_memory(
+        data_path, tmp_path / "run", timeout_seconds=20.0, world=3, hooks=hooks, **{"loader.batch_size": 18}
+    )
+
+
 def test_rank_0_failing_after_the_last_collective_leaves_no_rank_waiting(data_path, tmp_path):
     """Rank 0's report cannot be written (a full disk, injected) after the run's last collective: rank
     0 exits 1 with one line saying so, and rank 1, whose run had ended, exits 0 at once. With a

@@ -5,7 +5,9 @@ on a GPU by allocating more than the device holds (the allocator's own error), o
 the error a GPU would. ``DLRMV4_TEST_REPORT_FAILS=1`` makes rank 0's report fail to write (after the
 run's last collective). ``DLRMV4_TEST_COLLECTIVE_TEARDOWN=seconds`` makes ``destroy_process_group``
 wait, as NCCL's teardown does, until every rank of the group has called it; a rank still waiting
-after that many seconds exits 3 (where NCCL would wait for ever)."""
+after that many seconds exits 3 (where NCCL would wait for ever). ``DLRMV4_TEST_WATCH_DELAY=rank:seconds``
+starts that rank's failure watch that much later (its polls fall later in each second than the
+others')."""
 
 import os
 
@@ -61,3 +63,17 @@ if os.environ.get("DLRMV4_TEST_COLLECTIVE_TEARDOWN"):
         _destroy(group)
 
     _dist.destroy_process_group = _destroy_with_every_rank
+
+_watch_delay = os.environ.get("DLRMV4_TEST_WATCH_DELAY")
+if _watch_delay and os.environ.get("RANK") == _watch_delay.split(":")[0]:
+    import time as _time
+
+    from dlrmv4 import distributed as _distributed
+
+    _watch = _distributed.FailureWatch._watch
+
+    def _late_watch(self):
+        _time.sleep(float(_watch_delay.split(":")[1]))
+        return _watch(self)
+
+    _distributed.FailureWatch._watch = _late_watch
