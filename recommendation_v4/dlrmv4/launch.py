@@ -84,6 +84,10 @@ def quiet_the_agent() -> None:
             logger.setLevel(logging.CRITICAL)
 
 
+def _raise_signal_exception(signum: int, frame: object) -> None:
+    raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
     nodes = str(args.nnodes).split(":")[-1]
@@ -93,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[dlrmv4] node {args.node_rank}: waiting for {waiting}", file=sys.stderr, flush=True)
     quiet_the_agent()
     os.environ[LAUNCHER_ENV] = "1"
+    # torchrun's agent handles these once its ranks have started; before, through the rendezvous (up
+    # to its join timeout across nodes), SIGINT left a traceback and SIGTERM no line at all.
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, _raise_signal_exception)
     try:
         torchrun.run(args)
     except ChildFailedError as exc:

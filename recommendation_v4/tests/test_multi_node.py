@@ -134,3 +134,21 @@ def test_a_node_whose_peers_never_come_gives_up_in_one_line(data_path, tmp_path)
     assert len(waiting) == 1 and waiting[0].startswith("[dlrmv4] node 0: ") and "(up to 5 s)" in waiting[0]
     assert _last_line(err).startswith("[dlrmv4] error: node 0: the nodes did not all join: waited for 2 nodes")
     assert "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_node_stopped_while_it_waits_for_its_peers_says_so_in_one_line(data_path, tmp_path, sig):
+    """A scheduler's SIGTERM (or Ctrl-C) while the node waits in the rendezvous, before any rank has
+    started: the job's one line and 128 + the signal (SIGINT left a traceback, SIGTERM no line)."""
+    node = _node(0, free_port(), run_flags(data_path, tmp_path / "run"), RDZV_TIMEOUT="120")
+    assert node.stderr is not None
+    for line in node.stderr:
+        if "waiting for 2 nodes" in line:
+            break
+    time.sleep(1.0)  # into the rendezvous itself
+    os.killpg(node.pid, sig)
+    _, err = node.communicate(timeout=120)
+    assert node.returncode == 128 + sig, err[-3000:]
+    name = signal.Signals(sig).name
+    assert _last_line(err) == f"[dlrmv4] terminated ({name}): every rank was stopped", err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
