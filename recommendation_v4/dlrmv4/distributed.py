@@ -12,6 +12,7 @@ others fail with ``RankLostError`` instead of waiting forever.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -34,6 +35,11 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "M
 # rank 0 to any node).
 RANK_ZERO_MARKER = "DLRMV4_RANK_ZERO_MARKER"
 
+
+# How long collectives that wait on another rank's checkpoint bytes (written, read or hashed) may wait:
+# a node's whole checkpoint of Yambda-5B's tables (about 600 GB) at 0.2 GB/s takes under an hour. The
+# run's collective timeout (--timeout-seconds) still bounds every other wait.
+CHECKPOINT_IO_TIMEOUT_SECONDS = 2 * 3600.0
 
 FAILURE_KEY = "dlrmv4/failed_rank"  # the rendezvous store's key for a rank's own failure
 FAILURE_POLL_SECONDS = 1.0  # how often every rank looks for a failure another rank posted
@@ -71,6 +77,21 @@ class Cluster:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def for_checkpoint_io(self) -> "Cluster":
+        """This cluster with a control group of its own whose collectives wait up to
+        ``CHECKPOINT_IO_TIMEOUT_SECONDS`` (or the run's timeout, if longer): for the exchanges that wait
+        while a rank writes, reads or hashes a checkpoint. A collective: every rank calls it."""
+        if self.world_size == 1:
+            return self
+        seconds = max(self.timeout_seconds, CHECKPOINT_IO_TIMEOUT_SECONDS)
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+        return dataclasses.replace(self, control=group, timeout_seconds=seconds)
+
+    def release_checkpoint_io(self, io: "Cluster") -> None:
+        """Close the control group of ``io``, made by ``for_checkpoint_io`` and no longer used."""
+        if io.control is not self.control:
+            dist.destroy_process_group(io.control)
 
     @property
     def distributed(self) -> bool:

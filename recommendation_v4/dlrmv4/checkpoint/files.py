@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import hashlib
 import json
 import os
@@ -43,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -309,8 +307,13 @@ def _problem(ckpt: Path, verify_hashes: bool) -> str | None:
         size = (ckpt / name).stat().st_size
         if size != meta["size"]:
             return f"{name} is {size} bytes, the marker says {meta['size']}"
-        if verify_hashes and _sha256(ckpt / name) != meta["sha256"]:
-            return f"{name} does not match its sha256 in the marker"
+    if verify_hashes:
+        names = sorted(listed)
+        with ThreadPoolExecutor(io_threads()) as pool:  # hashlib lets go of the GIL on large reads
+            digests = list(pool.map(_sha256, [ckpt / name for name in names]))
+        for name, digest in zip(names, digests):
+            if digest != listed[name]["sha256"]:
+                return f"{name} does not match its sha256 in the marker"
     # A marker over files written short (by code before the writes were checked) is no proof.
     return missing_pieces(ckpt)
 
@@ -424,16 +427,13 @@ class CheckpointWriter:
     state to host memory (pinned and reused from one save to the next on a GPU) and snapshots the
     small state, then a background thread writes them with ``save_checkpoint``, over a control
     group of its own when there are several ranks (the training's collectives never wait behind
-    it). At most one write is in flight: ``save`` and ``wait`` wait for the previous one, and a
+    it; its collectives wait as long as a checkpoint's bytes take: ``Cluster.for_checkpoint_io``). At most one write is in flight: ``save`` and ``wait`` wait for the previous one, and a
     write's error surfaces there. Without ``asynchronous``, ``save`` writes before it returns."""
 
     def __init__(self, run_dir: str | os.PathLike, keep_last: int, cluster: Cluster, asynchronous: bool) -> None:
         self.run_dir, self.keep_last, self.asynchronous = run_dir, keep_last, asynchronous
-        self.cluster = cluster
-        if asynchronous and cluster.world_size > 1:  # collective: every rank builds its writer
-            # The run's collective timeout, not torch's 30 minutes: a write whose peer died fails as the step would.
-            timeout = datetime.timedelta(seconds=cluster.timeout_seconds)
-            self.cluster = dataclasses.replace(cluster, control=dist.new_group(backend="gloo", timeout=timeout))
+        # A collective (every rank builds its writer): the waits of a write are bounded by its bytes.
+        self.cluster = cluster.for_checkpoint_io()
         # One staging copy per kind of save (whole, delta's dense state): each is reused by the next save of its kind.
         self._stagers: dict[tuple[str, ...], BlockingAsyncStager] = {}
         self._thread = (

@@ -183,13 +183,14 @@ class Checkpointer:
         whole, *deltas = checkpoint_chain(path)
         sparse = {"sparse": self.embeddings.checkpoint_state()}
         # Behind deltas the whole checkpoint gives the tables alone: the dense state is the newest's.
-        position, state = load_checkpoint(whole, sparse if deltas else {**dense, **sparse}, self.cluster)
+        io = self.writer.cluster  # reads wait on the slowest rank's bytes, as writes do (before any write)
+        position, state = load_checkpoint(whole, sparse if deltas else {**dense, **sparse}, io)
         for delta in deltas:
-            rows = apply_delta(delta, self.embeddings, self.cluster)
+            rows = apply_delta(delta, self.embeddings, io)
             self.log(f"applied {delta.name}: {rows:,} changed rows of the tables since {whole.name}")
             whole = delta
         if deltas:  # the dense state, the position and the rest are the newest checkpoint's own
-            position, state = load_checkpoint(path, dense, self.cluster)
+            position, state = load_checkpoint(path, dense, io)
         if self.full_every > 1:
             self.changed_rows.reset(self.embeddings)
         self.parent, self.deltas_since_whole = Path(path), len(deltas)

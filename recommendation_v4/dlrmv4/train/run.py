@@ -81,7 +81,11 @@ def start_run(cfg: BenchmarkConfig, cluster: Cluster, restart: bool = False) -> 
         runlog.check_writable(runlog.path)  # fail before any work, not at the first event
         if restart:
             clear_run_dir(run_dir)
-    resume_from = cluster.broadcast(resume_point(run_dir) if cluster.is_main else None)
+    # Rank 0 hashes the checkpoint chain (hundreds of GB at the real job's size): the others wait the
+    # checkpoint I/O bound, not the run's collective timeout.
+    io = cluster.for_checkpoint_io()
+    resume_from = io.broadcast(resume_point(run_dir) if cluster.is_main else None)
+    cluster.release_checkpoint_io(io)
     if resume_from is None:  # the MLPerf run begins here
         runlog.open(0)
         runlog.init_start()
