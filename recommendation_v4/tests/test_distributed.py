@@ -300,6 +300,22 @@ def test_every_rank_reads_the_failed_ranks_line_before_rank_0_takes_the_store_aw
     )
 
 
+def test_a_resume_check_longer_than_the_collective_timeout_is_waited_for(data_path, tmp_path):
+    """Rank 0 checks the checkpoint chain before the resume point is shared (hashing hundreds of GB at
+    the real job's size): here it takes 12 s against a collective timeout of 6 s, and the resume goes
+    on (the other rank used to fail, saying another rank had gone)."""
+    run_dir = tmp_path / "run"
+    torchrec = {"embeddings.embedding_backend": "torchrec", "embeddings.sharding_types": "*=row_wise"}
+    train_report(2, data_path, run_dir, **{"train.max_steps": PAUSE, **torchrec})
+    hooks = {"DLRMV4_TEST_SLOW_RESUME_CHECK": "12"}
+    extra = {"train.max_steps": PAUSE + 2, "distributed.timeout_seconds": 6.0, **torchrec}
+    procs = start_injected_ranks(2, data_path, run_dir, hooks, **extra)
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-3000:]
+    assert f"resumed from step-{PAUSE:08d}" in outputs[0][0], outputs[0][0][-3000:]
+
+
 def test_rank_0_failing_after_the_last_collective_leaves_no_rank_waiting(data_path, tmp_path):
     """Rank 0's report cannot be written (a full disk, injected) after the run's last collective: rank
     0 exits 1 with one line saying so, and rank 1, whose run had ended, exits 0 at once. With a

@@ -7,7 +7,8 @@ run's last collective). ``DLRMV4_TEST_COLLECTIVE_TEARDOWN=seconds`` makes ``dest
 wait, as NCCL's teardown does, until every rank of the group has called it; a rank still waiting
 after that many seconds exits 3 (where NCCL would wait for ever). ``DLRMV4_TEST_WATCH_DELAY=rank:seconds``
 starts that rank's failure watch that much later (its polls fall later in each second than the
-others')."""
+others'). ``DLRMV4_TEST_SLOW_RESUME_CHECK=seconds`` makes rank 0's check of the checkpoint to resume
+from take that much longer (as hashing hundreds of GB does)."""
 
 import os
 
@@ -77,3 +78,17 @@ if _watch_delay and os.environ.get("RANK") == _watch_delay.split(":")[0]:
         return _watch(self)
 
     _distributed.FailureWatch._watch = _late_watch
+
+_slow_check = os.environ.get("DLRMV4_TEST_SLOW_RESUME_CHECK")
+if _slow_check and os.environ.get("RANK") == "0":
+    import time as _time
+
+    from dlrmv4.train import run as _run_module
+
+    _resume_point = _run_module.resume_point
+
+    def _slow_resume_point(run_dir):
+        _time.sleep(float(_slow_check))
+        return _resume_point(run_dir)
+
+    _run_module.resume_point = _slow_resume_point
