@@ -209,17 +209,22 @@ class Trainer:
             self.runlog.run_stop(history.samples, self.train_samples, "aborted")
             raise
         finally:
-            self.scalars.close()
-            self._trace_written(self.profiler.close())
-            self.progress.close()
+            # Each is closed however the run ends; the checkpoint being written (of a state before any
+            # failure) is finished. When the run ends by an error, that error is the one reported.
+            failing = sys.exc_info()[0] is not None
+            closes = (
+                self.scalars.close,
+                lambda: self._trace_written(self.profiler.close()),
+                self.progress.close,
+                self.checkpointer.close,
+            )
+            for close in closes:
+                if failing:
+                    with contextlib.suppress(Exception):
+                        close()
+                else:
+                    close()
             self.progress = None
-            # The checkpoint being written (of a state before any failure) is finished before the
-            # run ends, however it ends; when it ends by an error, that error is the one reported.
-            if sys.exc_info()[0] is None:
-                self.checkpointer.close()
-            else:
-                with contextlib.suppress(Exception):
-                    self.checkpointer.close()
         return history
 
     def _resume_or_start(self) -> RunHistory:
