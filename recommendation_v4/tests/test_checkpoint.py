@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -347,6 +348,26 @@ def test_async_write_error_surfaces_at_the_next_wait_in_one_line(tmp_path):
     writer.close()
 
 
+def _two_ranks(script: str, tmp_path: Path) -> list[tuple[int, str, str]]:
+    """``script`` run by two ranks started like srun tasks (gloo), ``tmp_path`` its argument:
+    (status, stdout, stderr) by rank."""
+    from multi_process import free_port, rank_env
+
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=rank_env(rank, 2, port),
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outputs)]
+
+
 # Two ranks build their writers (a collective): the timeout of the writer's own control group.
 _WRITER_GROUP_TIMEOUT = textwrap.dedent("""
     import os, sys, torch
@@ -367,24 +388,11 @@ def test_the_writers_collectives_wait_as_long_as_a_checkpoints_bytes_take(tmp_pa
     """A save's collectives wait while the slowest rank writes its files and rank 0 hashes them all
     (a node's whole checkpoint of the real job: about 600 GB on one disk): the writer's own group waits
     the checkpoint I/O bound, not the run's collective timeout (5 s here) nor torch's default."""
-    from multi_process import free_port, rank_env
-
     from dlrmv4.distributed import CHECKPOINT_IO_TIMEOUT_SECONDS
 
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _WRITER_GROUP_TIMEOUT, str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=rank_env(rank, 2, port),
-        )
-        for rank in range(2)
-    ]
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err[-3000:]
+    outputs = _two_ranks(_WRITER_GROUP_TIMEOUT, tmp_path)
+    for status, out, err in outputs:
+        assert status == 0, err[-3000:]
         assert out.split() == [str(CHECKPOINT_IO_TIMEOUT_SECONDS)] * 4, out
 
 
@@ -413,21 +421,8 @@ def test_rank_0_failing_its_own_part_of_a_save_ends_every_rank_with_its_line(tmp
     """Every rank's tensors are written; then rank 0 cannot write the checkpoint's small files. The
     other ranks end at once with rank 0's line, not after the collective timeout (30 s here) with a
     lost-rank line; no checkpoint is left."""
-    from multi_process import free_port, rank_env
-
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _RANK_0_FILES_FAIL, str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=rank_env(rank, 2, port),
-        )
-        for rank in range(2)
-    ]
-    outputs = [proc.communicate(timeout=120) for proc in procs]
-    for out, err in outputs:
+    outputs = _two_ranks(_RANK_0_FILES_FAIL, tmp_path)
+    for _, out, err in outputs:
         seconds, line = out.strip().split(" ", 1)
         assert (
             line == f"UserError: cannot write {tmp_path / 'checkpoints' / 'step-00000001'}: No space left on device"
@@ -568,22 +563,9 @@ def test_ranks_whose_clocks_differ_save_together_once_per_interval(tmp_path):
     made every timed save a pair at adjacent steps), and a window end where one rank's interval has
     passed and the other's has not is one decision (the ranks took different branches and waited in
     different collectives until the timeout)."""
-    from multi_process import free_port, rank_env
-
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _SECONDS_CADENCE, str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=rank_env(rank, 2, port),
-        )
-        for rank in range(2)
-    ]
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0 and out.strip() == "[11, 22]", out + err[-3000:]
+    outputs = _two_ranks(_SECONDS_CADENCE, tmp_path)
+    for status, out, err in outputs:
+        assert status == 0 and out.strip() == "[11, 22]", out + err[-3000:]
 
 
 def test_a_stop_inside_the_tensor_write_comes_out_as_itself(tmp_path, monkeypatch):
