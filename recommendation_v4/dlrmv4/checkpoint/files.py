@@ -426,9 +426,10 @@ class CheckpointWriter:
     """Writes a run's checkpoints, asynchronously when ``asynchronous``: ``save`` copies the tensor
     state to host memory (pinned and reused from one save to the next on a GPU) and snapshots the
     small state, then a background thread writes them with ``save_checkpoint``, over a control
-    group of its own when there are several ranks (the training's collectives never wait behind
-    it; its collectives wait as long as a checkpoint's bytes take: ``Cluster.for_checkpoint_io``). At most one write is in flight: ``save`` and ``wait`` wait for the previous one, and a
-    write's error surfaces there. Without ``asynchronous``, ``save`` writes before it returns."""
+    group of its own when there are several ranks (the training's collectives never wait behind it;
+    its collectives wait as long as a checkpoint's bytes take: ``Cluster.for_checkpoint_io``). At
+    most one write is in flight: ``save`` and ``wait`` wait for the previous one, and a write's error
+    surfaces there. Without ``asynchronous``, ``save`` writes before it returns."""
 
     def __init__(self, run_dir: str | os.PathLike, keep_last: int, cluster: Cluster, asynchronous: bool) -> None:
         self.run_dir, self.keep_last, self.asynchronous = run_dir, keep_last, asynchronous
@@ -537,10 +538,13 @@ class CheckpointCadence:
     def due(
         self, step: int, now_seconds: float, end_of_window: bool, seconds_elapsed: bool | None = None
     ) -> str | None:
-        elapsed = self.seconds_elapsed(now_seconds)
+        if seconds_elapsed is None:
+            seconds_elapsed = self.seconds_elapsed(now_seconds)
+        elif self._last_seconds is None:
+            self._last_seconds = now_seconds  # the clock starts at the first question all the same
         reasons = (
             (self.STEPS, self.every_steps > 0 and step > 0 and step % self.every_steps == 0),
-            (self.SECONDS, elapsed if seconds_elapsed is None else seconds_elapsed),
+            (self.SECONDS, seconds_elapsed),
             (self.WINDOW, self.every_window and end_of_window),
         )
         reason = next((name for name, due in reasons if due), None)
