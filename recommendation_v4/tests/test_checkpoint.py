@@ -379,6 +379,7 @@ _WRITER_GROUP_TIMEOUT = textwrap.dedent("""
         writer = CheckpointWriter(sys.argv[1], 2, cluster, asynchronous)
         gloo = writer.cluster.control._get_backend(torch.device("cpu"))
         print(gloo.options._timeout.total_seconds(), writer.cluster.timeout_seconds, flush=True)
+    cluster.barrier()  # neither rank leaves while the other still connects a group
     os._exit(0)  # as a rank of several ends (distributed.exit_process): gloo's teardown can abort
 """)
 
@@ -553,6 +554,7 @@ _SECONDS_CADENCE = textwrap.dedent("""
             saves.append(step)
             cluster.mean(torch.zeros(()))
     print(saves, flush=True)
+    cluster.barrier()  # neither rank leaves while the other still needs it
     os._exit(0)  # as a rank of several ends (distributed.exit_process): gloo's teardown can abort
 """)
 
