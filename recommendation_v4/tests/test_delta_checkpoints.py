@@ -64,11 +64,11 @@ def _update(tables: Tables, name: str, rows: list[int], generator: torch.Generat
     table["weight"][rows] -= 0.01 * grad / (table["momentum"][rows, None].sqrt() + 1e-8)
 
 
-# Chunks of 3 rows: chunk boundaries fall inside every table.
-@pytest.mark.parametrize("chunk_rows", [None, 3])
-def test_the_rows_found_changed_are_the_rows_that_changed(monkeypatch, chunk_rows):
-    if chunk_rows is not None:
-        monkeypatch.setattr(table_deltas, "_FINGERPRINT_CHUNK_ROWS", chunk_rows)
+# A chunk of 3 rows (int64 words of DIM + 1 per row): chunk boundaries fall inside every table.
+@pytest.mark.parametrize("chunk_bytes", [None, 3 * 8 * (DIM + 1)])
+def test_the_rows_found_changed_are_the_rows_that_changed(monkeypatch, chunk_bytes):
+    if chunk_bytes is not None:
+        monkeypatch.setattr(table_deltas, "_FINGERPRINT_CHUNK_BYTES", chunk_bytes)
     tables = Tables({"item": 1000, "uid": 50})
     tracker = ChangedRows()
     tracker.reset(tables)
