@@ -397,13 +397,17 @@ def start_cluster(cfg: DistributedConfig, need_group: bool = False) -> Cluster:
         if launched is None:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
+            # Tasks bound to one GPU each may have been bound to the same one: _node_layout refuses
+            # that in one line, over gloo, before NCCL's first use (an eager NCCL start, device_id,
+            # would fail first with "invalid usage").
+            bound = device.type == "cuda" and torch.cuda.device_count() < local_world
             dist.init_process_group(
                 backend,
                 init_method="env://",
                 rank=rank,
                 world_size=world,
                 timeout=timeout,
-                device_id=device if device.type == "cuda" else None,
+                device_id=device if device.type == "cuda" and not bound else None,
             )
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     except (RuntimeError, dist.DistError, ValueError) as exc:

@@ -56,3 +56,38 @@ def test_layouts():
     assert counts is not None and counts.startswith(
         "the nodes run different numbers of processes: rank 0's node 2, rank 2's node 1"
     )
+
+
+def test_the_plan_places_each_rank_s_shards_on_its_own_gpu():
+    """TorchRec places rank r on GPU r % local world size; tasks bound to one GPU each run on cuda:0
+    (the placement a shard's tensor is checked against when the tables are built)."""
+    from dlrmv4.model.embeddings.torchrec_backend.sharding import placed_on_the_ranks_devices, target_plan
+
+    rows = {"item": 1000, "artist": 10}
+    plan = target_plan(
+        rows,
+        8,
+        {"item": "row_wise", "artist": "table_wise"},
+        None,
+        world_size=4,
+        local_world_size=2,
+        compute_device="cuda",
+        hbm_cap_bytes=1 << 30,
+        ddr_cap_bytes=1 << 30,
+    )
+    (tables,) = plan.plan.values()
+
+    def placements(name: str) -> list[str]:
+        return [str(shard.placement) for shard in tables[name].sharding_spec.shards]
+
+    def layout(name: str) -> list[tuple[list[int], list[int]]]:
+        return [(shard.shard_offsets, shard.shard_sizes) for shard in tables[name].sharding_spec.shards]
+
+    assert placements("item") == ["rank:0/cuda:0", "rank:1/cuda:1", "rank:2/cuda:0", "rank:3/cuda:1"]
+    (artist_rank,) = tables["artist"].ranks
+    assert placements("artist") == [f"rank:{artist_rank}/cuda:{artist_rank % 2}"]
+    before = layout("item"), layout("artist")
+    assert placed_on_the_ranks_devices(plan, [0, 0, 0, 0]) is plan
+    assert placements("item") == ["rank:0/cuda:0", "rank:1/cuda:0", "rank:2/cuda:0", "rank:3/cuda:0"]
+    assert placements("artist") == [f"rank:{artist_rank}/cuda:0"]
+    assert (layout("item"), layout("artist")) == before

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dlrmv4.config import EmbeddingConfig
+from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings.tables import TABLE_NAMES, table_features
 from dlrmv4.model.embeddings.torchrec_backend.compat import codec_settings, plain_cast_dtype
@@ -83,16 +84,13 @@ def constraints(cfg: EmbeddingConfig) -> dict[str, Any]:
 
 
 def plan_sharding(
-    module: torch.nn.Module,
-    sharders: list,
-    cfg: EmbeddingConfig,
-    world_size: int,
-    local_world_size: int,
-    device: torch.device,
+    module: torch.nn.Module, sharders: list, cfg: EmbeddingConfig, cluster: Cluster, device: torch.device
 ):
-    """The ShardingPlan every rank agrees on (the planner runs on each and rank 0's plan wins)."""
+    """The ShardingPlan every rank agrees on (the planner runs on each and rank 0's plan wins), its
+    shards placed on the GPUs the ranks run on. A collective."""
     import torch.distributed as dist
 
+    world_size, local_world_size = cluster.world_size, cluster.local_world_size
     kind = "cuda" if device.type == "cuda" else "cpu"
     hbm = int(cfg.hbm_cap_gib * 1024**3) if cfg.hbm_cap_gib > 0 else None
     if hbm is None and kind == "cuda":
@@ -104,13 +102,40 @@ def plan_sharding(
         constraints(cfg), world_size, local_world_size, kind, hbm, _host_memory_per_rank(local_world_size), reserve
     )
     try:
-        return planner.collective_plan(module, sharders, dist.GroupMember.WORLD)
+        plan = planner.collective_plan(module, sharders, dist.GroupMember.WORLD)
     except Exception as exc:  # the planner's own errors are long multi-line reports
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
             f"TorchRec found no sharding plan for these tables on {world_size} rank(s) "
             f"(embeddings.sharding_types / placement / hbm_cap_gib): {first[:300]}"
         ) from exc
+    if kind == "cuda":
+        indices = [index for (index,) in cluster.all_gather_ints([device.index])]
+        if any(index != rank % local_world_size for rank, index in enumerate(indices)):
+            placed_on_the_ranks_devices(plan, indices)
+    return plan
+
+
+def placed_on_the_ranks_devices(plan, device_indices: list[int]):
+    """``plan`` with every shard placed on its rank's own GPU index (``device_indices`` by rank).
+    TorchRec places rank r on GPU r % local_world_size, which is not where a task bound to one GPU
+    runs (srun --gpus-per-task=1: each sees its GPU as cuda:0). The plan is changed in place."""
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
+
+    for module_plan in plan.plan.values():
+        for parameter in module_plan.values():
+            spec = parameter.sharding_spec
+            if not isinstance(spec, EnumerableShardingSpec):
+                continue  # data-parallel tables: no shards
+            placed = []
+            for shard in spec.shards:
+                rank = shard.placement.rank() if shard.placement is not None else None
+                if rank is None:
+                    raise ValueError(f"a shard of the plan has no rank: {shard}")
+                placement = f"rank:{rank}/cuda:{device_indices[rank]}"
+                placed.append(ShardMetadata(shard.shard_offsets, shard.shard_sizes, placement))
+            spec.shards = placed
+    return plan
 
 
 def _planner(

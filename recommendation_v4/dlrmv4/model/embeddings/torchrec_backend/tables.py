@@ -157,7 +157,7 @@ class TorchRecEmbeddings(SparseEmbeddings):
         )
         # Built on "meta": DMP allocates only this rank's shards.
         model = ShardedModel(EmbeddingCollection(tables=tables, device=torch.device("meta")), dense)
-        self.plan = plan_sharding(model, [sharder], cfg, cluster.world_size, cluster.local_world_size, device)
+        self.plan = plan_sharding(model, [sharder], cfg, cluster, device)
         dmp = DistributedModelParallel(
             model, device=device, sharders=[sharder], plan=self.plan, data_parallel_wrapper=_dense_data_parallel()
         )
