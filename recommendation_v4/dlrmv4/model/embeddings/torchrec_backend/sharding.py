@@ -110,7 +110,8 @@ def plan_sharding(
             f"(embeddings.sharding_types / placement / hbm_cap_gib): {first[:300]}"
         ) from exc
     if kind == "cuda":
-        indices = [index for (index,) in cluster.all_gather_ints([device.index])]
+        own = device.index if device.index is not None else torch.cuda.current_device()
+        indices = [index for (index,) in cluster.all_gather_ints([own])]
         if any(index != rank % local_world_size for rank, index in enumerate(indices)):
             placed_on_the_ranks_devices(plan, indices)
     return plan
