@@ -487,7 +487,7 @@ def exchange_source(p: dict) -> str:
 
 
 # Each GPU's weak-scaling row at the real per-rank tables: the H200's ran one and two ranks, the H100's four.
-EXCHANGE_ROWS = {"h200": "h200x4-torchrec-real-tables-dedup", "h100": "h100x4-torchrec-real-tables-dedup"}
+EXCHANGE_ROWS = {"h200": "h200x2-torchrec-real-tables-dedup", "h100": "h100x4-torchrec-real-tables-dedup"}
 
 
 def main() -> None:
