@@ -74,6 +74,8 @@ fi
 
 if [[ -n "${SLURM_PROCID:-}" && -z "${RANK:-}" && "${SLURM_NTASKS:-1}" != "1" ]]; then
     # One task of an srun step: this process is one rank (python -m dlrmv4 reads SLURM's variables).
+    # Its threads: the CPUs srun gave the task (--cpus-per-task), else its share of the node's cores.
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-$(( $(nproc) / gpus_per_node > 0 ? $(nproc) / gpus_per_node : 1 ))}}
     step python -m dlrmv4 train "${restart[@]+"${restart[@]}"}" "${args[@]+"${args[@]}"}"
     if [[ "${SLURM_PROCID}" == "0" ]]; then
         step python -m dlrmv4 check-log "${args[@]+"${args[@]}"}"

@@ -334,7 +334,9 @@ class PlanConfig:
     plan_device_memory_gib: float = _field(
         0.0, "memory of one device in GiB (0: this device's; on the CPU, this machine's RAM)", min=0.0
     )
-    plan_host_memory_gib: float = _field(0.0, "host RAM of one node in GiB (0: this machine's)", min=0.0)
+    plan_host_memory_gib: float = _field(
+        0.0, "host RAM of one node in GiB (0: this machine's, or its cgroup limit if lower)", min=0.0
+    )
     plan_headroom_fraction: float = _field(
         0.06,
         "share of device memory kept free for the allocator's slack, the runtime and the communication library",

@@ -308,3 +308,17 @@ def test_make_memory_plan_is_pure_and_explicit(tmp_path):
     )
     assert plan.fits and describe(plan).count("\n") > 10 and refusal(plan) == ""
     assert plan.largest_consumer().name.startswith("tables in HBM")
+
+
+def test_the_host_memory_is_the_cgroup_limit_when_lower(tmp_path):
+    from dlrmv4.plan.machine import _meminfo, host_memory
+
+    total = _meminfo("MemTotal")
+    limit, unlimited, v1 = tmp_path / "memory.max", tmp_path / "v2-max", tmp_path / "limit_in_bytes"
+    limit.write_text(f"{total // 2}\n")
+    unlimited.write_text("max\n")
+    v1.write_text(f"{(1 << 63) - 4096}\n")  # v1's "no limit"
+    assert host_memory((str(limit),)) == total // 2
+    assert host_memory((str(unlimited), str(limit))) == total  # the first file found is the cgroup's
+    assert host_memory((str(tmp_path / "missing"), str(v1))) == total
+    assert host_memory((str(tmp_path / "missing"),)) == total

@@ -77,7 +77,7 @@ def _plan_on(
         device_memory = torch.cuda.get_device_properties(device).total_memory
     else:  # the local processes share this machine's RAM
         device_memory = _meminfo("MemAvailable") // max(per_node, 1)
-    host = int(p.plan_host_memory_gib * GIB) if p.plan_host_memory_gib > 0 else _meminfo("MemTotal")
+    host = int(p.plan_host_memory_gib * GIB) if p.plan_host_memory_gib > 0 else host_memory()
     return make_memory_plan(
         cfg,
         world_size=world,
@@ -88,6 +88,25 @@ def _plan_on(
         table_counts=table_counts,
         backend=backend,
     )
+
+
+# Where a container's or a SLURM job's memory limit is read: cgroup v2, then v1.
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def host_memory(cgroup_limits: tuple[str, ...] = CGROUP_MEMORY_LIMITS) -> int:
+    """The host memory this process's node may use: the machine's, or less where a cgroup limits it
+    (a SLURM job given --mem, a container)."""
+    total = _meminfo("MemTotal")
+    for path in cgroup_limits:
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))  # v1 writes a huge number for no limit, v2 "max"
+        break
+    return total
 
 
 def _meminfo(key: str) -> int:
