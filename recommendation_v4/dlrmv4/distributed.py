@@ -362,6 +362,8 @@ def _device(local_rank: int, local_world: int) -> torch.device:
             f"{local_world} processes on this node but {count} visible GPUs: one GPU per process (every process "
             "sees all the node's GPUs, or exactly its own)"
         )
+    # Before anything builds a DeviceMesh (TorchRec's sharding does): on an uninitialised CUDA it
+    # would take GPU LOCAL_RANK, which a task bound to one GPU does not see.
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
