@@ -274,7 +274,10 @@ class TrainConfig:
         "newest checkpoint). A max-steps stop always writes one",
     )
     keep_last_checkpoints: int = _field(
-        2, "complete checkpoints kept on disk (and the checkpoints their delta chains go back through)", min=1
+        2,
+        "restore points kept on disk, each on a chain of its own: the newest checkpoint, then the newest "
+        "of each older chain (a whole checkpoint and its deltas), with the checkpoints their chains go back through",
+        min=1,
     )
     checkpoint_full_every: int = _field(
         8,

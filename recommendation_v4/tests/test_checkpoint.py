@@ -529,6 +529,17 @@ def test_cadence_seconds_elapsed_elsewhere_restarts_this_clock_too():
     assert c.due(4, 119.6, False) == "seconds"
 
 
+def test_a_skipped_window_checkpoint_leaves_the_seconds_clock_running():
+    """A window end at 9 s whose save is skipped (a write in flight) is no checkpoint: the timed one is
+    still due at 10 s, not 10 s after the skipped one."""
+    c = _cadence(checkpoint_every_seconds=10.0, checkpoint_every_window=True)
+    assert c.due(1, 0.0, False) is None
+    assert c.due(2, 9.0, True) == "window"
+    c.not_taken()
+    assert [c.due(3, 9.5, False), c.due(4, 10.0, False)] == [None, "seconds"]
+    assert c.due(5, 12.0, True) == "window" and c.due(6, 20.0, False) is None  # a save taken restarts it
+
+
 # Two ranks ask their Checkpointer at each step, rank 1's clock 0.5 s behind from its second step on,
 # a checkpoint every 10.2 s and at the end of window 0 (step 11); a due answer does what a save
 # does first (a collective on the main group).

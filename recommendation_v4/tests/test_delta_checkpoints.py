@@ -211,9 +211,11 @@ def test_a_delta_is_usable_only_with_its_whole_chain(tmp_path, capsys, damage):
         shutil.rmtree(middle)
     elif damage == "damaged":
         (middle / "position.json").write_text("{}")
-    else:  # another run wrote step 2 again: step 3's rows are not relative to it
+    else:  # a rerun wrote step 2 again and was killed before it pruned: step 3 is not relative to it
+        other = tmp_path / "rerun"
+        save_checkpoint(other, _position(2), {"sparse": TableState(Tables({"item": 100}, seed=5))}, keep_last=5)
         shutil.rmtree(middle)
-        save_checkpoint(tmp_path, _position(2), {"sparse": TableState(Tables({"item": 100}, seed=5))}, keep_last=5)
+        (other / "checkpoints" / "step-00000002").rename(middle)
     capsys.readouterr()
     expected = "step-00000002" if damage == "written again" else "step-00000001"
     assert resume_point(tmp_path).name == expected
@@ -238,3 +240,51 @@ def test_pruning_keeps_every_checkpoint_a_kept_chain_needs(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002", "step-00000003"]
     save_checkpoint(tmp_path, _position(4), {"sparse": TableState(tables)}, keep_last=1)
     assert sorted(p.name for p in root.iterdir()) == ["step-00000004"]
+
+
+def test_a_second_restore_point_is_kept_on_a_chain_of_its_own(tmp_path, capsys):
+    """keep_last=2 with deltas: the newest checkpoint of the chain before stays, whole chain and all,
+    so a damaged whole checkpoint of the newest chain still leaves a restore point."""
+    tables = _chain(tmp_path, keep_last=2)  # step 1 whole, deltas 2 and 3
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002", "step-00000003"]
+    tracker = ChangedRows()
+    parent = save_checkpoint(tmp_path, _position(4), {"sparse": TableState(tables)}, keep_last=2)  # whole
+    tracker.reset(tables)
+    _update(tables, "item", [4], torch.Generator().manual_seed(4))
+    delta = {ENTRY: TableRowsDelta(tracker.take(tables), rank=0)}
+    save_checkpoint(tmp_path, _position(5), delta, keep_last=2, parent=parent)
+    names = ["step-00000001", "step-00000002", "step-00000003", "step-00000004", "step-00000005"]
+    assert sorted(p.name for p in root.iterdir()) == names
+    (root / "step-00000004" / MARKER).write_text("not json")  # the newest chain's whole checkpoint
+    point = resume_point(tmp_path)
+    assert point is not None and point.name == "step-00000003"
+    # A third chain: the first is no longer needed.
+    save_checkpoint(tmp_path, _position(6), {"sparse": TableState(tables)}, keep_last=2)
+    assert "step-00000001" not in {p.name for p in root.iterdir()}
+
+
+def test_a_rerun_s_save_prunes_the_deltas_its_rewrite_left_stale(tmp_path):
+    """A rerun from step 1 writes step 2 again: step 3 (a delta of the old step 2) is no restore
+    point, and does not push step 1 out."""
+    _chain(tmp_path)
+    save_checkpoint(tmp_path, _position(2), {"sparse": TableState(Tables({"item": 100}, seed=5))}, keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_a_chain_s_shared_checkpoints_are_hashed_once(tmp_path, monkeypatch):
+    """Looking for a resume point over a chain whose whole checkpoint is damaged reads each file once,
+    not once for every delta that continues it."""
+    _chain(tmp_path)
+    whole = tmp_path / "checkpoints" / "step-00000001"
+    tensors = max(whole.rglob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(tensors.read_bytes())
+    data[len(data) // 2] ^= 1
+    tensors.write_bytes(bytes(data))
+    hashed: list[Path] = []
+    real = files._sha256
+    monkeypatch.setattr(files, "_sha256", lambda path: hashed.append(path) or real(path))
+    with pytest.raises(UserError, match="none is usable"):
+        resume_point(tmp_path)
+    content = [p for p in hashed if p.name != MARKER]
+    assert content and len(content) == len(set(content))

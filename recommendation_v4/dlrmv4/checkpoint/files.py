@@ -147,12 +147,20 @@ def _step_dirs(root: Path) -> list[Path]:
 
 
 def _prune(root: Path, keep: int, just_written: Path) -> None:
-    """Keep the newest ``keep`` complete checkpoints (the one just written always among them) and every
-    checkpoint their chains go back through."""
+    """Keep ``keep`` restore points, each on a chain of its own (a whole checkpoint and the deltas
+    after it), and every checkpoint their chains go back through: the one just written, then the
+    newest complete checkpoint of each older chain. Points on one chain would all be lost with its
+    whole checkpoint; with every checkpoint whole these are the newest ``keep``."""
     complete = [p for p in _step_dirs(root) if (p / MARKER).is_file()]
-    older = [p for p in complete if p != just_written]
-    kept = older[len(older) - min(len(older), keep - 1) :] + [just_written]
-    needed = {p for ckpt in kept for p in _ancestry(ckpt)}
+    ancestry = {p: _ancestry(p) for p in complete + [just_written]}
+    kept, starts = [just_written], {ancestry[just_written][-1]}
+    for ckpt in reversed(complete):
+        if len(kept) == keep:
+            break
+        if ancestry[ckpt][-1] not in starts:
+            kept.append(ckpt)
+            starts.add(ancestry[ckpt][-1])
+    needed = {p for ckpt in kept for p in ancestry[ckpt]}
     for p in complete:
         if p not in needed:
             shutil.rmtree(p, ignore_errors=True)
@@ -318,12 +326,16 @@ def _problem(ckpt: Path, verify_hashes: bool) -> str | None:
     return missing_pieces(ckpt)
 
 
-def _chain_problem(ckpt: Path, verify_hashes: bool) -> str | None:
+def _chain_problem(ckpt: Path, verify_hashes: bool, checked: dict[Path, str | None]) -> str | None:
     """Why a resume from ``ckpt`` cannot be trusted: its own problem or one of the checkpoints its chain
-    goes back through (gone, rewritten since, or damaged); None when the whole chain is sound."""
+    goes back through (gone, rewritten since, or damaged); None when the whole chain is sound.
+    ``checked`` holds each checkpoint's own problem once found: the checkpoints of one chain share
+    their ancestors, which are hashed once."""
     seen: set[Path] = set()
     while True:
-        problem = _problem(ckpt, verify_hashes)
+        if ckpt not in checked:
+            checked[ckpt] = _problem(ckpt, verify_hashes)
+        problem = checked[ckpt]
         if problem is not None:
             return problem if not seen else f"the checkpoint it continues, {ckpt.name}: {problem}"
         seen.add(ckpt)
@@ -345,8 +357,9 @@ def latest_checkpoint(run_dir: str | os.PathLike, verify_hashes: bool = True, wa
     """The newest checkpoint that matches its marker; each newer one that does not is skipped, with
     one warning line on stderr when ``warn``. ``verify_hashes=False`` checks sizes only (fast on huge
     tables)."""
+    checked: dict[Path, str | None] = {}
     for ckpt in reversed(_step_dirs(_checkpoints_dir(run_dir))):
-        problem = _chain_problem(ckpt, verify_hashes)
+        problem = _chain_problem(ckpt, verify_hashes, checked)
         if problem is None:
             return ckpt
         if warn:
@@ -361,8 +374,9 @@ def resume_point(run_dir: str | os.PathLike) -> Path | None:
     may do. A run looks this up once (``run.start_run``): each check hashes the checkpoint's files."""
     steps = _step_dirs(_checkpoints_dir(run_dir))
     skipped: list[tuple[Path, str]] = []
+    checked: dict[Path, str | None] = {}
     for ckpt in reversed(steps):
-        problem = _chain_problem(ckpt, True)
+        problem = _chain_problem(ckpt, True, checked)
         if problem is None:
             for path, why in skipped:
                 print(f"[dlrmv4] warning: skipping checkpoint {path}: {why}", file=sys.stderr)
@@ -528,6 +542,7 @@ class CheckpointCadence:
         self.every_seconds = cfg.checkpoint_every_seconds
         self.every_window = cfg.checkpoint_every_window
         self._last_seconds: float | None = None
+        self._seconds_before: float | None = None  # the clock before the last due answer restarted it
 
     def seconds_elapsed(self, now_seconds: float) -> bool:
         """Whether the seconds cadence's interval has passed on this clock."""
@@ -549,5 +564,10 @@ class CheckpointCadence:
         )
         reason = next((name for name, due in reasons if due), None)
         if reason is not None:
-            self._last_seconds = now_seconds
+            self._seconds_before, self._last_seconds = self._last_seconds, now_seconds
         return reason
+
+    def not_taken(self) -> None:
+        """The last due answer's checkpoint was not written (a window end skipped while a write is in
+        flight): the seconds clock goes on from the checkpoint before, as if it had not been asked."""
+        self._last_seconds = self._seconds_before

@@ -92,6 +92,7 @@ class Checkpointer:
         reason = self.cadence.due(history.steps, now, last_of_window, elapsed)
         if reason == CheckpointCadence.WINDOW and self.writer.asynchronous:
             if self.cluster.any(self.writer.writing):
+                self.cadence.not_taken()
                 history.checkpoints_skipped += 1
                 self.log(
                     f"window {window}'s checkpoint skipped: the previous one is still being written in the "
