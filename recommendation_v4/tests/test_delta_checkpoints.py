@@ -64,11 +64,13 @@ def _update(tables: Tables, name: str, rows: list[int], generator: torch.Generat
     table["weight"][rows] -= 0.01 * grad / (table["momentum"][rows, None].sqrt() + 1e-8)
 
 
-# A chunk of 3 rows (int64 words of DIM + 1 per row): chunk boundaries fall inside every table.
-@pytest.mark.parametrize("chunk_bytes", [None, 3 * 8 * (DIM + 1)])
-def test_the_rows_found_changed_are_the_rows_that_changed(monkeypatch, chunk_bytes):
-    if chunk_bytes is not None:
-        monkeypatch.setattr(table_deltas, "_FINGERPRINT_CHUNK_BYTES", chunk_bytes)
+# Chunks of 3 rows (int64 words of DIM + 1 per row for the fingerprints, then 2 changed rows of DIM
+# floats at a time for the copy): chunk boundaries fall inside every table and between changed rows.
+@pytest.mark.parametrize("chunks", [False, True])
+def test_the_rows_found_changed_are_the_rows_that_changed(monkeypatch, chunks):
+    if chunks:
+        monkeypatch.setattr(table_deltas, "_FINGERPRINT_CHUNK_BYTES", 3 * 8 * (DIM + 1))
+        monkeypatch.setattr(table_deltas, "_GATHER_CHUNK_BYTES", 2 * 4 * DIM)
     tables = Tables({"item": 1000, "uid": 50})
     tracker = ChangedRows()
     tracker.reset(tables)

@@ -76,6 +76,10 @@ def _writes_its_pieces(parts: dict[str, Any], cluster: Cluster) -> bool:
 _FINGERPRINT_CHUNK_BYTES = 256 << 20
 
 
+# The changed rows gathered on the device at once, before their copy to host memory.
+_GATHER_CHUNK_BYTES = 256 << 20
+
+
 def _multipliers(words: int, device: torch.device) -> torch.Tensor:
     """Fixed odd 64-bit multipliers, one per 32-bit word of a row (the same on every rank and every run)."""
     generator = torch.Generator().manual_seed(0x5EED_DE17A)
@@ -133,10 +137,13 @@ class ChangedRows:
                 now = _fingerprints(weight, momentum)
                 local = torch.nonzero(now != self._fingerprints[(name, row0)]).flatten()
                 self._fingerprints[(name, row0)] = now
-                on_device = local.to(weight.device)
                 pieces["ids"].append(local + row0)
-                pieces["weight"].append(weight.detach()[on_device].to("cpu"))
-                pieces["momentum"].append(momentum.detach()[on_device].to("cpu"))
+                # A bounded device copy at a time: after skipped saves a delta may hold most rows (and
+                # a gather from host-mapped tables lands in device memory too).
+                rows_at_once = max(1, _GATHER_CHUNK_BYTES // (weight.shape[1] * weight.element_size()))
+                for chunk in local.to(weight.device).split(rows_at_once):
+                    pieces["weight"].append(weight.detach()[chunk].to("cpu"))
+                    pieces["momentum"].append(momentum.detach()[chunk].to("cpu"))
             rows = {part: torch.cat(tensors) for part, tensors in pieces.items() if tensors}
             if rows and rows["ids"].numel():
                 changed[name] = rows
