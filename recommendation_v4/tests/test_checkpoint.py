@@ -203,6 +203,19 @@ def test_keep_last_pruning(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000002"]
 
 
+def test_a_checkpoint_being_pruned_leaves_the_step_names_first(tmp_path, monkeypatch):
+    """A kill while a pruned checkpoint's files are deleted leaves a dead writer's temp (removed at the
+    next start), not a step directory without its marker that every resume warns about."""
+    net = torch.nn.Linear(2, 2)
+    removed: list[Path] = []
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", lambda path, **_: removed.append(Path(path)))  # killed
+    for step in (1, 2):
+        save_checkpoint(tmp_path, _position(step), {"model": net}, keep_last=1)
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in removed] == [f".step-00000001.old-{os.getpid()}"]
+    assert sorted(p.name for p in root.iterdir()) == [f".step-00000001.old-{os.getpid()}", "step-00000002"]
+
+
 def _damage_marker(path):
     (path / "COMPLETE").unlink()
 

@@ -163,6 +163,12 @@ def _prune(root: Path, keep: int, just_written: Path) -> None:
     needed = {p for ckpt in kept for p in ancestry[ckpt]}
     for p in complete:
         if p not in needed:
+            # Out of the step-* names first: a kill inside the removal leaves a dead writer's temp
+            # (removed at the next start), not a checkpoint without its marker.
+            old = p.with_name(f".{p.name}.old-{os.getpid()}")
+            with contextlib.suppress(OSError):
+                os.rename(p, old)
+                p = old
             shutil.rmtree(p, ignore_errors=True)
 
 
