@@ -290,3 +290,54 @@ def test_a_chain_s_shared_checkpoints_are_hashed_once(tmp_path, monkeypatch):
         resume_point(tmp_path)
     content = [p for p in hashed if p.name != MARKER]
     assert content and len(content) == len(set(content))
+
+
+class _TwoWriters(TableRowsDelta):
+    """The delta two row-wise ranks would write: rank 0 rows [0, 50) of "item", rank 1 rows [50, 100)."""
+
+    def state_dict(self) -> dict:
+        low, high = (self.rows["item"]["ids"] < 50), (self.rows["item"]["ids"] >= 50)
+        halves = {f"rank{r}": {p: t[m] for p, t in self.rows["item"].items()} for r, m in enumerate((low, high))}
+        return {"rows": {"item": halves}}
+
+
+class _Block:
+    """A ShardedTensor's face as table_deltas reads it: one local row block of a table from ``row0``."""
+
+    def __init__(self, tensor: torch.Tensor, row0: int) -> None:
+        self.tensor = tensor
+        self.metadata = SimpleNamespace(shard_offsets=[row0, 0], shard_sizes=[len(tensor), DIM])
+
+    def local_shards(self) -> list:
+        return [self]
+
+
+def test_a_rank_reads_the_rows_of_the_writers_whose_blocks_it_holds(tmp_path, monkeypatch):
+    """After a change of world size a rank's rows come from some writers: it reads every writer's ids,
+    then only those writers' rows."""
+    tables = Tables({"item": 100})
+    tracker = ChangedRows()
+    parent = save_checkpoint(tmp_path, _position(1), {"sparse": TableState(tables)}, keep_last=5)
+    tracker.reset(tables)
+    _update(tables, "item", [10, 20, 60], torch.Generator().manual_seed(7))
+    changed = tracker.take(tables)
+    delta = save_checkpoint(tmp_path, _position(2), {ENTRY: _TwoWriters(changed, 0)}, keep_last=5, parent=parent)
+    # This rank holds rows [60, 100) only: rows 60.. of a restored copy, stale until the delta.
+    item = Tables({"item": 100}).tables["item"]
+    block = {"weight": _Block(item["weight"][60:].clone(), 60), "momentum": _Block(item["momentum"][60:].clone(), 60)}
+    holder = SimpleNamespace(live_tables=lambda: {"item": block}, dim=DIM, cluster=tables.cluster)
+    monkeypatch.setattr(table_deltas, "split_by_columns", lambda embeddings: [])
+    loaded: list[list[str]] = []
+    real = table_deltas.dcp_load
+    monkeypatch.setattr(
+        table_deltas,
+        "dcp_load",
+        lambda state, path, cluster: (
+            loaded.append(sorted(f"{w}.{p}" for w, parts in state[ENTRY]["rows"]["item"].items() for p in parts))
+            or real(state, path, cluster)
+        ),
+    )
+    assert apply_delta(delta, holder, tables.cluster) == 3
+    assert loaded == [["rank0.ids", "rank1.ids"], ["rank1.momentum", "rank1.weight"]]
+    assert torch.equal(block["weight"].tensor[0], tables.tables["item"]["weight"][60])
+    assert torch.equal(block["momentum"].tensor[0], tables.tables["item"]["momentum"][60])

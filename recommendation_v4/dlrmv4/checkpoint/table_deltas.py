@@ -172,20 +172,20 @@ def delta_bytes(rows: dict[str, dict[str, torch.Tensor]]) -> int:
 @torch.no_grad()
 def apply_delta(path: Path, embeddings: SparseEmbeddings, cluster: Cluster) -> int:
     """Write the rows of the delta checkpoint at ``path`` into the live tables (each rank the rows it holds,
-    whatever the number of ranks that wrote it); returns the rows the delta holds."""
+    whatever the number of ranks that wrote it); returns the rows the delta holds. Every writer's row ids
+    are read, then the rows of the writers whose ids fall in this rank's blocks only: a rank reads its own
+    share of a delta, not the whole of it, on any number of ranks."""
     rows: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
     with read_errors_in_one_line(path):
         metadata = FileSystemReader(str(path)).read_metadata()
-        prefix = f"{ENTRY}.rows."
-        for key, entry in metadata.state_dict_metadata.items():
-            if not key.startswith(prefix):
-                continue
-            assert isinstance(entry, TensorStorageMetadata)
-            table, writer, part = key[len(prefix) :].rsplit(".", 2)
-            empty = torch.empty(entry.size, dtype=entry.properties.dtype)
-            rows.setdefault(table, {}).setdefault(writer, {})[part] = empty
-        if rows:
-            dcp_load({ENTRY: {"rows": rows}}, path, cluster)
+    prefix = f"{ENTRY}.rows."
+    for key, entry in metadata.state_dict_metadata.items():
+        if not key.startswith(prefix):
+            continue
+        assert isinstance(entry, TensorStorageMetadata)
+        table, writer, part = key[len(prefix) :].rsplit(".", 2)
+        empty = torch.empty(entry.size, dtype=entry.properties.dtype)
+        rows.setdefault(table, {}).setdefault(writer, {})[part] = empty
     live = embeddings.live_tables()
     unknown = sorted(set(rows) - set(live))
     if unknown:
@@ -197,14 +197,32 @@ def apply_delta(path: Path, embeddings: SparseEmbeddings, cluster: Cluster) -> i
             "(column_wise sharding) and a delta holds whole rows; resume with those tables row_wise or "
             "table_wise (every checkpoint of a run that splits a table by columns is whole)"
         )
-    count = 0
-    for table, by_writer in rows.items():
-        for parts in by_writer.values():
-            ids = parts["ids"]
-            count += ids.numel()
-            for row0, weight, momentum in _pieces(table, live[table], embeddings.dim):
-                inside = (ids >= row0) & (ids < row0 + weight.shape[0])
-                local = (ids[inside] - row0).to(weight.device)
+    if not rows:
+        return 0
+    pieces = {table: _pieces(table, live[table], embeddings.dim) for table in rows}
+    with read_errors_in_one_line(path):
+        ids = {table: {writer: {"ids": parts["ids"]} for writer, parts in by.items()} for table, by in rows.items()}
+        dcp_load({ENTRY: {"rows": ids}}, path, cluster)
+        wanted = {
+            table: {
+                writer: {part: parts[part] for part in PARTS if part != "ids"}
+                for writer, parts in by.items()
+                if any(_inside(parts["ids"], row0, weight.shape[0]).any() for row0, weight, _ in pieces[table])
+            }
+            for table, by in rows.items()
+        }
+        if cluster.world_size > 1 or any(wanted.values()):  # a collective: every rank loads, if only nothing
+            dcp_load({ENTRY: {"rows": wanted}}, path, cluster)
+    for table, by_writer in wanted.items():
+        for writer, parts in by_writer.items():
+            writer_ids = rows[table][writer]["ids"]
+            for row0, weight, momentum in pieces[table]:
+                inside = _inside(writer_ids, row0, weight.shape[0])
+                local = (writer_ids[inside] - row0).to(weight.device)
                 weight[local] = parts["weight"][inside].to(weight.device, weight.dtype)
                 momentum[local] = parts["momentum"][inside].to(momentum.device, momentum.dtype)
-    return count
+    return sum(parts["ids"].numel() for by in rows.values() for parts in by.values())
+
+
+def _inside(ids: torch.Tensor, row0: int, rows: int) -> torch.Tensor:
+    return (ids >= row0) & (ids < row0 + rows)
