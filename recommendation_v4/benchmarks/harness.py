@@ -138,18 +138,29 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def command_line(argv: list[str] | None = None) -> str:
+def command_line(argv: list[str] | None = None, without: tuple[str, ...] = ()) -> str:
     """``python benchmarks/<group>/<script> <args>`` as this process was started (arguments
-    shell-quoted), the same from any working directory."""
+    shell-quoted), the same from any working directory. ``without``: options left out with their
+    values (where the results go, which is no part of what was measured)."""
     argv = sys.argv if argv is None else argv
     script = Path(argv[0]).resolve().relative_to(HERE).as_posix()
-    return shlex.join(["python", f"benchmarks/{script}", *argv[1:]])
+    args, kept = argv[1:], []
+    i = 0
+    while i < len(args):
+        name = args[i].split("=", 1)[0]
+        if name in without:
+            i += 1 if "=" in args[i] else 2
+            continue
+        kept.append(args[i])
+        i += 1
+    return shlex.join(["python", f"benchmarks/{script}", *kept])
 
 
-def stamp(device=None) -> dict:
-    """What every result carries: command, commit, machine (``device_facts``) and versions."""
+def stamp(device=None, command: str | None = None) -> dict:
+    """What every result carries: command (this process's unless given), commit, machine
+    (``device_facts``) and versions."""
     return {
-        "command": command_line(),
+        "command": command or command_line(),
         "commit": git_commit(),
         "machine": device_facts(device),
         "versions": package_versions(),
@@ -289,12 +300,19 @@ def write_results(name: str, result: dict, markdown: str, *, device=None, out: P
 
 
 def save_labelled_row(
-    name: str, row: dict, intro: str, table: Callable[[list[dict]], str], *, device=None, out: Path | str = RESULTS
+    name: str,
+    row: dict,
+    intro: str,
+    table: Callable[[list[dict]], str],
+    *,
+    device=None,
+    out: Path | str = RESULTS,
+    command: str | None = None,
 ) -> dict:
     """Add ``row`` with the run's stamp to ``out/<name>.json`` (replacing an earlier row of its label;
     the other rows keep theirs) and rewrite ``out/<name>.md``: ``intro``, ``table`` of every row, and
     each row's command with its commit, machine and versions. Returns the stamped row."""
-    row = {**row, **stamp(device)}
+    row = {**row, **stamp(device, command)}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"

@@ -29,6 +29,14 @@ def test_command_line_is_relative_and_quoted(argv):
     assert harness.command_line() == "python benchmarks/step/bench_x.py --label 'a b' --steps 3"
 
 
+def test_command_line_leaves_out_where_the_results_go():
+    script = str(BENCHMARKS / "scale" / "bench_x.py")
+    for out in (["--results-dir", "/x/res"], ["--results-dir=/x/res"]):
+        argv = [script, "--worlds", "1", "2", *out, "--repeats", "2"]
+        got = harness.command_line(argv, without=("--results-dir",))
+        assert got == "python benchmarks/scale/bench_x.py --worlds 1 2 --repeats 2"
+
+
 def test_commit_from_the_environment_else_git(monkeypatch, argv):
     assert harness.git_commit() == "abc1234"
     monkeypatch.delenv("DLRMV4_COMMIT")

@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 
 import torch
-from harness import RESULTS, cpu_model, device_name, save_labelled_row
+from harness import RESULTS, command_line, cpu_model, device_name, save_labelled_row
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.config_loading import add_config_arguments, config_from_args
@@ -393,6 +393,7 @@ def _save(row: dict, results_dir: Path) -> None:
         _table,
         device="cuda" if torch.cuda.is_available() else "cpu",
         out=results_dir,
+        command=command_line(without=("--results-dir",)),
     )
 
 
