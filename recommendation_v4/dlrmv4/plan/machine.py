@@ -5,6 +5,7 @@ environment, the GPU's memory and /proc/meminfo, and the tables' sizes from the 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -100,7 +101,7 @@ def host_memory(cgroup_limits: tuple[str, ...] = CGROUP_MEMORY_LIMITS) -> int:
     total = _meminfo("MemTotal")
     for path in cgroup_limits:
         try:
-            text = open(path).read().strip()
+            text = Path(path).read_text().strip()
         except OSError:
             continue
         if text.isdigit():
