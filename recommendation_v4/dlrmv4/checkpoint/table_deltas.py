@@ -94,11 +94,15 @@ def _fingerprints(weight: torch.Tensor, momentum: torch.Tensor) -> torch.Tensor:
         raise UserError(f"delta checkpoints need fp32 tables and momentum, got {weight.dtype} / {momentum.dtype}")
     multipliers = _multipliers(weight.shape[1] + 1, weight.device)
     chunk_rows = max(1, _FINGERPRINT_CHUNK_BYTES // (8 * multipliers.numel()))
-    out = torch.empty(weight.shape[0], dtype=torch.int64)
+    # Pinned, each chunk's copy queued behind its kernels and one wait at the end: a wait and a
+    # pageable copy per chunk cost up to 8x the kernels on a host that answers slowly.
+    out = torch.empty(weight.shape[0], dtype=torch.int64, pin_memory=weight.is_cuda)
     for begin in range(0, weight.shape[0], chunk_rows):
         end = min(begin + chunk_rows, weight.shape[0])
         words = torch.cat([weight[begin:end], momentum[begin:end, None]], 1).contiguous().view(torch.int32)
-        out[begin:end] = words.to(torch.int64).mul_(multipliers).sum(1).cpu()
+        out[begin:end].copy_(words.to(torch.int64).mul_(multipliers).sum(1), non_blocking=True)
+    if weight.is_cuda:
+        torch.cuda.synchronize(weight.device)
     return out
 
 
