@@ -136,21 +136,32 @@ class ChangedRows:
         for name, parts in embeddings.live_tables().items():
             if not _writes_its_pieces(parts, embeddings.cluster):
                 continue
-            pieces: dict[str, list[torch.Tensor]] = {part: [] for part in PARTS}
+            found = []
             for row0, weight, momentum in _pieces(name, parts, embeddings.dim):
                 now = _fingerprints(weight, momentum)
                 local = torch.nonzero(now != self._fingerprints[(name, row0)]).flatten()
                 self._fingerprints[(name, row0)] = now
-                pieces["ids"].append(local + row0)
+                found.append((row0, weight, momentum, local))
+            count = sum(local.numel() for *_, local in found)
+            if not count:
+                continue
+            # Copied straight into the host rows the delta keeps (no list of pieces joined afterwards:
+            # that was a second host copy of every row, into memory touched for the first time).
+            rows = {
+                "ids": torch.cat([local + row0 for row0, _, _, local in found]),
+                "weight": torch.empty((count, embeddings.dim), dtype=torch.float32),
+                "momentum": torch.empty(count, dtype=torch.float32),
+            }
+            at = 0
+            for _, weight, momentum, local in found:
                 # A bounded device copy at a time: after skipped saves a delta may hold most rows (and
                 # a gather from host-mapped tables lands in device memory too).
                 rows_at_once = max(1, _GATHER_CHUNK_BYTES // (weight.shape[1] * weight.element_size()))
                 for chunk in local.to(weight.device).split(rows_at_once):
-                    pieces["weight"].append(weight.detach()[chunk].to("cpu"))
-                    pieces["momentum"].append(momentum.detach()[chunk].to("cpu"))
-            rows = {part: torch.cat(tensors) for part, tensors in pieces.items() if tensors}
-            if rows and rows["ids"].numel():
-                changed[name] = rows
+                    rows["weight"][at : at + chunk.numel()].copy_(weight.detach()[chunk])
+                    rows["momentum"][at : at + chunk.numel()].copy_(momentum.detach()[chunk])
+                    at += chunk.numel()
+            changed[name] = rows
         return changed
 
 
