@@ -138,6 +138,10 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+# Environment settings that change what is measured, written before the command when set.
+MEASURED_ENVIRONMENT = ("PYTORCH_CUDA_ALLOC_CONF",)
+
+
 def command_line(argv: list[str] | None = None, without: tuple[str, ...] = ()) -> str:
     """``python benchmarks/<group>/<script> <args>`` as this process was started (arguments
     shell-quoted), the same from any working directory. ``without``: options left out with their
@@ -153,7 +157,8 @@ def command_line(argv: list[str] | None = None, without: tuple[str, ...] = ()) -
             continue
         kept.append(args[i])
         i += 1
-    return shlex.join(["python", f"benchmarks/{script}", *kept])
+    settings = [f"{name}={os.environ[name]}" for name in MEASURED_ENVIRONMENT if name in os.environ]
+    return shlex.join([*settings, "python", f"benchmarks/{script}", *kept])
 
 
 def stamp(device=None, command: str | None = None) -> dict:

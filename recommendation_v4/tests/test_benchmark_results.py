@@ -20,6 +20,8 @@ BENCHMARKS = Path(harness.__file__).resolve().parent
 def argv(monkeypatch):
     monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "step" / "bench_x.py"), "--label", "a b", "--steps", "3"])
     monkeypatch.setenv("DLRMV4_COMMIT", "abc1234")
+    for name in harness.MEASURED_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
     harness.git_commit.cache_clear()
     yield
     harness.git_commit.cache_clear()
@@ -29,7 +31,14 @@ def test_command_line_is_relative_and_quoted(argv):
     assert harness.command_line() == "python benchmarks/step/bench_x.py --label 'a b' --steps 3"
 
 
-def test_command_line_leaves_out_where_the_results_go():
+def test_command_line_names_the_allocator_setting_it_ran_under(argv, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    got = harness.command_line()
+    assert got == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/step/bench_x.py --label 'a b' --steps 3"
+
+
+def test_command_line_leaves_out_where_the_results_go(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     script = str(BENCHMARKS / "scale" / "bench_x.py")
     for out in (["--results-dir", "/x/res"], ["--results-dir=/x/res"]):
         argv = [script, "--worlds", "1", "2", *out, "--repeats", "2"]

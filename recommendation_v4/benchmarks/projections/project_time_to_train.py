@@ -20,7 +20,8 @@ Measured (files in benchmarks/results/, each naming its device and commit):
 - delta checkpoints (``train.checkpoint_full_every``, ``--full-every``): a save at every window end
   the disk allows, every K-th whole and the others holding the rows changed since the save before:
   ``delta_rows.json`` gives the share of the busiest rank's block a window changes (``synthetic-1b``'s
-  windows, Yambda-5B's tables), ``delta_checkpoint_gpu.json`` what the step waits per GiB of a rank's
+  windows, Yambda-5B's tables), ``delta_checkpoint_gpu.json`` (the H200's; the H100's
+  ``delta_checkpoint_h100-57d15c4.json``) what the step waits per GiB of a rank's
   tables to find and copy the changed rows; a window end is skipped only while a write is in flight
   (after a whole one), and the next delta then holds the rows of every window since.
 
@@ -486,8 +487,11 @@ def exchange_source(p: dict) -> str:
     )
 
 
-# Each GPU's weak-scaling row at the real per-rank tables: the H200's ran one and two ranks, the H100's four.
-EXCHANGE_ROWS = {"h200": "h200x2-torchrec-real-tables-dedup", "h100": "h100x4-torchrec-real-tables-dedup"}
+# Each GPU's weak-scaling row at the real per-rank tables, each up to four ranks (the widest measured).
+EXCHANGE_ROWS = {"h200": "h200x4-torchrec-real-tables-dedup", "h100": "h100x4-torchrec-real-tables-dedup"}
+
+# Each GPU's delta find-and-copy table (the H100's from the last machine of that kind lent, at 57d15c4).
+DELTA_COST_FROM = {"h200": "delta_checkpoint_gpu", "h100": "delta_checkpoint_h100-57d15c4"}
 
 
 def main() -> None:
@@ -502,8 +506,8 @@ def main() -> None:
         "--exchange-from",
         default=None,
         help="the weak-scaling row of scaling.json whose widest step measures the exchange's work beyond "
-        "NCCL (default: the GPU's own row, h200x4-torchrec-real-tables-dedup's two ranks or "
-        "h100x4-torchrec-real-tables-dedup's four; '' to leave it out)",
+        "NCCL (default: the GPU's own row at four ranks, h200x4-torchrec-real-tables-dedup or "
+        "h100x4-torchrec-real-tables-dedup; '' to leave it out)",
     )
     parser.add_argument(
         "--distinct-from",
@@ -538,12 +542,18 @@ def main() -> None:
         help="the share of the tables a window changes (synthetic-1b's windows: Yambda-5B's users and catalog)",
     )
     parser.add_argument(
-        "--delta-cost-from", default="delta_checkpoint_gpu", help="what finding and copying the changed rows costs"
+        "--delta-cost-from",
+        default=None,
+        help="what finding and copying the changed rows costs (default: the GPU's own, "
+        + ", ".join(DELTA_COST_FROM.values())
+        + ")",
     )
     parser.add_argument("--full-every", type=int, default=8, help="every Nth checkpoint whole (the trainer's default)")
     args = parser.parse_args()
     if args.exchange_from is None:
         args.exchange_from = EXCHANGE_ROWS[args.gpu]
+    if args.delta_cost_from is None:
+        args.delta_cost_from = DELTA_COST_FROM[args.gpu]
     nvlink_gbs, source = args.nvlink_gbs, None
     if args.alltoall_from:
         hot_ids = load(args.alltoall_from)
