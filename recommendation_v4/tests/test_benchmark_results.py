@@ -34,7 +34,10 @@ def test_command_line_is_relative_and_quoted(argv):
 def test_command_line_names_the_allocator_setting_it_ran_under(argv, monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     got = harness.command_line()
-    assert got == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/step/bench_x.py --label 'a b' --steps 3"
+    assert (
+        got
+        == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/step/bench_x.py --label 'a b' --steps 3"
+    )
 
 
 def test_command_line_leaves_out_where_the_results_go(monkeypatch):
