@@ -24,7 +24,7 @@ class DatasetConfig:
     source: str = _field("synthetic", "where the raw Yambda-schema parquet comes from", choices=("synthetic", "yambda"))
     size: str = _field(
         "tiny",
-        "dataset size: 50m/500m/5b for yambda, tiny/small/medium/50m for synthetic",
+        "dataset size: 50m/500m/5b for yambda, tiny/small/medium/50m/1b for synthetic",
         choices=tuple(dict.fromkeys(YAMBDA_SIZES + SYNTHETIC_SIZES)),
     )
     # dataset.size admits both families here; validate_relations narrows it per source.
