@@ -347,13 +347,19 @@ def launched_world() -> tuple[int, int, int, int] | None:
     return rank, world, local_rank, local_world
 
 
+def _bound_to_one_gpu(local_world: int) -> bool:
+    """Whether this process sees fewer GPUs than the node runs processes: a task a scheduler bound to
+    its own GPU (or a launch with too few GPUs, which ``_device`` refuses)."""
+    return torch.cuda.device_count() < local_world
+
+
 def _device(local_rank: int, local_world: int) -> torch.device:
     """This process's GPU: the node's GPU of its local rank when it sees them all (torchrun, srun
     --gpus-per-node), the one it sees when bound to one (srun --gpus-per-task=1, --gpu-bind)."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     count = torch.cuda.device_count()
-    if count >= local_world:
+    if not _bound_to_one_gpu(local_world):
         index = local_rank
     elif count == 1:
         index = 0  # two processes bound to one GPU are refused once the group has formed (_node_layout)
@@ -402,7 +408,7 @@ def start_cluster(cfg: DistributedConfig, need_group: bool = False) -> Cluster:
             # Tasks bound to one GPU each may have been bound to the same one: _node_layout refuses
             # that in one line, over gloo, before NCCL's first use (an eager NCCL start, device_id,
             # would fail first with "invalid usage").
-            bound = device.type == "cuda" and torch.cuda.device_count() < local_world
+            bound = device.type == "cuda" and _bound_to_one_gpu(local_world)
             dist.init_process_group(
                 backend,
                 init_method="env://",
