@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 YAMBDA_SIZES = ("50m", "500m", "5b")
-SYNTHETIC_SIZES = ("tiny", "small", "medium", "50m", "1b")
+SYNTHETIC_SIZES = ("tiny", "small", "medium", "50m", "1b", "5b")
 
 
 def _field(
@@ -24,7 +24,7 @@ class DatasetConfig:
     source: str = _field("synthetic", "where the raw Yambda-schema parquet comes from", choices=("synthetic", "yambda"))
     size: str = _field(
         "tiny",
-        "dataset size: 50m/500m/5b for yambda, tiny/small/medium/50m/1b for synthetic",
+        "dataset size: 50m/500m/5b for yambda, tiny/small/medium/50m/1b/5b for synthetic",
         choices=tuple(dict.fromkeys(YAMBDA_SIZES + SYNTHETIC_SIZES)),
     )
     # dataset.size admits both families here; validate_relations narrows it per source.
@@ -269,9 +269,9 @@ class TrainConfig:
     checkpoint_every_window: bool = _field(True, "checkpoint at the end of every train window")
     final_checkpoint: bool = _field(
         True,
-        "write a checkpoint when the run reaches its target or runs out of data; false: such a run "
-        "writes none (runs that are never continued, as RCP seeds; continuing it replays from its "
-        "newest checkpoint). A max-steps stop always writes one",
+        "write a checkpoint when the run stops (its target, the end of the data, max_steps); false: no stop "
+        "writes one (runs that are never continued, as RCP seeds, or whose checkpoint the disk cannot hold; "
+        "continuing such a run replays from its newest checkpoint)",
     )
     keep_last_checkpoints: int = _field(
         2,
@@ -339,6 +339,11 @@ class PlanConfig:
     )
     plan_host_memory_gib: float = _field(
         0.0, "host RAM of one node in GiB (0: this machine's, or its cgroup limit if lower)", min=0.0
+    )
+    plan_disk_gib: float = _field(
+        0.0,
+        "free disk of the run directory in GiB, which a whole checkpoint must fit (0: its free space here)",
+        min=0.0,
     )
     plan_headroom_fraction: float = _field(
         0.06,

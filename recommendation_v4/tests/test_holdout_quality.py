@@ -121,6 +121,7 @@ def test_no_ceiling_without_the_generators_truth_or_with_another_label(tiny, tmp
         ("medium", 1000),
         ("50m", 300),
         pytest.param("1b", 3000, marks=pytest.mark.slow),  # its catalog (9.4 M items) takes seconds
+        pytest.param("5b", 600, marks=pytest.mark.slow),
     ],
 )
 def test_every_size_carries_the_signal(size, users):

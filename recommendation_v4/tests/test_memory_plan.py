@@ -3,9 +3,11 @@ start-of-run check (TorchRec's real planner, no GPU needed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +30,16 @@ from dlrmv4.reference_counts import YAMBDA_5B_TABLE_COUNTS
 
 BASE = ("item", "artist", "album", "uid")
 CROSSES = ("user_artist", "user_album", "user_hour", "item_hour", "artist_hour", "user_organic", "user_artist_hour")
-REFERENCE = ["--preset", "yambda-5b", "--plan-world-size", "8", "--plan-host-memory-gib", "2048"]
+REFERENCE = [
+    "--preset",
+    "yambda-5b",
+    "--plan-world-size",
+    "8",
+    "--plan-host-memory-gib",
+    "2048",
+    "--plan-disk-gib",
+    "4096",
+]
 
 
 def _cfg(tmp_path, preset="yambda-5b", **values):
@@ -43,6 +54,7 @@ def _reference_plan(tmp_path, gib: float, **values):
             tmp_path,
             plan__plan_world_size=8,
             plan__plan_host_memory_gib=2048.0,
+            plan__plan_disk_gib=4096.0,
             plan__plan_device_memory_gib=gib,
             **values,
         )
@@ -275,6 +287,26 @@ def test_train_stops_before_the_mlperf_log_when_the_plan_does_not_fit(tiny_data,
     assert not (run_dir / "mlperf_log.txt").exists()
 
 
+def test_train_stops_before_the_mlperf_log_when_a_whole_checkpoint_does_not_fit_the_disk(tiny_data, tmp_path, capsys):
+    """A disk of 1 KiB (--plan-disk-gib): refused in one line before the MLPerf log; the same run that
+    writes no checkpoint trains."""
+    run_dir = tmp_path / "run"
+    args = ["train", "--data-path", str(tiny_data), "--run-dir", str(run_dir), "--plan-disk-gib", str(1 / 2**20)]
+    code, out, err = _main(capsys, *args)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(
+        "[dlrmv4] error: the run's checkpoints do not fit its disk: a whole checkpoint of this run is "
+    )
+    assert f"GiB, but the run directory {run_dir} has 0.00 GiB free; to fit: " in err
+    assert "--checkpoint-every-window false --final-checkpoint false (it cannot be resumed)" in err
+    assert not (run_dir / "mlperf_log.txt").exists()
+    code, out, err = _main(
+        capsys, *args, "--checkpoint-every-window", "false", "--final-checkpoint", "false", "--max-steps", "2"
+    )
+    assert code == 0, err
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
 def test_chunk_efficiency_follows_the_measured_curve():
     assert chunk_efficiency(256) == chunk_efficiency(1024) == 1.0
     assert chunk_efficiency(128) == pytest.approx(1755 / 1723)
@@ -322,3 +354,89 @@ def test_the_host_memory_is_the_cgroup_limit_when_lower(tmp_path):
     assert host_memory((str(unlimited), str(limit))) == total  # the first file found is the cgroup's
     assert host_memory((str(tmp_path / "missing"), str(v1))) == total
     assert host_memory((str(tmp_path / "missing"),)) == total
+
+
+def test_a_whole_checkpoint_larger_than_the_disk_is_refused_in_one_line(tmp_path, capsys):
+    """Yambda-5B's tables on four 139-GiB GPUs with blocking checkpoints fit the devices and the host: the
+    disk of the lent four-GPU host (235 GiB) cannot hold its whole checkpoint, and the refusal names the bytes
+    and the ways out; without checkpoints the same run fits, and the plan prints the disk beside the memory."""
+    args = [
+        "plan",
+        "--preset",
+        "yambda-5b",
+        "--plan-world-size",
+        "4",
+        "--plan-device-memory-gib",
+        "139",
+        "--plan-host-memory-gib",
+        "500",
+        "--async-checkpoints",
+        "false",
+        "--data-path",
+        str(tmp_path / "data"),
+    ]
+    code, out, err = _main(capsys, *args, "--plan-disk-gib", "235")
+    whole = _all_hbm_table_bytes(_cfg(tmp_path)) * 8  # every row of every table, the job's
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith(
+        "[dlrmv4] error: the run's checkpoints do not fit its disk: a whole checkpoint of this run is 560."
+    )
+    assert (
+        "GiB, but the run directory runs/default has 235.00 GiB free; to fit: a run directory on a file system" in err
+    )
+    assert "a run that writes no checkpoint: --checkpoint-every-window false --final-checkpoint false" in err
+    assert "  disk (run directory runs/default, a file system every node sees): a whole checkpoint 560." in out
+    assert "235.00 GiB free: room for 0 whole checkpoint(s), the run keeps up to 3 at once" in out
+    plan = plan_for_config(
+        _cfg(
+            tmp_path,
+            plan__plan_world_size=4,
+            plan__plan_device_memory_gib=139.0,
+            plan__plan_host_memory_gib=500.0,
+            plan__plan_disk_gib=235.0,
+            train__async_checkpoints=False,
+        )
+    )
+    assert not plan.fits and plan.short_of == "disk" and plan.disk.whole >= whole
+    assert plan.disk.whole - whole < 2 * GIB  # the rest: the dense weights and Adam's moments
+
+    code, out, err = _main(
+        capsys, *args, "--plan-disk-gib", "235", "--checkpoint-every-window", "false", "--final-checkpoint", "false"
+    )
+    assert code == 0, err
+    assert "this run writes no checkpoint" in out and "verdict: fits" in out
+    code, out, err = _main(capsys, *args, "--plan-disk-gib", "1200")  # room for two, not the three it keeps
+    assert code == 0 and "room for 2 whole checkpoint(s), the run keeps up to 3 at once" in out
+
+
+def test_the_plan_reads_the_run_directory_s_free_space(tmp_path, monkeypatch):
+    """Without --plan-disk-gib the plan asks the file system of the run directory (its nearest existing
+    parent until the run makes it), and a checkpoint cadence that writes nothing needs no room."""
+    import shutil
+    from types import SimpleNamespace
+
+    asked = []
+
+    def usage(path):
+        asked.append(Path(path))
+        return SimpleNamespace(total=10**12, used=0, free=GIB)
+
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    run_dir = tmp_path / "not" / "yet"
+    cfg = _cfg(
+        tmp_path,
+        "synthetic-tiny",
+        plan__plan_world_size=1,
+        plan__plan_device_memory_gib=16.0,
+        plan__plan_host_memory_gib=64.0,
+        train__run_dir=str(run_dir),
+        embeddings__item_rows=20_000,
+        embeddings__artist_rows=1_000,
+        embeddings__album_rows=4_000,
+    )
+    plan = plan_for_config(cfg)
+    assert asked == [tmp_path] and plan.disk.free == GIB and plan.fits
+    small = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, plan_disk_gib=plan.disk.whole / GIB / 2))
+    refused = plan_for_config(small)
+    assert not refused.fits and refused.short_of == "disk"
+    assert refusal(refused).startswith("the run's checkpoints do not fit its disk: a whole checkpoint of this run is ")

@@ -9,7 +9,7 @@ from dlrmv4.config_loading import load_config
 from dlrmv4.train.trainable import recipe_warnings
 
 # Train samples and holdout ceilings of the synthetic stores (python -m dlrmv4 prepare --preset <name>;
-# docs/data.md tabulates them). synthetic-1b's have not been measured (its store needs a larger machine).
+# docs/data.md tabulates them). synthetic-5b's have not been measured (its store needs a larger machine).
 STORES = {
     "synthetic-tiny": (135_239, 0.8017),
     "synthetic-small": (702_485, 0.8072),
@@ -38,7 +38,7 @@ def test_a_target_above_the_ceiling_is_one_line():
     assert recipe_warnings(cfg, {}, 2_087_774) == []  # a store made before the ceiling was recorded
 
 
-@pytest.mark.parametrize("preset", [*STORES, "synthetic-1b"])
+@pytest.mark.parametrize("preset", [*STORES, "synthetic-1b", "synthetic-5b"])
 def test_every_synthetic_preset_has_its_own_recipe(preset):
     """Not the Yambda-5B recipe (LR 1e-6, 24,000 warm-up steps): a warm-up inside the data, a target
     below the ceiling, an eval cadence of its own."""

@@ -318,3 +318,42 @@ def test_the_mappings_always_cover_the_last_item():
         cat = _catalog(spec, seed)
         for ids, items in (cat.artist_map, cat.album_map):
             assert items.max() == spec.items - 1 and len(ids) == len(items)
+
+
+# Yambda-5B's listens (the dataset card: 4.65 B of its 4.79 B events).
+YAMBDA_5B_LISTENS = 4_650_000_000
+
+
+def test_synthetic_5b_has_yambda_5b_s_users_catalog_and_span():
+    from dlrmv4.reference_counts import YAMBDA_5B_TABLE_COUNTS
+
+    spec = synthetic.SPECS["5b"]
+    assert (spec.items, spec.artists, spec.albums) == YAMBDA_5B_TABLE_COUNTS
+    assert (spec.users, spec.days, spec.uid_rows) == (1_000_000, 300, 1_000_001)
+    # A sample of its users' listen counts: Yambda-5B's mean (4,650 a user) within the sample's spread.
+    sample = synthetic.listen_counts("5b", load_config("synthetic-5b").dataset.synthetic_seed, range(0, 1_000_000, 50))
+    assert abs(sample.mean() / (YAMBDA_5B_LISTENS / spec.users) - 1) < 0.03, sample.mean()
+
+
+@pytest.mark.slow
+def test_synthetic_5b_draws_yambda_5b_s_listens_past_a_32_bit_row_index():
+    """Every user's listen count at the preset's seed (the generator's own draw, without the events): 4.65 B
+    listens, within 0.5 %, so its rows (with likes, dislikes and undos) overflow any 32-bit row index."""
+    seed = load_config("synthetic-5b").dataset.synthetic_seed
+    listens = int(synthetic.listen_counts("5b", seed, range(synthetic.SPECS["5b"].users)).sum())
+    assert abs(listens / YAMBDA_5B_LISTENS - 1) < 0.005, listens
+    assert listens > 2**32
+
+
+def test_generation_too_large_for_the_disk_is_refused_before_any_work(tmp_path, monkeypatch):
+    import shutil
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**12, used=0, free=10**9))
+    with pytest.raises(
+        UserError,
+        match=r"^generating synthetic 5b \(about 4,665,000,000 listens\) needs up to "
+        r"60\.65 GB under .* but 1\.00 GB are free; free some space",
+    ):
+        synthetic.generate(tmp_path, "5b", SEED, progress=False)
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))

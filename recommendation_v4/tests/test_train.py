@@ -588,6 +588,26 @@ def test_a_run_without_its_final_checkpoint_ends_as_one_with_it(data_path, tmp_p
     assert [e["auc"] for e in _report(without)["evals"]] == [e["auc"] for e in a["evals"]]
 
 
+def test_a_max_steps_stop_without_its_final_checkpoint_writes_none(data_path, tmp_path):
+    """train.final_checkpoint=false holds at a max_steps stop too (a run whose checkpoint the disk cannot
+    hold): no checkpoint at all without a cadence, the MLPerf log ends with its RUN_STOP, and calling it
+    again starts over."""
+    values = {
+        **_overrides(data_path, tmp_path / "run"),
+        "train.max_steps": 3,
+        "train.final_checkpoint": False,
+        "train.checkpoint_every_steps": 0,
+        "train.checkpoint_every_window": False,
+    }
+    cmd = [sys.executable, "-c", RUNNER, json.dumps(values)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "run stopped: no final checkpoint (train.final_checkpoint is false)" in proc.stdout
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+    assert _report(tmp_path / "run")["steps"] == 3
+    assert _events(tmp_path / "run" / "mlperf_log.txt")[-1][0] == "run_stop"
+
+
 @pytest.mark.slow  # three runs, each stopped mid-training
 def test_a_sigterm_to_the_process_group_ends_the_run_in_its_one_line(data_path, tmp_path):
     """torchrun stops a rank, and a scheduler a job, by signalling its whole process group: the loader's

@@ -61,7 +61,7 @@ from dlrmv4.data.yambda_schema import (
     RawFiles,
 )
 from dlrmv4.errors import UserError
-from dlrmv4.files import check_writable, write_atomically
+from dlrmv4.files import check_free_space, check_writable, write_atomically
 from dlrmv4.parallel import exit_with_parent, in_order, usable_cores
 
 
@@ -86,11 +86,18 @@ SPECS: dict[str, SyntheticSpec] = {
     # Yambda-5B's users, catalog and span at a fifth of its events (the data path at scale).
     "1b": SyntheticSpec(users=1_000_000, items=9_390_624, artists=1_293_395, albums=3_367_692, mean_listens=1_000,
                         days=300, uid_rows=1_000_001),
+    # Yambda-5B's size whole: its users, catalog, span and about 4.79 B events (4.65 B listens; more
+    # rows than a 32-bit index holds). 4,665 listens a user on average give 4.65 B listens at the default seed.
+    "5b": SyntheticSpec(users=1_000_000, items=9_390_624, artists=1_293_395, albums=3_367_692, mean_listens=4_665,
+                        days=300, uid_rows=1_000_001),
 }
 assert tuple(SPECS) == SYNTHETIC_SIZES
 
 ROW_GROUP_ROWS = 1 << 20
 BLOCK_LISTENS = 500_000  # listens per user block: bounds memory, not the output
+# Disk per listen, at most: the events and their truth take about 11 bytes a row (8 + 3 at the medium
+# size), and likes, dislikes and undos add about 3 % rows to the listens.
+_RAW_BYTES_PER_LISTEN_AT_MOST = 13
 
 _CATALOG_STREAM, _USER_STREAM, _UID_STREAM = 0, 1, 2
 _ZIPF_EXPONENT = 1.0
@@ -248,17 +255,33 @@ class _UserDraws:
     u: np.ndarray          # (_N_COLS, total listens)
 
 
+def _user_rng(seed: int, index: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_USER_STREAM, index)))
+
+
+def _listen_count(rng: np.random.Generator, max_listens: int, mean_listens: int) -> int:
+    """A user's listens: the first draw of the user's stream (lognormal, heavy-tailed, clipped)."""
+    mu = np.log(mean_listens) - _LISTENS_SIGMA ** 2 / 2
+    return int(np.clip(rng.lognormal(mu, _LISTENS_SIGMA), _MIN_LISTENS, max_listens))
+
+
+def listen_counts(size: str, seed: int, users: range) -> np.ndarray:
+    """The listens of the user indices ``users`` of a size, as ``generate`` draws them (without their events)."""
+    spec = spec_for(size)
+    max_listens = _max_listens(_virtual_span_bins(spec.days))
+    return np.array([_listen_count(_user_rng(seed, i), max_listens, spec.mean_listens) for i in users], np.int64)
+
+
 def _draw_users(users: range, seed: int, cat: _Catalog, max_listens: int, mean_listens: int) -> _UserDraws:
     m = len(users)
     n = np.empty(m, np.int64)
     affine = np.full((m, _MAX_AFFINE), -1, np.int64)
     cum_weight = np.full((m, _MAX_AFFINE), 2.0)
     explore, bias, start_frac, tail_weight = (np.empty(m) for _ in range(4))
-    mu = np.log(mean_listens) - _LISTENS_SIGMA ** 2 / 2
     cols = []
     for j, index in enumerate(users):
-        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_USER_STREAM, index)))
-        n[j] = int(np.clip(rng.lognormal(mu, _LISTENS_SIGMA), _MIN_LISTENS, max_listens))
+        rng = _user_rng(seed, index)
+        n[j] = _listen_count(rng, max_listens, mean_listens)
         k = int(rng.integers(1, _MAX_AFFINE + 1))
         affine[j, :k] = _sample(cat.cum_artist_pref, rng.random(k))
         cum_weight[j, :k - 1] = np.cumsum(rng.dirichlet(np.ones(k)))[:-1]
@@ -477,14 +500,24 @@ def _write_events(tmp: Path, tmp_truth: Path, blocks, bar: tqdm) -> None:
             write(*(pa.concat_tables(part) for part in zip(*pending)))
 
 
+def _virtual_span_bins(days: int) -> int:
+    """The span's bins in the users' virtual time: the launch ramp compressed (it stretches them back)."""
+    span_bins = days * 86_400 // TIMESTAMP_BIN_SECONDS
+    return span_bins - ramp_bins(span_bins) * (_RAMP_STRETCH - 1)
+
+
+def _max_listens(span_bins: int) -> int:
+    """The listen cap that keeps a user's sessions, at minimal gaps, inside ``_SPAN_FILL`` of the span."""
+    per_listen = (1 + _INTRA_GAP_BINS) / 2 + _MIN_SESSION_GAP_BINS / _SESSION_MEAN_LISTENS
+    return max(_MIN_LISTENS, int(_SPAN_FILL * span_bins / per_listen))
+
+
 def _generation_args(spec: SyntheticSpec, seed: int, days: int) -> tuple:
     """What ``_block_events`` takes besides the users: (uids, seed, catalog, span, ramp, listen cap, mean listens)."""
-    span_bins = days * 86_400 // TIMESTAMP_BIN_SECONDS
-    ramp = ramp_bins(span_bins)
-    span_bins -= ramp * (_RAMP_STRETCH - 1)  # users live in virtual time; the ramp stretches it back
-    per_listen = (1 + _INTRA_GAP_BINS) / 2 + _MIN_SESSION_GAP_BINS / _SESSION_MEAN_LISTENS
-    max_listens = max(_MIN_LISTENS, int(_SPAN_FILL * span_bins / per_listen))
-    return (user_ids(spec, seed), seed, _catalog(spec, seed), span_bins, ramp, max_listens, spec.mean_listens)
+    span_bins = _virtual_span_bins(days)
+    ramp = ramp_bins(days * 86_400 // TIMESTAMP_BIN_SECONDS)
+    return (user_ids(spec, seed), seed, _catalog(spec, seed), span_bins, ramp, _max_listens(span_bins),
+            spec.mean_listens)
 
 
 def users_events(size: str, seed: int, users: range) -> dict[str, np.ndarray]:
@@ -507,6 +540,8 @@ def generate(root: Path, size: str, seed: int, *, num_days: int | None = None, p
     files = RawFiles.under(Path(root), size)
     for path in (files.multi_event.parent, files.artist_mapping.parent, files.album_mapping.parent):
         check_writable(path, "synthetic data directory")
+    check_free_space(files.multi_event.parent, spec.users * spec.mean_listens * _RAW_BYTES_PER_LISTEN_AT_MOST,
+                     f"generating synthetic {size} (about {spec.users * spec.mean_listens:,} listens)")
     # A stale events file must not pair with freshly written mappings if this run fails.
     files.multi_event.unlink(missing_ok=True)
     truth = truth_path(files)

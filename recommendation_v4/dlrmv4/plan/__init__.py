@@ -21,6 +21,7 @@ Where each part lives:
   memory_plan.py  the values: target, table uses, consumers, candidates, the plan
   tables.py       the tables' layout on the fullest rank (TorchRec's planner, or replicas)
   consumers.py    the dense model, the step's buffers, the checkpoint's host staging
+  disk.py         the checkpoints' bytes against the run directory's free disk
   search.py       make_memory_plan: the candidates and layouts tried, the fastest that fits
   explain.py      the plan in words, and a refusal's cause and knobs
   resolve.py      the choice written into the config

@@ -21,6 +21,9 @@ UVM_COST = 0.001
 CACHE_LOAD_FACTOR = 0.2
 # Host memory of one process besides its uvm tables: runtime, CUDA context, loader, pinned buffers.
 PROCESS_HOST_BYTES = 4 * GIB
+# Share of the tables' rows a delta checkpoint holds with a checkpoint per window: the most a window of
+# synthetic-1b (Yambda-5B's users and catalog) changed of a rank's block (benchmarks/results/delta_rows_1b.md).
+DELTA_ROW_SHARE = 0.0308
 
 
 def chunk_efficiency(samples: int) -> float:

@@ -9,6 +9,7 @@ from typing import Callable
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.errors import UserError
 from dlrmv4.plan.costs import GIB, PROCESS_HOST_BYTES
+from dlrmv4.plan.disk import describe_disk
 from dlrmv4.plan.memory_plan import Attempt, MemoryPlan
 
 # Makes the plan again at (world size, processes per node, backend), without a search of its own.
@@ -59,6 +60,7 @@ def describe(plan: MemoryPlan) -> str:
             f"{_gib(PROCESS_HOST_BYTES)} GiB per process) = {_gib(plan.host_needed)} GiB of "
             f"{_gib(t.host_memory)}"
         )
+    lines.append(describe_disk(plan.disk))
     c = plan.candidate
     lines.append(
         f"  choice: recompute {c.recompute}, {_count(c.chunks, 'chunk', 'chunks')} of at most "
@@ -98,7 +100,8 @@ def refusal(plan: MemoryPlan) -> str:
     """One line: why the run cannot fit and what would make it fit."""
     if plan.fits:
         return ""
-    return f"the memory plan does not fit: {plan.problem}; to fit: {'; '.join(plan.knobs)}"
+    what = "the run's checkpoints do not fit its disk" if plan.short_of == "disk" else "the memory plan does not fit"
+    return f"{what}: {plan.problem}; to fit: {'; '.join(plan.knobs)}"
 
 
 def _gib(n: float) -> str:

@@ -1,5 +1,6 @@
 """The plan for this machine and this run: the [plan] fields, 0s filled from the launcher's
-environment, the GPU's memory and /proc/meminfo, and the tables' sizes from the prepared store.
+environment, the GPU's memory, /proc/meminfo and the run directory's free disk, and the tables' sizes
+from the prepared store.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings import resolve_backend, store_table_counts
 from dlrmv4.plan.costs import GIB
+from dlrmv4.plan.disk import free_bytes
 from dlrmv4.plan.memory_plan import MemoryPlan
 from dlrmv4.plan.search import make_memory_plan
 from dlrmv4.reference_counts import YAMBDA_5B_TABLE_COUNTS
@@ -79,6 +81,7 @@ def _plan_on(
     else:  # the local processes share this machine's RAM
         device_memory = _meminfo("MemAvailable") // max(per_node, 1)
     host = int(p.plan_host_memory_gib * GIB) if p.plan_host_memory_gib > 0 else host_memory()
+    disk = int(p.plan_disk_gib * GIB) if p.plan_disk_gib > 0 else free_bytes(cfg.train.run_dir)
     return make_memory_plan(
         cfg,
         world_size=world,
@@ -88,6 +91,7 @@ def _plan_on(
         host_memory_bytes=host,
         table_counts=table_counts,
         backend=backend,
+        disk_free_bytes=disk,
     )
 
 

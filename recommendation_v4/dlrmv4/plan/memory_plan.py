@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from dlrmv4.plan.activations import ChunkActivations
 from dlrmv4.plan.costs import CACHE_LOAD_FACTOR
+from dlrmv4.plan.disk import CheckpointDisk
 
 PHASES = ("lookup", "chunks", "update")
 
@@ -77,10 +78,12 @@ class MemoryPlan:
     step: tuple[Consumer, ...]  # without the activations (those are the candidate's)
     candidate: Candidate  # the chosen one, or the smallest when nothing fits
     runner_up: Candidate | None
-    fits: bool
+    fits: bool  # device, host memory and disk
     host_needed: int  # per node
     hbm_cap: int | None
     checkpoint_staging: int  # host bytes per process an asynchronous checkpoint copies the state into
+    disk: CheckpointDisk  # the checkpoints against the run directory's free space
+    short_of: str = ""  # what it does not fit: "memory" (device or host) or "disk"; empty when it fits
     problem: str = ""  # why it does not fit; empty when it fits
     knobs: tuple[str, ...] = ()  # what would make it fit
 

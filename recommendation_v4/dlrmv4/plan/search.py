@@ -22,8 +22,9 @@ from dlrmv4.model.embeddings.torchrec_backend.sharding import (
 )
 from dlrmv4.ops.stu_layer import RECOMPUTE_MODES
 from dlrmv4.plan.activations import ActivationShape, chunk_activations
-from dlrmv4.plan.consumers import checkpoint_staging, dense_model, step_consumers
+from dlrmv4.plan.consumers import checkpoint_staging, dense_model, dense_parameters, step_consumers
 from dlrmv4.plan.costs import GIB, MIB, PROCESS_HOST_BYTES, RECOMPUTE_COST, UVM_COST, chunk_efficiency
+from dlrmv4.plan.disk import checkpoint_disk, disk_problem
 from dlrmv4.plan.explain import diagnose
 from dlrmv4.plan.memory_plan import PHASES, Attempt, Candidate, Consumer, MemoryPlan, Target
 from dlrmv4.plan.tables import planner_plan, table_layout
@@ -53,11 +54,13 @@ def make_memory_plan(
     table_counts: tuple[int, int, int],
     backend: str | None = None,
     suggest: bool = True,
+    disk_free_bytes: int | None = None,
 ) -> MemoryPlan:
     """The plan for ``world_size`` processes of ``device_kind`` ("cuda" or "cpu"); pure: nothing is
     allocated and no process group is needed. ``backend`` None: the config's, auto as a run resolves
     it (TorchRec when it imports and there are several processes). ``suggest``: search a world size
-    that fits for the refusal."""
+    that fits for the refusal. ``disk_free_bytes``: the run directory's free space, which a whole
+    checkpoint must fit (None: the disk is not checked)."""
     from dlrmv4.model.embeddings import table_specs
 
     backend = backend or planned_backend(cfg, world_size)
@@ -126,7 +129,9 @@ def make_memory_plan(
         tried = next((a for a in attempts if a.device_fits), attempts[-1])
     host_needed = host_bytes(tried)
     host_ok = host_fits(tried)
-    fits = tried.device_fits and host_ok
+    nodes = -(-world_size // target.gpus_per_node)
+    disk = checkpoint_disk(cfg, rows, dense_parameters(cfg), nodes, disk_free_bytes)
+    fits = tried.device_fits and host_ok and disk.fits
     chosen = tried.best if tried.best is not None else tried.smallest
     runner_up = None
     if fits:
@@ -151,9 +156,13 @@ def make_memory_plan(
         host_needed=host_needed,
         hbm_cap=tried.hbm_cap if tried.device_fits else None,
         checkpoint_staging=checkpoint_staging(cfg, tried.tables),
+        disk=disk,
     )
     if fits:
         return plan
+    if tried.device_fits and host_ok:
+        problem, knobs = disk_problem(disk)
+        return dataclasses.replace(plan, short_of="disk", problem=problem, knobs=tuple(knobs))
 
     def replan(world: int, per_node: int, backend: str) -> MemoryPlan:
         return make_memory_plan(
@@ -169,7 +178,7 @@ def make_memory_plan(
         )
 
     problem, knobs = diagnose(plan, cfg, tried, host_ok, table_counts, replan if suggest else None)
-    return dataclasses.replace(plan, problem=problem, knobs=tuple(knobs))
+    return dataclasses.replace(plan, short_of="memory", problem=problem, knobs=tuple(knobs))
 
 
 def _rank(c: Candidate) -> tuple:

@@ -34,6 +34,7 @@ from dlrmv4.mlperf.rules import check_closed_division
 from dlrmv4.mlperf.runlog import RunLog
 from dlrmv4.model.embeddings import needs_process_group, store_table_counts
 from dlrmv4.model.embeddings.torchrec_backend.sharding import check_sharding_options
+from dlrmv4.plan.disk import short_of_room
 from dlrmv4.plan.explain import describe, refusal, summary
 from dlrmv4.plan.machine import plan_for_run
 from dlrmv4.plan.resolve import resolved_config
@@ -164,6 +165,8 @@ def _run(
         raise UserError(refusal(plan))
     cfg = resolved_config(plan, cfg)
     log(summary(plan))
+    if short_of_room(plan.disk):
+        log(short_of_room(plan.disk))
     # Last of the checks: on a store changed since its verification this one takes minutes.
     check_verified(store_path, cluster.world_size, log, progress)
     if cluster.is_main:

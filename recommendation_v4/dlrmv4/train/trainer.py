@@ -324,7 +324,7 @@ class Trainer:
         paused_log = self.runlog.state() if history.status == "stopped" else None
         if finished:  # before the save: a finished run's checkpoint records the log with RUN_STOP in it
             self.runlog.run_stop(history.samples, self.train_samples, history.status)
-            if history.status != "stopped" and not self.cfg.train.final_checkpoint:
+            if not self.cfg.train.final_checkpoint:
                 self.log(f"run {history.status}: no final checkpoint (train.final_checkpoint is false)")
                 return
         runlog_state = paused_log if paused_log is not None else self.runlog.state()
