@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.batch import JaggedBatch, TorchJaggedBatch
-from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
+from dlrmv4.data.hashing import NUM_CONTEXTUAL
+from dlrmv4.data.synthetic_batch import synthetic_batch
 from dlrmv4.model.embeddings import TABLE_NAMES, SequenceEmbeddings
 
 
@@ -60,7 +60,6 @@ def random_embeddings(batch: TorchJaggedBatch, dim: int, seed: int, dtype=torch.
 
 
 def random_table_batch(
-    cfg: BenchmarkConfig,
     lengths: np.ndarray,
     rows: int | dict[str, int],
     rng: np.random.Generator,
@@ -68,37 +67,6 @@ def random_table_batch(
     dedup_ids: bool = False,
 ):
     """A jagged batch with the given sequence lengths (history = length - 9) and each table's ids below
-    its row count (``rows``: one count for every table, or one per table name): uniform, or
-    Zipf-distributed with exponent ``skew`` (> 1: a few very popular rows, as in real listening data);
-    ``dedup_ids``: with the lookup's distinct ids packed, as the loader packs them for TorchRec."""
+    its row count (``rows``: one count for every table, or one per table name): ``synthetic_batch``."""
     rows = rows if isinstance(rows, dict) else {name: rows for name in TABLE_NAMES}
-    hist = np.maximum(lengths - 9, 1).astype(np.int32)
-    b, t = len(hist), int(hist.sum())
-    offsets = np.zeros(b + 1, np.int64)
-    np.cumsum(hist, out=offsets[1:])
-    ts = np.concatenate([np.sort(rng.integers(0, 10**7, n)) for n in hist]).astype(np.int64)
-    query = ts[offsets[1:] - 1]
-
-    def ids(table: str, n: int) -> np.ndarray:
-        r = rows[table]
-        return ((rng.zipf(skew, n) - 1) % r if skew else rng.integers(0, r, n)).astype(np.int64)
-
-    batch = JaggedBatch(
-        history_lengths=hist,
-        history_offsets=offsets,
-        history_item_id=ids("item", t),
-        history_artist_id=ids("artist", t),
-        history_album_id=ids("album", t),
-        history_action=rng.choice([1, 2, 4], t).astype(np.int64),
-        history_timestamp=ts,
-        contextual_ids=np.stack([ids(name, b) for name in CONTEXTUAL_FEATURES], 1),
-        candidate_item_id=ids("item", b),
-        candidate_artist_id=ids("artist", b),
-        candidate_album_id=ids("album", b),
-        candidate_timestamp=query + rng.integers(0, 600, b),
-        query_time=query,
-        label=rng.integers(0, 2, b).astype(np.float32),
-        anchor_index=np.arange(b, dtype=np.int64),
-    )
-    batch.validate()
-    return batch.to_torch(dedup_ids=dedup_ids)
+    return synthetic_batch(np.maximum(np.asarray(lengths) - 9, 1), rows, rng, skew, dedup_ids)

@@ -255,6 +255,13 @@ class TrainConfig:
         min=0,
         max=65_536,
     )
+    warm_up: str = _field(
+        "auto",
+        "before RUN_START, run the step's and the eval's kernels on synthetic batches (every sequence-length "
+        "bucket and chunk shape, never the dataset) so that Triton compiles and autotunes them outside the timed "
+        "run; the run is the same bit for bit; auto: where the model runs its Triton kernels",
+        choices=("auto", "true", "false"),
+    )
     sparse_pipeline: bool = _field(
         True,
         "TorchRec tables: start the next batch's id distribution (TorchRec's input all-to-alls) while "

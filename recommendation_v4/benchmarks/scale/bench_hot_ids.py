@@ -93,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
         rng = np.random.default_rng([cluster.rank, int(skew * 100)])
         max_len = cfg.sampler.max_seq_len if not args.smoke else 64
         lengths = jagged_lengths("jagged", args.per_rank_batch, rng, max_len)
-        batches = [random_table_batch(cfg, lengths, table_rows, rng, skew).to(device) for _ in range(args.steps + 1)]
+        batches = [random_table_batch(lengths, table_rows, rng, skew).to(device) for _ in range(args.steps + 1)]
         ids = batches[0].history_item_id
         top_share = float(torch.bincount(ids).max().float() / len(ids))
         served = rows_served(batches[0], specs, world)

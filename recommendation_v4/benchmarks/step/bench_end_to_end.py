@@ -124,7 +124,7 @@ def measure(
         torch.cuda.reset_peak_memory_stats(device)
     step = build_step(cfg, (rows, rows, rows), device, seed=0)
     lengths = [jagged_lengths("jagged", batch_size, rng, cfg.sampler.max_seq_len) for _ in range(steps + WARM_STEPS)]
-    batches = [random_table_batch(cfg, n, rows, rng, skew).to(device) for n in lengths]
+    batches = [random_table_batch(n, rows, rng, skew).to(device) for n in lengths]
     started = time.perf_counter()
     step(batches[0], 0, 0)
     sync(device)

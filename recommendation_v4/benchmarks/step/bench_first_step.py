@@ -74,7 +74,7 @@ def main() -> None:
             for name, weight in embeddings.weights.items():
                 weight.mul_(init_bound(real_rows[name]) / init_bound(args.table_rows))
         rng = np.random.default_rng(seed)
-        batch = random_table_batch(cfg, jagged_lengths("jagged", args.batch, rng), args.table_rows, rng)
+        batch = random_table_batch(jagged_lengths("jagged", args.batch, rng), args.table_rows, rng)
         labels = torch.from_numpy((rng.random(args.batch) < args.label_rate).astype(np.float32))
         batch = dataclasses.replace(batch, label=labels).to(device)
         with torch.no_grad():  # training mode: the first step's forward, its dropout included

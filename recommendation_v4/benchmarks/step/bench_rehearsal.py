@@ -155,7 +155,7 @@ def main() -> None:
     dedup = looks_up_distinct_ids(rcfg, "torchrec")
 
     def batches(size: int) -> list:
-        return [random_table_batch(rcfg, n[:size], rows, rng, args.id_skew, dedup).to(device) for n in lengths]
+        return [random_table_batch(n[:size], rows, rng, args.id_skew, dedup).to(device) for n in lengths]
 
     pool = batches(SLICE)
     for i in range(WARM_STEPS):

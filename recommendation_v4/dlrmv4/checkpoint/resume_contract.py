@@ -32,6 +32,7 @@ RESUMABLE_FIELDS = frozenset(
         "embeddings.hbm_cap_gib",
         "train.chunks",
         "train.sparse_pipeline",
+        "train.warm_up",
         "train.max_steps",
         "train.run_dir",
         "train.checkpoint_every_steps",

@@ -215,6 +215,9 @@ def _run(
                 "parameters_sha256": digest,
                 "mlperf_log": str(runlog.path),
                 "eval_samples": trainer.eval_samples,
+                "triton_kernels_after_run_start": (
+                    None if trainer.kernels_on_the_clock is None else vars(trainer.kernels_on_the_clock)
+                ),
             },
             cfg.train.target_auc,
             rcp_band(cfg),

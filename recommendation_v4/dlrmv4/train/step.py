@@ -18,12 +18,14 @@ queued work, and the next step's lookup starts from ids already on their ranks
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from dlrmv4.config import TrainConfig
 from dlrmv4.data.batch import TorchJaggedBatch
-from dlrmv4.model.embeddings import SparseEmbeddings
-from dlrmv4.model.hstu import DlrmHSTU
+from dlrmv4.model.embeddings import SequenceEmbeddings, SparseEmbeddings
+from dlrmv4.model.hstu import DlrmHSTU, SliceContext
 from dlrmv4.train.chunks import ChunkedEmbeddings, chunk_bounds, chunk_context, gradient_sync
 from dlrmv4.train.optim import FiniteMonitor, WarmupSchedule, clip_dense_gradients, make_dense_optimizer
 from dlrmv4.train.prefetch import ready_point
@@ -64,28 +66,9 @@ class TrainStep:
         emb = self.embeddings(batch, bounds)
         context = self.model.slice_context(batch)
         self.optimizer.zero_grad(set_to_none=True)
-        if len(bounds) == 1:
-            loss = self.train_model(batch, emb, context).loss
-            self._send_ahead(ahead, ready)
-            loss.backward()
-            loss = loss.detach()
-        else:
-            chunked = ChunkedEmbeddings(emb, batch)
-            parts = []
-            for i, (start, stop) in enumerate(bounds):
-                leaves = chunked.leaves(start, stop)
-                with gradient_sync(self.train_model, last_chunk=i + 1 == len(bounds)):
-                    part = self.train_model(
-                        batch.samples(start, stop), leaves, chunk_context(self.model, batch, context, start)
-                    ).loss
-                    if i == 0:
-                        self._send_ahead(ahead, ready)
-                    part.backward()
-                chunked.store(start, stop, leaves)
-                parts.append(part.detach())
-                del leaves, part
-            chunked.backward()
-            loss = torch.stack(parts).sum()
+        loss = self.forward_backward(
+            batch, emb, context, bounds, self.train_model, lambda: self._send_ahead(ahead, ready)
+        )
         if ahead is not None:
             self.embeddings.settle_ids()
         clip_dense_gradients(self.dense_params, self.cfg.grad_clip_norm)
@@ -93,6 +76,38 @@ class TrainStep:
         self.embeddings.sparse_step()
         self.finite.update(loss, step, window)
         return loss
+
+    def forward_backward(
+        self,
+        batch: TorchJaggedBatch,
+        emb: SequenceEmbeddings,
+        context: SliceContext,
+        bounds: tuple[tuple[int, int], ...],
+        model: torch.nn.Module,
+        after_first_forward: Callable[[], None] = lambda: None,
+    ) -> torch.Tensor:
+        """The slice's forward and backward through ``model`` (in ``bounds``' chunks), down into the
+        lookup ``emb`` came from; the loss, detached. ``after_first_forward`` runs with the first
+        forward queued."""
+        if len(bounds) == 1:
+            loss = model(batch, emb, context).loss
+            after_first_forward()
+            loss.backward()
+            return loss.detach()
+        chunked = ChunkedEmbeddings(emb, batch)
+        parts = []
+        for i, (start, stop) in enumerate(bounds):
+            leaves = chunked.leaves(start, stop)
+            with gradient_sync(model, last_chunk=i + 1 == len(bounds)):
+                part = model(batch.samples(start, stop), leaves, chunk_context(self.model, batch, context, start)).loss
+                if i == 0:
+                    after_first_forward()
+                part.backward()
+            chunked.store(start, stop, leaves)
+            parts.append(part.detach())
+            del leaves, part
+        chunked.backward()
+        return torch.stack(parts).sum()
 
     def _send_ahead(self, ahead: TorchJaggedBatch | None, ready: torch.cuda.Event | None) -> None:
         """Start ``ahead``'s id distribution. Called with a forward queued: the host's wait for the

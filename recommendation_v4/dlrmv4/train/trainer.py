@@ -44,6 +44,8 @@ from dlrmv4.model.embeddings import (
     table_specs,
 )
 from dlrmv4.model.hstu import DlrmHSTU
+from dlrmv4.ops.compiled_kernels import CompiledKernels, compiled_kernels
+from dlrmv4.ops.dispatch import resolve
 from dlrmv4.train.checkpointer import Checkpointer
 from dlrmv4.train.evaluator import Evaluator
 from dlrmv4.train.history import RunHistory, TrainClock
@@ -53,6 +55,7 @@ from dlrmv4.train.progress import TrainProgress
 from dlrmv4.train.step import TrainStep
 from dlrmv4.train.tensorboard_scalars import TensorBoardScalars
 from dlrmv4.train.trace import StepProfiler, parse_step_windows
+from dlrmv4.train.warm_up import warm_up, warm_up_wanted
 
 
 def build_model_and_tables(
@@ -172,6 +175,9 @@ class Trainer:
         self.window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self.window_steps = 0
         self.train_clock = TrainClock()
+        # The Triton kernels compiled so far at RUN_START, and those compiled or tuned after it.
+        self.compiled_at_start: CompiledKernels | None = None
+        self.kernels_on_the_clock: CompiledKernels | None = None
 
     def log(self, msg: str) -> None:
         if self.progress is None:
@@ -205,6 +211,7 @@ class Trainer:
         try:
             self.scalars.open(history.steps, resumed=self.resume_from is not None)
             self._stream(history, loader)
+            self._compiled_on_the_clock()
         except TrainingDivergedError:
             self.runlog.run_stop(history.samples, self.train_samples, "aborted")
             raise
@@ -237,7 +244,9 @@ class Trainer:
                 resumed.history.status = "running"  # a max_steps stop is a pause: a larger limit continues the run
                 self.log(f"continuing the stopped run from step {resumed.history.steps}")
         if resumed is None or resumed.history.status == "running":
-            self.checkpointer.stage_ahead()  # before RUN_START: outside the timed run (not for a run with nothing to do)
+            # Before RUN_START: outside the timed run (not for a run with nothing to do).
+            self._warm_up_kernels()
+            self.checkpointer.stage_ahead()
         facts = RunFacts(
             self.train_samples, self.eval_samples, self.config_filename, self.cluster.world_size, self.step.chunks
         )
@@ -252,6 +261,25 @@ class Trainer:
         if history.status == "running":
             self.runlog.resume(resumed.runlog, self.cfg, facts, resumed.changed_settings)
         return history
+
+    def _warm_up_kernels(self) -> None:
+        """Compile and autotune the step's and the eval's Triton kernels on synthetic batches (train.warm_up)."""
+        if warm_up_wanted(self.cfg.train.warm_up, resolve(self.cfg.model.kernels, self.device)):
+            rows = {spec.name: spec.rows for spec in self.embeddings.specs}
+            samples = self.cfg.loader.batch_size // self.cluster.world_size
+            self.log(warm_up(self.step, samples, rows, self.cfg.sampler.max_seq_len, self.dedup_ids).describe())
+        self.compiled_at_start = compiled_kernels()
+
+    def _compiled_on_the_clock(self) -> None:
+        """Say how many kernels were compiled or autotuned inside the timed run (none after a warm-up)."""
+        now = compiled_kernels()
+        if now is None or self.compiled_at_start is None:
+            return
+        self.kernels_on_the_clock = now.since(self.compiled_at_start)
+        self.log(
+            f"Triton kernels after RUN_START: {self.kernels_on_the_clock.variants} compiled, "
+            f"{self.kernels_on_the_clock.autotuned} autotuned"
+        )
 
     def _stream(self, history: RunHistory, loader: WindowLoader) -> None:
         plan = loader.batch_plan

@@ -12,6 +12,7 @@ Ids are not range-checked in the hot path (that would need a device-to-host sync
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -175,6 +176,18 @@ class SparseEmbeddings(nn.Module, abc.ABC):
         ``chunks``: the sample ranges the caller takes the rows by (``train/chunks.py``), which a
         backend may lay the shared tables' rows out by (``SequenceEmbeddings.chunks`` says whether it
         did)."""
+
+    def warm_up_lookup(self, batch: TorchJaggedBatch, chunks: tuple[tuple[int, int], ...] = ()) -> SequenceEmbeddings:
+        """``forward``'s embeddings of ``batch`` as leaves: a backward from the model stops at them, never
+        reaching the tables or their optimizer state (the kernels' warm-up before RUN_START,
+        ``train/warm_up.py``; a backend whose lookup has kernels of its own makes the leaves below them)."""
+        with torch.no_grad():
+            emb = self(batch, chunks)
+        return dataclasses.replace(emb, **{n: getattr(emb, n).detach().requires_grad_() for n in emb.TENSORS})
+
+    def warm_up_update(self, batch: TorchJaggedBatch) -> None:
+        """Run the sparse update's own kernels once on scratch rows, for ``batch``'s ids (the warm-up;
+        nothing where the update is fused into the lookup's backward)."""
 
     @property
     def holds_pinned_host_memory(self) -> bool:

@@ -28,6 +28,9 @@ from dlrmv4.model.embeddings.tables import (
 )
 from dlrmv4.model.embeddings.wire import through_wire
 
+# The warm-up's scratch table: as many rows at most (its ids are folded into them).
+_SCRATCH_ROWS = 1 << 16
+
 
 class _TableLookup(torch.autograd.Function):
     """One table's rows for the sequence (in the sequence dtype) and for the item tower (fp32). The
@@ -116,6 +119,19 @@ class PlainEmbeddings(SparseEmbeddings):
             rowwise_adagrad_step_(
                 self.weights[name], getattr(self, f"momentum_{name}"), grad, self.lr_tensor, self.eps, self.kernels
             )
+
+    @torch.no_grad()
+    def warm_up_update(self, batch: TorchJaggedBatch) -> None:
+        """The update's kernel on scratch rows, for the pieces ``sparse_step`` hands it: each table's
+        history and candidate gradient rows (fp32), for ``batch``'s ids folded into the scratch rows."""
+        ids = feature_ids(batch)
+        for spec in self.specs:
+            rows = min(spec.rows, _SCRATCH_ROWS)
+            weight = torch.zeros(rows, self.dim, device=self.lr_tensor.device)
+            momentum = torch.zeros(rows, device=self.lr_tensor.device)
+            pieces = [ids[f] % rows for f in table_features(spec.name)]
+            grads = [torch.ones(len(p), self.dim, device=weight.device) for p in pieces]
+            rowwise_adagrad_step_(weight, momentum, (torch.cat(pieces), grads), self.lr_tensor, self.eps, self.kernels)
 
     def set_learning_rate(self, lr: float) -> None:
         self.lr = lr

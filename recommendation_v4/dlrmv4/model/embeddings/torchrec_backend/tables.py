@@ -245,10 +245,21 @@ class TorchRecEmbeddings(SparseEmbeddings):
             looked_up = self._sharded().compute_and_output_dist(distributed.context, ids).wait()
         else:  # a batch of its own: those on their way (another loop's) wait for their lookups
             looked_up = self._sharded()(sparse_features(batch)).wait()
+        return self._assemble(batch, {k: jt.values() for k, jt in looked_up.items()}, chunks)
+
+    def warm_up_lookup(self, batch: TorchJaggedBatch, chunks: tuple[tuple[int, int], ...] = ()) -> SequenceEmbeddings:
+        """The leaves are the looked-up rows, below the lookup's own kernels (the distinct ids' gather and
+        its backward); the tables and FBGEMM's fused update are never reached."""
+        with torch.no_grad():
+            looked_up = self._sharded()(sparse_features(batch)).wait()
+        return self._assemble(batch, {k: jt.values().detach().requires_grad_() for k, jt in looked_up.items()}, chunks)
+
+    def _assemble(
+        self, batch: TorchJaggedBatch, rows: dict[str, torch.Tensor], chunks: tuple[tuple[int, int], ...]
+    ) -> SequenceEmbeddings:
         # The sequence rows in the sequence model's dtype, laid out by the chunks; the candidate's rows
         # also as they came (fp32 on the CPU, where the wire's rounding is all they carry) for the fp32
         # item tower.
-        rows = {k: jt.values() for k, jt in looked_up.items()}
         return assemble_embeddings(
             {s.name: sequence_rows(batch, rows, s.name, self.sequence_dtype, self.kernels, chunks) for s in self.specs},
             [rows[f"candidate_{name}_id"] for name in SHARED_TABLES],
