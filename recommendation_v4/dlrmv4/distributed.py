@@ -7,16 +7,19 @@ from SLURM's own names: ``slurm_tasks.py``); each process then joins
 the group through ``env://``. Tensors travel on the main group (NCCL on GPUs, gloo on the CPU);
 host-side control messages (paths, decisions, small objects) on a gloo group, so they never wait
 for the device. Every collective has the configured timeout: a rank that dies or hangs makes the
-others fail with ``RankLostError`` instead of waiting forever.
+others fail with ``RankLostError``, naming it, instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import logging
 import os
 import re
+import socket
+import struct
 import sys
 import threading
 import time
@@ -46,6 +49,13 @@ FAILURE_POLL_SECONDS = 1.0  # how often every rank looks for a failure another r
 # A failed rank stays this long after posting its line: the store may live in its own process
 # (rank 0 of a launch without torchrun), and the others must read the line before it goes.
 FAILURE_LINGER_SECONDS = 3 * FAILURE_POLL_SECONDS
+# Each rank's failure watch adds 1 to its own counter at every poll: a lost collective names the ranks
+# whose counter stood still while it watched them this long.
+ALIVE_KEY = "dlrmv4/alive/"
+SILENCE_SECONDS = 3 * FAILURE_POLL_SECONDS
+# How long a rank that lost a collective waits for each answer of the store: its holder may have
+# stopped answering too, and the run's collective timeout would hold the line back that long.
+STORE_ANSWER_SECONDS = 5.0
 
 
 class RankLostError(UserError):
@@ -208,6 +218,35 @@ class Cluster:
         except Exception:  # noqa: BLE001 - the store may have gone with the failed rank
             return None
 
+    def beat(self) -> None:
+        """A sign of life in the store (every poll of this rank's failure watch)."""
+        try:
+            dist.distributed_c10d._get_default_store().add(f"{ALIVE_KEY}{self.rank}", 1)
+        except Exception:  # noqa: BLE001 - the store may be gone; the collective says the rest
+            pass
+
+    def hurry_the_store(self) -> None:
+        """From now on, each answer of the store waits up to ``STORE_ANSWER_SECONDS``: for a rank whose
+        collective failed, whose store holder may have stopped answering too."""
+        try:
+            dist.distributed_c10d._get_default_store().set_timeout(datetime.timedelta(seconds=STORE_ANSWER_SECONDS))
+        except Exception:  # noqa: BLE001 - no store, no wait
+            pass
+
+    def silent_ranks(self, seconds: float = SILENCE_SECONDS) -> list[int] | None:
+        """The other ranks that gave no sign of life in the store for ``seconds`` (ranks that never gave
+        one are not counted: their watch had not started); None when the store itself is gone or does
+        not answer."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            before = [store.add(f"{ALIVE_KEY}{r}", 0) for r in others]
+            time.sleep(seconds)
+            after = [store.add(f"{ALIVE_KEY}{r}", 0) for r in others]
+        except Exception:  # noqa: BLE001 - a store that is gone is the answer
+            return None
+        return [r for r, b, a in zip(others, before, after) if a == b > 0]
+
     def shutdown(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -229,7 +268,9 @@ class FailureWatch:
         self._thread.start()
 
     def _watch(self) -> None:
+        self._cluster.beat()
         while not self._stopped.wait(self._poll_seconds):
+            self._cluster.beat()
             posted = self._cluster.posted_failure()
             if posted is None:
                 continue
@@ -277,15 +318,33 @@ def is_comm_failure(exc: BaseException) -> bool:
 
 
 def lost_rank_error(cluster: Cluster, what: str, exc: BaseException) -> RankLostError:
+    """The line of a rank whose collective failed: the cause another rank posted, or which rank went
+    silent (watched for ``SILENCE_SECONDS``; a rank's own line posted meanwhile still wins)."""
+    cluster.hurry_the_store()
     posted = cluster.posted_failure()
+    silent: list[int] | None = []
+    if posted is None:
+        silent = cluster.silent_ranks()
+        posted = cluster.posted_failure()
     if posted is not None:
         return RankLostError(f"rank {cluster.rank} of {cluster.world_size}: {what} failed because {posted}", True)
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return RankLostError(
         f"rank {cluster.rank} of {cluster.world_size}: {what} failed, another rank exited or "
-        f"stopped answering (timeout {cluster.timeout_seconds:g} s): {first_line[:200]}",
+        f"stopped answering{_which_ranks(cluster, silent)} (timeout {cluster.timeout_seconds:g} s): {first_line[:200]}",
         False,
     )
+
+
+def _which_ranks(cluster: Cluster, silent: list[int] | None) -> str:
+    """``silent_ranks``'s answer, for the line: the silent ranks, or where the store went."""
+    if silent:
+        return f": rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+    if silent is None and "TORCHELASTIC_RUN_ID" in os.environ:
+        return ": the rendezvous store is gone too (the node that held it stopped or failed)"
+    if silent is None and cluster.rank != 0:
+        return ": rank 0 (its process held the rendezvous store, which is gone too)"
+    return ""
 
 
 def own_failure_line(cluster: Cluster, exc: BaseException) -> str:
@@ -315,7 +374,7 @@ def exit_process(code: int) -> None:
     teardown, in which torch's autograd and gloo threads can hang or abort the process after the
     run has ended (pytorch/pytorch#190489; seen here about once in ten two-process runs). What the
     process wrote must be closed by now."""
-    if code == 1 and hosts_the_store():
+    if code == 1 and hosts_the_store() and dist.is_initialized():  # a store no rank joined has no reader
         time.sleep(FAILURE_LINGER_SECONDS)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         logging.shutdown()
@@ -393,14 +452,14 @@ def start_cluster(cfg: DistributedConfig, need_group: bool = False) -> Cluster:
     timeout = datetime.timedelta(seconds=cfg.timeout_seconds)
     if dist.is_initialized():
         raise UserError("torch.distributed is already initialised in this process")
-    if launched is not None and local_rank == 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
-        # srun's tasks meet at rank 0's store with no launcher that says so: once per node.
-        print(
-            f"[dlrmv4] rank {rank}: joining the {world} ranks at {os.environ['MASTER_ADDR']}:"
-            f"{os.environ['MASTER_PORT']} (waits up to {cfg.timeout_seconds:g} s, --timeout-seconds)",
-            file=sys.stderr,
-            flush=True,
-        )
+    if launched is not None and "TORCHELASTIC_RUN_ID" not in os.environ:
+        if local_rank == 0:  # srun's tasks meet at rank 0's store with no launcher that says so: once per node
+            sys.stderr.write(
+                f"[dlrmv4] rank {rank}: joining the {world} ranks at {os.environ['MASTER_ADDR']}:"
+                f"{os.environ['MASTER_PORT']} (waits up to {cfg.timeout_seconds:g} s, --timeout-seconds)\n"
+            )
+            sys.stderr.flush()
+        _meet_at_rank_zero(rank, world, cfg.timeout_seconds)
     try:
         if launched is None:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -432,6 +491,30 @@ def start_cluster(cfg: DistributedConfig, need_group: bool = False) -> Cluster:
     return cluster
 
 
+def _meet_at_rank_zero(rank: int, world: int, timeout_seconds: float) -> None:
+    """Ranks started without a launcher (srun's tasks) meet at the store rank 0's process opens on
+    MASTER_PORT. c10d alone would wait for a missing rank 0 about twice the timeout, with native stack
+    dumps, and for ever at a port another program holds: rank 0 first checks that the port is free,
+    the others wait, up to the timeout, for a store to answer there."""
+    addr = os.environ["MASTER_ADDR"]
+    try:
+        port = int(os.environ["MASTER_PORT"])
+    except ValueError as exc:
+        raise UserError(f"rank {rank} of {world}: MASTER_PORT is not a port number ({exc})") from exc
+    if rank == 0:
+        if not port_is_free(port):
+            raise UserError(f"rank 0 of {world}: {port_held_line(addr, port, probe_port(addr, port))}")
+        return
+    answer = wait_for_store(addr, port, timeout_seconds)
+    if answer.kind == "nothing":
+        raise UserError(
+            f"rank {rank} of {world}: no rendezvous store answered at {addr}:{port} within {timeout_seconds:g} s "
+            "(--timeout-seconds): task 0 did not start, or MASTER_ADDR/MASTER_PORT do not name its node"
+        )
+    if answer.kind == "other":
+        raise UserError(f"rank {rank} of {world}: {port_held_line(addr, port, answer)}")
+
+
 def _node_layout(cluster: Cluster) -> None:
     """Every node runs as many processes (the plan, the memory plan and rank slicing assume it), each
     on a GPU of its own; otherwise every rank refuses, naming two of them."""
@@ -461,3 +544,87 @@ def layout_problem(layouts: list[tuple[int, str]]) -> str | None:
             )
         first_on.setdefault(gpu, rank)
     return None
+
+
+# -- the rendezvous port -------------------------------------------------------------------------
+# c10d's TCPStore protocol (QueryType and the magic number in torch's c10d/TCPStoreBackend.hpp): a
+# client first sends VALIDATE with the magic number; PING then has the store send back the nonce it
+# carries. Whatever else holds the port answers otherwise, or not at all.
+_STORE_VALIDATE, _STORE_PING, _STORE_MAGIC = 0, 13, 0x3C85F7CE
+_PROBE_NONCE = 0x6D726C64  # no newline byte: a line-based server (HTTP) keeps waiting, it does not answer
+STORE_PROBE_SECONDS = 2.0  # a store answers a ping within milliseconds
+STORE_RETRY_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class PortAnswer:
+    """What is at a rendezvous address: ``"store"`` (a c10d store answered), ``"nothing"`` (refused,
+    unreachable) or ``"other"`` (another program; ``said``: how it answered)."""
+
+    kind: str
+    said: str = ""
+
+
+def probe_port(addr: str, port: int, seconds: float = STORE_PROBE_SECONDS) -> PortAnswer:
+    """Ask ``addr:port`` for a store's answer to a ping, waiting up to ``seconds`` for each step."""
+    try:
+        conn = socket.create_connection((addr, port), timeout=seconds)
+    except OSError:
+        return PortAnswer("nothing")
+    with conn:
+        try:
+            conn.sendall(struct.pack("=BIBI", _STORE_VALIDATE, _STORE_MAGIC, _STORE_PING, _PROBE_NONCE))
+            answer = b""
+            while len(answer) < 4:
+                chunk = conn.recv(64)
+                if not chunk:
+                    return PortAnswer("other", "it closed the connection without answering as a rendezvous store")
+                answer += chunk
+        except socket.timeout:
+            return PortAnswer("other", "it accepted a connection but never answered as a rendezvous store")
+        except OSError as exc:
+            return PortAnswer("other", f"it broke the connection ({exc.strerror or exc})")
+    if struct.unpack("=I", answer[:4])[0] == _PROBE_NONCE:
+        return PortAnswer("store")
+    text = " ".join(answer.decode("ascii", "replace").split())[:60]
+    return PortAnswer("other", f"it answered {text!r}")
+
+
+def wait_for_store(addr: str, port: int, seconds: float) -> PortAnswer:
+    """Probe ``addr:port`` until a store answers, another program answers something, or ``seconds``
+    have passed (the last answer then: nothing, or a program that never answered as a store)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = deadline - time.monotonic()
+        answer = probe_port(addr, port, max(min(STORE_PROBE_SECONDS, left), 0.1))
+        if answer.kind == "store" or answer.said.startswith("it answered"):
+            return answer
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return answer
+        time.sleep(min(STORE_RETRY_SECONDS, left))
+
+
+def port_is_free(port: int) -> bool:
+    """Whether this machine can listen on ``port``, as a c10d store does (every address, the same
+    SO_REUSEADDR: a port left in TIME_WAIT by an earlier run is free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as exc:
+            return exc.errno != errno.EADDRINUSE
+    return True
+
+
+def port_held_line(addr: str, port: int, answer: PortAnswer) -> str:
+    """The line for a rendezvous port that another program holds."""
+    said = (
+        "it answers as a rendezvous store: another job's, or an earlier run's still going"
+        if answer.kind == "store"
+        else answer.said
+    )
+    return (
+        f"MASTER_PORT {port} on {addr} is held by another program{f' ({said})' if said else ''}: stop it, or "
+        "give every node another MASTER_PORT"
+    )

@@ -10,23 +10,39 @@ why; the ranks it starts leave the SIGTERM that stops them unsaid (``DLRMV4_LAUN
 their own line where torchrun's agent reads it (``TORCHELASTIC_ERROR_FILE``). A rank whose failure
 only follows another's (a collective that lost its peer) is never named the cause while that other
 rank's failure is known.
+
+Across nodes (a c10d rendezvous), each node also checks the rendezvous port before torchrun waits on
+it, since torch's own waits there run in native code that neither the join timeout nor a SIGTERM
+reaches: the node that hosts the store (``is_host`` in ``--rdzv-conf``) that no other program
+holds the port, the others, up to the join timeout, that a store answers there. A failure of the
+rendezvous says which one it is: the nodes did not all join, or the store went away with its node.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
+import math
 import os
 import signal
 import sys
+import time
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from dlrmv4.distributed import port_held_line, port_is_free, probe_port, wait_for_store
 from dlrmv4.errors import CAUSED_BY_ANOTHER_RANK, ERROR_PREFIX, LAUNCHER_ENV
 
 DEFAULT_JOIN_TIMEOUT_S = 600  # torchrun's own for the c10d rendezvous
+DEFAULT_RDZV_PORT = 29400  # torchrun's, for an endpoint without one
 # Exit statuses of a rank that the agent stopped: our CLI's 143, or the signal itself.
 STOPPED_BY_THE_AGENT = (128 + signal.SIGTERM, -signal.SIGTERM)
 
@@ -61,13 +77,83 @@ def failure_line(failures: dict[int, ProcessFailure]) -> str:
     return f"rank {rank} exited with status {failure.exitcode} (its output above says why)"
 
 
-def join_timeout(rdzv_conf: str) -> float:
-    """The rendezvous's ``join_timeout`` from torchrun's ``--rdzv-conf`` (``key=value,...``)."""
+def conf_value(rdzv_conf: str, name: str) -> str | None:
+    """One key's value in torchrun's ``--rdzv-conf`` (``key=value,...``)."""
     for item in filter(None, rdzv_conf.split(",")):
         key, _, value = item.partition("=")
-        if key.strip() == "join_timeout":
-            return float(value)
-    return DEFAULT_JOIN_TIMEOUT_S
+        if key.strip() == name:
+            return value.strip()
+    return None
+
+
+def join_timeout(rdzv_conf: str) -> float:
+    """The rendezvous's ``join_timeout`` from torchrun's ``--rdzv-conf``."""
+    value = conf_value(rdzv_conf, "join_timeout")
+    return DEFAULT_JOIN_TIMEOUT_S if value is None else float(value)
+
+
+def with_join_timeout(rdzv_conf: str, seconds: float) -> str:
+    """``--rdzv-conf`` with its ``join_timeout`` set to ``seconds``."""
+    items = [item for item in filter(None, rdzv_conf.split(",")) if item.partition("=")[0].strip() != "join_timeout"]
+    return ",".join([*items, f"join_timeout={seconds:g}"])
+
+
+def hosts_the_store(rdzv_conf: str, host: str) -> tuple[bool, bool]:
+    """(whether this node hosts the rendezvous store, whether ``--rdzv-conf`` says so): its
+    ``is_host``, or torch's own guess from the endpoint's host name."""
+    value = conf_value(rdzv_conf, "is_host")
+    if value is not None:
+        return value.lower() in ("1", "true", "yes", "y", "on"), True
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    return _matches_machine_hostname(host), False
+
+
+def check_the_port(args: argparse.Namespace, waiting: str) -> str | None:
+    """Before torchrun's rendezvous, whose waits at the port run in native code (a store that never
+    answers held both nodes for minutes and SIGTERM could not stop them): the problem's line, or
+    None. A node that joins as a client leaves torchrun the join timeout it has left."""
+    host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=DEFAULT_RDZV_PORT)
+    hosting, said = hosts_the_store(args.rdzv_conf, host)
+    if hosting:
+        if port_is_free(port):
+            return None
+        answer = probe_port(host, port)
+        if answer.kind == "store" and not said:
+            return None  # torch's guess: another node on this machine hosts it, torch joins as a client
+        return port_held_line(host, port, answer)
+    timeout = join_timeout(args.rdzv_conf)
+    started = time.monotonic()
+    answer = wait_for_store(host, port, timeout)
+    if answer.kind == "store":
+        args.rdzv_conf = with_join_timeout(args.rdzv_conf, max(1, math.ceil(timeout - (time.monotonic() - started))))
+        return None
+    if answer.kind == "other":
+        return port_held_line(host, port, answer)
+    return (
+        f"the nodes did not all join: waited for {waiting}: no rendezvous store answered there (the node that "
+        "hosts it, NODE_RANK 0, has not started, or the endpoint does not name it)"
+    )
+
+
+def rendezvous_failure(exc: RendezvousError, args: argparse.Namespace, waiting: str) -> str:
+    """What a failed rendezvous means: the nodes did not all join in time, another node closed it, or
+    the store went away with the node that held it."""
+    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, RendezvousTimeoutError):
+        return f"the nodes did not all join: waited for {waiting}: {first}"
+    if isinstance(exc, RendezvousClosedError):
+        return f"another node ended the run and closed the rendezvous at {args.rdzv_endpoint} (its output says why)"
+    host, _ = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=DEFAULT_RDZV_PORT)
+    if hosts_the_store(args.rdzv_conf, host)[0]:
+        cause = exc.__cause__ or exc
+        return (
+            f"the rendezvous store this node holds at {args.rdzv_endpoint} failed: {' '.join(str(cause).split())[:200]}"
+        )
+    return (
+        f"lost the rendezvous store at {args.rdzv_endpoint}: the node that holds it stopped or failed (its "
+        "output says why); this node's ranks were stopped"
+    )
 
 
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
@@ -88,13 +174,20 @@ def _raise_signal_exception(signum: int, frame: object) -> None:
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
 
+def _say(line: str) -> None:
+    """One write per line: ranks started unbuffered (torchrun's -u) share this console."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
     nodes = str(args.nnodes).split(":")[-1]
+    node = f"node {args.node_rank}"
     waiting = ""
     if not args.standalone and nodes != "1":
         waiting = f"{nodes} nodes at {args.rdzv_endpoint} (up to {join_timeout(args.rdzv_conf):g} s)"
-        print(f"[dlrmv4] node {args.node_rank}: waiting for {waiting}", file=sys.stderr, flush=True)
+        _say(f"[dlrmv4] {node}: waiting for {waiting}")
     quiet_the_agent()
     os.environ[LAUNCHER_ENV] = "1"
     # torchrun's agent handles these once its ranks have started; before, through the rendezvous (up
@@ -102,21 +195,20 @@ def main(argv: list[str] | None = None) -> int:
     for stop in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop, _raise_signal_exception)
     try:
+        problem = check_the_port(args, waiting) if waiting and args.rdzv_backend == "c10d" else None
+        if problem is not None:
+            _say(f"{ERROR_PREFIX}{node}: {problem}")
+            return 1
         torchrun.run(args)
     except ChildFailedError as exc:
-        print(f"{ERROR_PREFIX}{failure_line(exc.failures)}", file=sys.stderr, flush=True)
+        _say(f"{ERROR_PREFIX}{failure_line(exc.failures)}")
         return 1
     except RendezvousError as exc:
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        print(
-            f"{ERROR_PREFIX}node {args.node_rank}: the nodes did not all join: waited for {waiting}: {first}",
-            file=sys.stderr,
-            flush=True,
-        )
+        _say(f"{ERROR_PREFIX}{node}: {rendezvous_failure(exc, args, waiting)}")
         return 1
     except SignalException as exc:
         name = signal.Signals(exc.sigval).name
-        print(f"[dlrmv4] terminated ({name}): every rank was stopped", file=sys.stderr, flush=True)
+        _say(f"[dlrmv4] terminated ({name}): every rank was stopped")
         return 128 + int(exc.sigval)
     return 0
 

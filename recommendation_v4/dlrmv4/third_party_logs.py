@@ -9,11 +9,16 @@ The warnings below came once per rank on every multi-process run (136 console li
 26 of them the project's): deprecation notices about the libraries' own internals or about calls
 whose replacement the pinned versions do not all have, and a note on a B200 kernel path that is
 off on other GPUs. None asks anything of a user, so none is shown (docs/training.md lists them).
+
+c10d's native warnings (a store connection that closed, a client that retries) each come with a dump
+of some fifteen native stack frames, around the one line that says the cause; only its errors are
+shown, unless ``TORCH_CPP_LOG_LEVEL`` is set.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import warnings
 
@@ -34,6 +39,9 @@ SILENCED_WARNINGS = (
     # The all-gathers of the loop's control messages; all_gather_single is not in every pinned torch.
     (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated"),
 )
+# torch reads it once, when it is first imported (after dlrmv4 itself, in python -m dlrmv4 and
+# python -m dlrmv4.launch alike); the ranks a launcher starts inherit it.
+NATIVE_LOG_LEVEL = ("TORCH_CPP_LOG_LEVEL", "ERROR")
 # torch's FX tracer logs a change of is_fx_tracing()'s meaning when TorchRec's sharder calls it.
 SILENCED_LOGGERS = ("torch.fx._symbolic_trace",)
 
@@ -56,8 +64,8 @@ class _ThirdPartyFilter(logging.Filter):
 
 
 def install() -> None:
-    """Put the filter on the root logger (FBGEMM logs there) and silence the warnings above, once per
-    process."""
+    """Put the filter on the root logger (FBGEMM logs there) and silence the warnings above and c10d's
+    native warnings, once per process."""
     root = logging.getLogger()
     if not any(isinstance(f, _ThirdPartyFilter) for f in root.filters):
         root.addFilter(_ThirdPartyFilter())
@@ -65,3 +73,4 @@ def install() -> None:
         warnings.filterwarnings("ignore", message=re.escape(start), category=category)
     for name in SILENCED_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault(*NATIVE_LOG_LEVEL)

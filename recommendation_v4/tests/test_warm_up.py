@@ -22,16 +22,19 @@ def test_the_buckets_reach_the_longest_sequence():
     assert length_buckets(10) == [10]
 
 
-def test_each_bucket_gets_aligned_and_unaligned_steps_and_a_full_and_a_short_eval():
+def test_each_bucket_gets_aligned_and_unaligned_steps_and_full_short_and_single_evals():
     shapes = warm_up_batches(48, 16)
-    assert len(shapes) == 4 * 3
+    assert len(shapes) == 7 * 3
     for longest in (16, 32, 48):
         mine = [s for s in shapes if s.longest == longest]
         assert {(s.samples, s.aligned, s.training) for s in mine} == {
             (16, True, True),
             (16, False, True),
             (16, True, False),
+            (16, False, False),
+            (3, True, False),
             (3, False, False),
+            (1, False, False),
         }
 
 
@@ -94,5 +97,5 @@ def test_a_run_with_the_warm_up_is_the_run_without_it(data_path, tmp_path, extra
     assert warm_events == cold_events
     assert [e["auc"] for e in warm["history"]["evals"]] == [e["auc"] for e in cold["history"]["evals"]]
     (said,) = [line for line in warm_lines if line.startswith("kernels compiled and tuned before RUN_START")]
-    assert said.startswith("kernels compiled and tuned before RUN_START: 12 warm-up passes over 3 sequence-length")
+    assert said.startswith("kernels compiled and tuned before RUN_START: 21 warm-up passes over 3 sequence-length")
     assert not any(line.startswith("kernels compiled and tuned") for line in cold_lines)

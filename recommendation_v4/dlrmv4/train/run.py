@@ -216,7 +216,7 @@ def _run(
                 "mlperf_log": str(runlog.path),
                 "eval_samples": trainer.eval_samples,
                 "triton_kernels_after_run_start": (
-                    None if trainer.kernels_on_the_clock is None else vars(trainer.kernels_on_the_clock)
+                    None if trainer.kernels_on_the_clock is None else trainer.kernels_on_the_clock.as_dict()
                 ),
             },
             cfg.train.target_auc,

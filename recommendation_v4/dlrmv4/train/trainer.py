@@ -276,10 +276,7 @@ class Trainer:
         if now is None or self.compiled_at_start is None:
             return
         self.kernels_on_the_clock = now.since(self.compiled_at_start)
-        self.log(
-            f"Triton kernels after RUN_START: {self.kernels_on_the_clock.variants} compiled, "
-            f"{self.kernels_on_the_clock.autotuned} autotuned"
-        )
+        self.log(f"Triton kernels after RUN_START: {self.kernels_on_the_clock.describe()}")
 
     def _stream(self, history: RunHistory, loader: WindowLoader) -> None:
         plan = loader.batch_plan

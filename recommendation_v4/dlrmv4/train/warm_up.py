@@ -75,15 +75,15 @@ def length_buckets(max_seq_len: int) -> list[int]:
 
 
 def warm_up_batches(max_seq_len: int, samples: int) -> list[WarmUpBatch]:
-    """What the warm-up runs: per length bucket, two training slices (token counts a multiple of 16
-    and not) and two evals (a full slice, a short last batch)."""
+    """What the warm-up runs: per length bucket, two training slices (token counts a multiple of 16 and
+    not: the step's sample count is fixed) and evals of a full slice and of a short last batch (a
+    window's remainder), each with token counts a multiple of 16 and not, and of a single sample."""
     out = []
     for longest in length_buckets(max_seq_len):
         out += [WarmUpBatch(samples, longest, aligned, True) for aligned in (True, False)]
-        out += [
-            WarmUpBatch(samples, longest, True, False),
-            WarmUpBatch(min(samples, _SHORT_EVAL_SAMPLES), longest, False, False),
-        ]
+        for count in dict.fromkeys((samples, min(samples, _SHORT_EVAL_SAMPLES))):
+            out += [WarmUpBatch(count, longest, aligned, False) for aligned in (True, False)]
+        out.append(WarmUpBatch(1, longest, False, False))
     return out
 
 

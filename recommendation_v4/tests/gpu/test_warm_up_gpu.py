@@ -20,7 +20,7 @@ GPU = {
     "train.target_auc": "1.0",
 }
 RUNNER = "import sys, torch; torch.use_deterministic_algorithms({}); from dlrmv4.cli import main; sys.exit(main(sys.argv[1:]))"
-COMPILED = re.compile(r"Triton kernels after RUN_START: (\d+) compiled, (\d+) autotuned")
+COMPILED = re.compile(r"Triton kernels after RUN_START: (\d+)(?: \([^)]*\))? compiled, (\d+)(?: \([^)]*\))? autotuned")
 
 
 @pytest.fixture(scope="module")
