@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +15,7 @@ import torch
 from store_factory import random_store
 
 from dlrmv4.config import BenchmarkConfig, LoaderConfig, SamplerConfig
-from dlrmv4.data.batch import BATCH_DTYPES, TorchJaggedBatch
+from dlrmv4.data.batch import BATCH_DTYPES, ID_FIELDS, TorchJaggedBatch
 from dlrmv4.data.loader import (
     BatchSlice,
     WindowDataset,
@@ -201,9 +206,14 @@ def test_packed_batch_moves_as_one_buffer(store):
     host = build_batch(store, np.asarray(store.window_anchors(0))[:BATCH], config().sampler)
     tb = host.to_torch()
     packed = tb._packed()
-    # Every field 8-byte aligned, and the KeyedJaggedTensor's lengths (one per sample and feature).
+    # The ids in one region, the KeyedJaggedTensor's lengths (one per sample and feature) in another,
+    # every other field in its own; each region padded to 16 bytes.
     lengths_bytes = len(SPARSE_KEYS) * host.num_samples * 8
-    expected = sum(-(-getattr(host, n).nbytes // 8) * 8 for n in BATCH_DTYPES) + lengths_bytes
+    id_bytes = sum(getattr(host, n).nbytes for n in ID_FIELDS)
+    others = [n for n in BATCH_DTYPES if n not in ID_FIELDS]
+    expected = sum(
+        -(-nbytes // 16) * 16 for nbytes in [id_bytes, lengths_bytes] + [getattr(host, n).nbytes for n in others]
+    )
     assert packed is not None and packed.numel() == expected
     moved = tb._on(packed.clone())  # what pin_memory() and to(device) do with their one copy
     for name in BATCH_DTYPES:
@@ -214,6 +224,18 @@ def test_packed_batch_moves_as_one_buffer(store):
     # A batch whose fields do not share one buffer moves field by field.
     loose = dataclasses.replace(tb, label=tb.label.clone())
     assert loose._packed() is None and np.array_equal(loose.to("cpu").label.numpy(), host.label)
+
+
+@pytest.mark.parametrize("lengths", [[3, 2, 4], [3, 1, 4], [1]])
+def test_every_region_of_a_packed_batch_starts_16_byte_aligned(lengths):
+    """Triton specializes kernels on 16-byte pointer alignment: a field's alignment must not follow
+    the token count before it (odd counts of 1-byte actions or 8-byte ids shifted the fields after)."""
+    from model_inputs import random_batch
+
+    tb = random_batch(lengths, seed=0)
+    base = tb._packed().data_ptr()
+    for name in [n for n in BATCH_DTYPES if n not in ID_FIELDS] + ["id_lengths"]:
+        assert (getattr(tb, name).data_ptr() - base) % 16 == 0, name
 
 
 def test_device_prefetcher_passes_batches_through_on_the_cpu():
@@ -267,3 +289,40 @@ def test_an_item_id_beyond_the_stores_items_is_one_line_naming_the_store(tmp_pat
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"{path}: item id ")
     assert f"python -m dlrmv4 verify --store {path}" in message
+
+
+@pytest.mark.parametrize("scenario, code", [("killed", 1), ("damaged", 1), ("done", 0)])
+def test_a_rank_ending_with_its_workers_alive_leaves_no_semaphore_and_no_worker(tmp_path, scenario, code):
+    """A process holding loaders whose workers a fork server started (a rank whose tables are in pinned
+    host memory: the holdout's persistent workers and the training loader's) ends as a rank of
+    several does, with ``os._exit``: after a training worker was SIGKILLed mid-stream, after a
+    worker's error in the first batch, and after the training loader's last batch. It ends with the
+    project's line alone (no resource tracker's 'leaked semaphore objects' warning once it has gone),
+    and its workers, fork server and resource tracker end with it (the pipes close)."""
+    tests = Path(__file__).parent
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2")  # a rank of several, not the store's host: os._exit
+    env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests.parent / "benchmarks"), str(tests.parent)])
+    env.pop("PYTHONWARNINGS", None)  # the resource tracker's complaint is a warning
+    proc = subprocess.Popen(
+        [sys.executable, str(tests / "loader_exit_worker.py"), scenario, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # its workers, fork server and tracker share its process group
+    )
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{scenario}: the process or a loader worker of it still runs after 60 s")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == code, err[-3000:]
+    lines = err.splitlines()
+    if code:
+        assert len(lines) == 1 and lines[0].startswith("[dlrmv4] error: "), err[-3000:]
+    else:
+        assert lines == [] and out == f"{scenario}: loader done\n", err[-3000:]

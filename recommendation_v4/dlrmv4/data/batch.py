@@ -29,6 +29,10 @@ import torch
 from dlrmv4.data.hashing import NUM_CONTEXTUAL
 
 # Field -> dtype; the order is the dataclasses' field order.
+# Each region of the packed buffer starts on a 16-byte boundary: Triton specializes a kernel on whether
+# a pointer is 16-byte aligned, so a region's alignment must not depend on the lengths before it (a
+# batch would otherwise compile a new kernel variant inside the timed run).
+REGION_ALIGNMENT = 16
 BATCH_DTYPES: dict[str, np.dtype] = {
     "history_lengths": np.dtype(np.int32),    # [B]
     "history_offsets": np.dtype(np.int64),    # [B+1]
@@ -134,7 +138,7 @@ class JaggedBatch:
 
     def to_torch(self, device: torch.device | str | None = None, pin_memory: bool = False,
                  dedup_ids: bool = False) -> TorchJaggedBatch:
-        """Torch twin whose tensors are views of one packed host buffer (8-byte aligned fields), so a
+        """Torch twin whose tensors are views of one packed host buffer (16-byte aligned regions), so a
         worker hands a batch over in one shared-memory segment and pinning or a device copy is one
         transfer; optionally pinned, then copied to ``device`` without blocking. The id fields are
         views of one region in the lookup's layout; ``dedup_ids`` adds the lookup's distinct ids
@@ -163,7 +167,7 @@ class JaggedBatch:
         offsets, total = {}, 0
         for name, arr in regions.items():
             offsets[name] = total
-            total += -(-arr.nbytes // 8) * 8
+            total += -(-arr.nbytes // REGION_ALIGNMENT) * REGION_ALIGNMENT
         packed = np.empty(total, dtype=np.uint8)
         for name, arr in regions.items():
             packed[offsets[name]:offsets[name] + arr.nbytes] = arr.reshape(-1).view(np.uint8)
