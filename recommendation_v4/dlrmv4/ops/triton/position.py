@@ -62,8 +62,13 @@ def _keep8(seed, rows, d0, threshold, D: tl.constexpr, BLOCK_D: tl.constexpr):
     return split16(tl.reshape(n, (n.shape[0], BLOCK_D // 2)), threshold)
 
 
-# The seed and row offset change every step (chunk): unspecialised, so they compile no variants.
-@triton.jit(do_not_specialize=["seed", "row_offset"])
+# The seed and row offset change every step (chunk), and the row, sample and search counts every batch:
+# unspecialised, so they compile no variants (a new divisibility of a count would compile one inside the
+# timed run, after the warm-up).
+_PER_BATCH = ["seed", "row_offset", "N", "B", "n_search"]
+
+
+@triton.jit(do_not_specialize=_PER_BATCH)
 def _position_time_fwd(
     X,
     SOFF,
@@ -109,7 +114,7 @@ def _position_time_fwd(
         tl.store(OUT + r64 * s_out + cols, y.to(OUT.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["seed", "row_offset"])
+@triton.jit(do_not_specialize=_PER_BATCH)
 def _position_time_bwd(
     G,
     SOFF,
