@@ -510,6 +510,70 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line(data_path, tmp_path):
     assert resumed.returncode == 0 and "resumed from step-00000007: step 7" in resumed.stdout, resumed.stderr
 
 
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_reached_target_survives_a_last_checkpoint_that_cannot_be_written(data_path, tmp_path, asynchronous):
+    """A run that reaches its target while its last checkpoint cannot be written (a file-size limit: EFBIG,
+    as a full disk gives ENOSPC) ends with its result: exit 0, RUN_STOP success in a log the compliance
+    checker passes, its report, and one warning line naming the checkpoint and the cause."""
+    import resource
+
+    run_dir = tmp_path / "run"
+    values = {
+        **_overrides(data_path, run_dir),
+        "train.target_auc": 0.0,
+        "train.checkpoint_every_steps": 0,
+        "train.async_checkpoints": asynchronous,
+    }
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    train = [sys.executable, "-m", "dlrmv4", "train", *_cli_flags(values)]
+    proc = subprocess.run(train, capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+    assert proc.returncode == 0, proc.stderr
+    steps = _report(run_dir)["steps"]
+    (warning,) = [line for line in proc.stdout.splitlines() if "a checkpoint was not written" in line]
+    assert warning == (
+        "[dlrmv4] warning: the run ended (success, RUN_STOP logged), but a checkpoint was not written: "
+        f"cannot write {run_dir / 'checkpoints' / f'step-{steps:08d}'}: File too large"
+    )
+    assert _events(run_dir / "mlperf_log.txt")[-1][0] == "run_stop"
+    check = subprocess.run(
+        [sys.executable, "-m", "dlrmv4", "check-log", *_cli_flags(values)], capture_output=True, text=True, timeout=300
+    )
+    assert check.returncode == 0 and "PASSED the MLPerf compliance checker" in check.stdout, check.stdout + check.stderr
+
+
+def test_a_background_write_that_fails_is_said_at_the_next_step(data_path, tmp_path, monkeypatch):
+    """The step-7 checkpoint's background write fails: the run ends with its line at the next step
+    boundary or the one after (the writer thread's own timing), not at the next save, 7 steps later."""
+    from dlrmv4.checkpoint import files as checkpoint_files
+    from dlrmv4.errors import UserError
+    from dlrmv4.train.run import run_training
+    from dlrmv4.train.step import TrainStep
+
+    real = checkpoint_files.save_checkpoint
+
+    def failing(run_dir, position, *args, **kwargs):
+        if position.step == 7:
+            raise checkpoint_files.CheckpointWriteError(
+                f"cannot write step-{position.step:08d}: No space left on device"
+            )
+        return real(run_dir, position, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_files, "save_checkpoint", failing)
+    steps: list[int] = []
+    step_call = TrainStep.__call__
+    monkeypatch.setattr(
+        TrainStep, "__call__", lambda self, batch, step, *a: (steps.append(step), step_call(self, batch, step, *a))[1]
+    )
+    values = {**_overrides(data_path, tmp_path / "run"), "train.async_checkpoints": True}
+    cfg = load_config(None, None, {tuple(k.split(".")): v for k, v in values.items()})
+    with pytest.raises(UserError, match="^cannot write step-00000007: No space left on device$"):
+        run_training(cfg, log=lambda _: None)
+    assert 7 < len(steps) <= 9, len(steps)
+
+
 def test_a_window_end_checkpoint_never_waits_for_the_previous_write(data_path, tmp_path, monkeypatch):
     """Writes made slow (1.5 s each, in the background): the window-end checkpoints that come while one
     is in flight are skipped and said in the log, so the run's saves wait for no write; the steps cadence

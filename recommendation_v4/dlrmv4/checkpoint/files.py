@@ -67,6 +67,11 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _HASH_CHUNK = 1 << 20
 
 
+class CheckpointWriteError(UserError):
+    """A checkpoint that could not be written, in one line naming it and the cause (the previous
+    checkpoint stays whole)."""
+
+
 @dataclass(frozen=True)
 class CheckpointPosition:
     """Where the loop stands: enough to continue with the next batch exactly."""
@@ -219,7 +224,7 @@ def save_checkpoint(
     tensor_state, small_state = _split_state(state)
     root = _checkpoints_dir(run_dir)
     final = root / f"step-{position.step:08d}"
-    with write_errors_in_one_line(final):  # the previous checkpoint stays whole
+    with _as_write_error(), write_errors_in_one_line(final):  # the previous checkpoint stays whole
         if cluster is None or cluster.world_size == 1:
             root.mkdir(parents=True, exist_ok=True)
             remove_dead_temps(root)
@@ -257,6 +262,17 @@ def save_checkpoint(
     _fsync_dir(root)
     _prune(root, keep_last, final)
     return final
+
+
+@contextlib.contextmanager
+def _as_write_error():
+    """A save's one-line errors as ``CheckpointWriteError``: a caller tells a failed write from other errors."""
+    try:
+        yield
+    except CheckpointWriteError:
+        raise
+    except UserError as exc:
+        raise CheckpointWriteError(str(exc)) from exc
 
 
 def _rank_0_problem(final: Path, exc: BaseException) -> str:
@@ -468,6 +484,11 @@ class CheckpointWriter:
     def writing(self) -> bool:
         """True while a background write is in flight."""
         return self._pending is not None and not self._pending.done()
+
+    @property
+    def failed(self) -> bool:
+        """True when the background write has ended with an error (``wait`` raises it)."""
+        return self._pending is not None and self._pending.done() and self._pending.exception() is not None
 
     def stage_ahead(self, state: dict[str, Any]) -> float:
         """Copy ``state``'s tensors once into the staging buffer, allocating (and, on a GPU, pinning) it

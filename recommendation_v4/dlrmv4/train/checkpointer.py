@@ -170,6 +170,12 @@ class Checkpointer:
         if path is not None:
             self.log(f"checkpoint {path.name} written ({self.writer.write_seconds:.1f} s in the background)")
 
+    def raise_if_write_failed(self) -> None:
+        """Raise a background write's error as soon as it has ended with one (each step boundary asks),
+        not at the next save or the run's end."""
+        if self.writer.failed:
+            self.wait()
+
     def close(self) -> None:
         self.wait()
         self.writer.close()

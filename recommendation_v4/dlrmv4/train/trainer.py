@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from dlrmv4.checkpoint.files import CheckpointWriteError
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.loader import WindowLoader, make_window_loader
 from dlrmv4.data.store import Store
@@ -288,6 +289,7 @@ class Trainer:
             window = plan[i].window
             writing = self.profiler.writing_seconds
             self._train_step(history, batch, window, upcoming)
+            self.checkpointer.raise_if_write_failed()
             # Train time of this window: waiting for the batch plus the step; evals, checkpoints and
             # writing profiler traces are left out, so the per-window rate is the training rate.
             self.train_clock.add(time.perf_counter() - tick - (self.profiler.writing_seconds - writing))
@@ -349,6 +351,9 @@ class Trainer:
         paused_log = self.runlog.state() if history.status == "stopped" else None
         if finished:  # before the save: a finished run's checkpoint records the log with RUN_STOP in it
             self.runlog.run_stop(history.samples, self.train_samples, history.status)
+            if history.status != "stopped":
+                self._last_checkpoint(history, window)
+                return
             if not self.cfg.train.final_checkpoint:
                 self.log(f"run {history.status}: no final checkpoint (train.final_checkpoint is false)")
                 return
@@ -359,6 +364,24 @@ class Trainer:
         if not finished:  # a finished run's last save comes after RUN_STOP, outside the timed run
             history.checkpoint_seconds += waited
         self.scalars.write_checkpoint_wait(history.steps, waited)
+
+    def _last_checkpoint(self, history: RunHistory, window: int) -> None:
+        """The end of a run that has reached its target or run out of data (RUN_STOP logged: its result
+        stands): its last checkpoint (train.final_checkpoint), written to the end here. A write that
+        fails, this one's or the one still in flight, is said in one warning line and the run ends as it
+        is (a resume goes on from the newest checkpoint that was written)."""
+        try:
+            if self.cfg.train.final_checkpoint:
+                started = time.perf_counter()
+                self.checkpointer.save(history, window, self.window_loss, self.window_steps, self.runlog.state())
+                self.scalars.write_checkpoint_wait(history.steps, time.perf_counter() - started)
+            else:
+                self.log(f"run {history.status}: no final checkpoint (train.final_checkpoint is false)")
+            self.checkpointer.wait()
+        except CheckpointWriteError as exc:
+            self.log(
+                f"warning: the run ended ({history.status}, RUN_STOP logged), but a checkpoint was not written: {exc}"
+            )
 
     def _trace_written(self, path: Path | None) -> None:
         if path is not None:
