@@ -7,8 +7,10 @@ Measured (files in benchmarks/results/, each naming its device and commit):
   32 GPUs (512 and 256 samples per GPU) the fastest single-chunk rate the same rehearsal measured
   at 256 samples;
 - the eval rate: ``train_<gpu>.json`` (the holdout scored by ``python -m dlrmv4 train``, samples/s per GPU);
-- the set-up inside the timed region: ``stu.json``'s cold start (a fresh process with an empty
-  Triton cache to the end of its first step: compilation and autotuning happen after RUN_START);
+- the set-up inside the timed region: none, since the kernels' warm-up compiles and autotunes every
+  Triton kernel before RUN_START (``warm_up_medium_h200.md``: 0
+  kernels compiled after it); with ``--compile-on-the-clock`` (a run with ``--warm-up false``),
+  ``stu.json``'s cold start (a fresh process with an empty Triton cache to the end of its first step);
 - checkpoints at window ends (the trainer's default cadence) of a rank's share of the 559 GiB of
   tables, asynchronous (the default): ``checkpoint_<gpu>.json`` gives the seconds per GiB the step
   waits for the copy to host memory, how much its loop slows while a write goes on in the
@@ -186,16 +188,24 @@ def measured_parts(
     history_share: float = 1.0,
     deltas: dict | None = None,
     full_every: int = 8,
+    compile_on_the_clock: bool = False,
 ) -> dict:
     """Every measured rate a projection is made from (the results files of ``gpu``)."""
     rehearsal, train, stu = load(f"rehearsal_{gpu}"), load(f"train_{gpu}"), load("stu")
+    commits = {"rehearsal": rehearsal["commit"], "train": train["commit"]}
     return {
         "gpu": rehearsal["device"],
-        "commits": {"rehearsal": rehearsal["commit"], "train": train["commit"], "stu": stu["commit"]},
+        "commits": {**commits, "stu": stu["commit"]} if compile_on_the_clock else commits,
         "rehearsal_rate": rehearsal["rehearsal"]["samples_per_s"],
         "small_batch_rate": max(r["samples_per_s"] for r in rehearsal["baseline"]),
         "eval_rate_per_gpu": train["eval_samples_per_s"],
-        "cold_start_s": stu["cold_start_s"],
+        # With the kernels' warm-up (the default) nothing is compiled after RUN_START.
+        "cold_start_s": stu["cold_start_s"] if compile_on_the_clock else 0.0,
+        "setup_source": (
+            f"stu's cold start ({stu['cold_start_s']:.1f} s: compilation and autotuning after RUN_START)"
+            if compile_on_the_clock
+            else "none: the kernels' warm-up compiles before RUN_START (warm_up_medium_h200: 0 kernels after it)"
+        ),
         "checkpoint_gib_per_s": train["table_gib"] * train["checkpoints"] / train["checkpoint_seconds"],
         "checkpoint_saves": checkpoint_saves(gpu),
         "nvlink_gbs": nvlink_gbs,
@@ -419,7 +429,8 @@ def table(p: dict) -> str:
         f"{p['nvlink_gbs']:,.0f} GB/s per GPU and direction in a node ({intra_node_source(p)}), "
         f"{p['network_gbs']:g} GB/s across nodes (modelled) "
         f"(fp16 rows, mean {p['mean_tokens']:,.0f} tokens, {history_rows(p)}); {exchange_source(p)}. "
-        f"{checkpoint_source(p)} Reference: {p['reference_minutes'] // 60} h {p['reference_minutes'] % 60} min on 8 MI350X.",
+        f"{checkpoint_source(p)} Set-up inside the timed run: {p['setup_source']}. "
+        f"Reference: {p['reference_minutes'] // 60} h {p['reference_minutes'] % 60} min on 8 MI350X.",
         "",
         "| GPUs | per GPU batch | per GPU samples/s | train min | exchange work min | all-to-all min | eval min | "
         "set-up min | total min, all-to-all overlapped | not overlapped | + window-end checkpoints | "
@@ -549,6 +560,12 @@ def main() -> None:
         + ")",
     )
     parser.add_argument("--full-every", type=int, default=8, help="every Nth checkpoint whole (the trainer's default)")
+    parser.add_argument(
+        "--compile-on-the-clock",
+        action="store_true",
+        help="count stu.json's cold start (compilation and autotuning) inside the timed run, as a run with "
+        "--warm-up false has it (default: none, the warm-up compiles before RUN_START)",
+    )
     args = parser.parse_args()
     if args.exchange_from is None:
         args.exchange_from = EXCHANGE_ROWS[args.gpu]
@@ -576,7 +593,16 @@ def main() -> None:
     if args.measured_run is not None:
         run, world, measured = measured_run(args.measured_run)
         parts = measured_parts(
-            args.gpu, nvlink_gbs, args.network_gbs, source, exchange, exchange_from, share, deltas, args.full_every
+            args.gpu,
+            nvlink_gbs,
+            args.network_gbs,
+            source,
+            exchange,
+            exchange_from,
+            share,
+            deltas,
+            args.full_every,
+            args.compile_on_the_clock,
         )
         result = {
             "gpu": parts["gpu"],
@@ -593,7 +619,16 @@ def main() -> None:
         return
     p = project(
         measured_parts(
-            args.gpu, nvlink_gbs, args.network_gbs, source, exchange, exchange_from, share, deltas, args.full_every
+            args.gpu,
+            nvlink_gbs,
+            args.network_gbs,
+            source,
+            exchange,
+            exchange_from,
+            share,
+            deltas,
+            args.full_every,
+            args.compile_on_the_clock,
         )
     )
     p["command"] = command_line()
