@@ -158,10 +158,10 @@ def cmd_verify(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     _say(describe_quality(read_meta(path)))
 
 
-def _store_current(cfg: BenchmarkConfig) -> bool:
+def _store_current(cfg: BenchmarkConfig, say: Callable[[str], None] = _say) -> bool:
     """True when the configured store exists and was written by this code's store schema (an older
-    one is rebuilt: the preprocessing's rules changed with its schema); one built with other
-    settings than ``cfg``'s is refused in one line."""
+    one is rebuilt: the preprocessing's rules changed with its schema, and ``say`` says so); one built
+    with other settings than ``cfg``'s is refused in one line."""
     import json
 
     from dlrmv4.data.paths import store_dir
@@ -175,7 +175,7 @@ def _store_current(cfg: BenchmarkConfig) -> bool:
     except (OSError, ValueError):
         version = None
     if version != STORE_SCHEMA_VERSION:
-        _say(
+        say(
             f"the store at {meta.parent} has schema version {version}, this code writes {STORE_SCHEMA_VERSION}: "
             "rebuilding it"
         )
@@ -187,19 +187,39 @@ def _store_current(cfg: BenchmarkConfig) -> bool:
 
 
 def cmd_prepare(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    prepare_store(cfg, args, if_missing=getattr(args, "if_missing", False))
+
+
+def prepare_store(cfg: BenchmarkConfig, args: argparse.Namespace, if_missing: bool) -> None:
+    """Download, preprocess and verify the store (``if_missing``: only where it is not there, current
+    and verified), holding the store's prepare lock: a second preparation of the same store waits
+    for the first, saying so, and then uses the store the first one left."""
     from dlrmv4.data.paths import store_dir
+    from dlrmv4.data.prepare_lock import PrepareLock
 
-    if getattr(args, "if_missing", False) and _store_current(cfg):
-        from dlrmv4.data.verified_stamp import unverified_reason
-
-        reason = unverified_reason(store_dir(cfg.dataset))
-        if reason is None:
-            _say(f"store ready at {store_dir(cfg.dataset)}: nothing to prepare")
-            return
-        _say(f"the store at {store_dir(cfg.dataset)} {reason}: verifying it")
-        cmd_verify(cfg, args)
+    # A ready store needs no lock (its data path may be read-only); a missing one is checked again
+    # under the lock, where a preparation that just ended may have left it.
+    if if_missing and _store_current(cfg, say=lambda _: None):
+        _use_current_store(cfg, args)
         return
-    cmd_preprocess(cfg, args)
+    with PrepareLock(store_dir(cfg.dataset), _say) as lock:
+        if (if_missing or lock.waited) and _store_current(cfg):
+            _use_current_store(cfg, args)
+            return
+        cmd_preprocess(cfg, args)
+        cmd_verify(cfg, args)
+
+
+def _use_current_store(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    """A current store: ready if verified, else verified now."""
+    from dlrmv4.data.paths import store_dir
+    from dlrmv4.data.verified_stamp import unverified_reason
+
+    reason = unverified_reason(store_dir(cfg.dataset))
+    if reason is None:
+        _say(f"store ready at {store_dir(cfg.dataset)}: nothing to prepare")
+        return
+    _say(f"the store at {store_dir(cfg.dataset)} {reason}: verifying it")
     cmd_verify(cfg, args)
 
 
@@ -238,8 +258,8 @@ def cmd_train(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     from dlrmv4.train.run import run_training
 
     # Under a multi-process launcher the data is prepared once beforehand (run_and_time.sh does it).
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not _store_current(cfg):
-        cmd_prepare(cfg, args)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not _store_current(cfg, say=lambda _: None):
+        prepare_store(cfg, args, if_missing=True)  # says why it prepares
     config_filename = Path(args.config).name if args.config else f"{args.preset or 'defaults'}.toml"
     history, report = run_training(
         cfg, log=_say, progress=_show_progress(args), restart=args.restart, config_filename=config_filename

@@ -220,3 +220,59 @@ def test_a_sigterm_whose_exception_was_lost_still_ends_the_rank_as_stopped():
     said = RankLostError("rank 0 of 2: a collective failed because rank 1 ran out of device memory", True)
     assert not cli._ended_by_sigterm(said, sigterm)
     assert not cli._ended_by_sigterm(lost, cli.TerminationSignal())  # no signal, no launcher: reported
+
+
+def test_a_second_preparation_of_a_missing_store_waits_for_the_first_and_uses_its_store(tiny, tmp_path):
+    """Two run_and_time.sh on one missing data path: the second `prepare --if-missing` finds the first
+    holding the store's prepare lock, says so in one line, waits, and then uses the store the first
+    left instead of building it again. The first is this test holding the lock (the real lock
+    class) while it puts a prepared store in place."""
+    import select
+    import shutil
+
+    from dlrmv4.data.prepare_lock import PrepareLock
+
+    data = tmp_path / "data"
+    store = data / "processed" / "synthetic-tiny"
+    with PrepareLock(store, lambda _: None):
+        second = subprocess.Popen(
+            [sys.executable, "-m", "dlrmv4", "prepare", "--if-missing", "--data-path", str(data), "--no-progress"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            ready, _, _ = select.select([second.stdout], [], [], 120)
+            first_line = second.stdout.readline() if ready else "(nothing said in 120 s)"
+            waiting = f"[dlrmv4] waiting for another preparation of {store} to finish (pid {os.getpid()} on "
+            assert first_line.startswith(waiting) and first_line.endswith(f"; lock {store}.prepare.lock)\n"), first_line
+            # What the first one leaves: a store, verified.
+            shutil.copytree(tiny[0] / "processed" / "synthetic-tiny", store)
+            assert _run("verify", "--data-path", str(data)).returncode == 0
+        except BaseException:
+            second.kill()
+            raise
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err
+    assert f"store ready at {store}: nothing to prepare" in out and "preprocessing" not in out, out
+    assert (data / "processed" / "synthetic-tiny.prepare.lock").read_text() == ""  # released: it names no one
+
+
+def test_two_preparations_started_together_build_the_store_once(tmp_path):
+    """Two real `prepare --if-missing` on one missing data path, started at once: one generates,
+    preprocesses and verifies; the other waits for it (saying so, naming it) and uses its store."""
+    data = tmp_path / "data"
+    cmd = [sys.executable, "-m", "dlrmv4", "prepare", "--if-missing", "--data-path", str(data), "--no-progress"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        outs.append(out)
+    built = [i for i, out in enumerate(outs) if "preprocessing into" in out]
+    assert len(built) == 1, outs
+    other = outs[1 - built[0]]
+    assert "preprocessing" not in other and "generating" not in other, other
+    assert f"store ready at {data / 'processed' / 'synthetic-tiny'}: nothing to prepare" in other, other
+    if "waiting for another preparation" in other:  # it came while the first held the lock
+        assert f"(pid {procs[built[0]].pid} on " in other, other

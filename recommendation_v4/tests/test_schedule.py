@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dlrmv4.config_loading import load_config
 from dlrmv4.reference_counts import REFERENCE_TRAIN_SAMPLES
 from dlrmv4.train.schedule import (
     EvalSchedule,
@@ -15,6 +16,7 @@ from dlrmv4.train.schedule import (
     first_eval_samples,
     skip_threshold,
 )
+from dlrmv4.train.trainable import recipe_warnings
 
 # GBS -> (eval interval, first eval, first eval in blocks); blocks 25/31/41 are quoted in the checker.
 REFERENCE = {
@@ -92,3 +94,28 @@ def test_interval_is_a_whole_number_of_batches():
 def test_bad_arguments(args):
     with pytest.raises(ValueError):
         eval_interval(*args)
+
+
+@pytest.mark.parametrize("mode", ["holdout", "next_window"])
+def test_an_interval_below_one_global_batch_is_said_in_one_line(mode):
+    """--eval-every-data-pct 1e-9 is a legitimate setting (tests use it), so it is not refused: the
+    interval takes its floor of one global batch, an eval after every step, and the run's start says
+    so once (holdout evals only: next_window evals come at window ends whatever the setting)."""
+    train_samples = 135_239
+    overrides = {("train", "eval_every_data_pct"): 1e-9, ("train", "eval_mode"): mode}
+    cfg = load_config("synthetic-tiny", None, overrides)
+    schedule = EvalSchedule(train_samples, 128, 1e-9)
+    assert schedule.every_step and schedule.interval == 128
+    said = [w for w in recipe_warnings(cfg, {}, train_samples) if "every step" in w]
+    if mode == "next_window":
+        assert said == []
+        return
+    assert said == [
+        "warning: eval every step: --eval-every-data-pct 1e-09 gives an interval of 0.000135 samples, "
+        f"below one global batch of 128 samples (evals from sample {schedule.first:,} on)"
+    ]
+    # One global batch exactly, or more: the interval the setting asks for, nothing said.
+    for pct in (128 / train_samples, 0.125):
+        cfg = load_config("synthetic-tiny", None, {("train", "eval_every_data_pct"): pct})
+        assert not EvalSchedule(train_samples, 128, pct).every_step
+        assert recipe_warnings(cfg, {}, train_samples) == []

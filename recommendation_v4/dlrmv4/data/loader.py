@@ -16,7 +16,13 @@ count and the eval points do not depend on the world size.
 
 from __future__ import annotations
 
+import functools
 import heapq
+import os
+import threading
+import time
+from multiprocessing import util as mp_util
+from multiprocessing.synchronize import SemLock
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
 
@@ -37,6 +43,9 @@ class BatchSlice(NamedTuple):
     start: int
     stop: int
 
+
+# How often a loader worker looks whether the process that owns its loader still runs.
+OWNER_POLL_SECONDS = 0.5
 
 RANK_SLICINGS = ("strided", "contiguous", "balanced")
 
@@ -182,8 +191,17 @@ def check_item_ids(batch: JaggedBatch, num_items: int, store_path: Path, window:
 
 
 class WindowLoader(DataLoader):
-    """A DataLoader whose workers' one-line errors stay one line: PyTorch re-raises a worker's
-    exception with the worker's whole traceback as its message."""
+    """A DataLoader whose workers' one-line errors stay one line (PyTorch re-raises a worker's
+    exception with the worker's whole traceback as its message) and whose workers' semaphores
+    outlive no process.
+
+    Workers that do not fork (``worker_start`` "forkserver") share their queues through named
+    semaphores. Python unlinks the names when the queues are collected or at a normal exit; a rank
+    of several ends with ``os._exit`` (after a loader worker was killed, say, or with a persistent
+    loader's workers alive) and a process may be killed, and then Python's resource tracker unlinks
+    them, warning "There appear to be N leaked semaphore objects" after the run's last line. So the
+    names go as soon as every worker has opened them (each has sent its first batch, or its end), or
+    once a failed iteration has stopped its workers; the open semaphores work on without them."""
 
     dataset: WindowDataset
 
@@ -194,10 +212,77 @@ class WindowLoader(DataLoader):
         return self.dataset.plan
 
     def __iter__(self):
+        before = set(_semaphore_finalizers())
+        batches = super().__iter__()  # starts the workers (a persistent loader's once)
+        names = [f for key, f in _semaphore_finalizers().items() if key not in before]
         try:
-            yield from super().__iter__()
-        except UserError as exc:
-            raise UserError(_worker_message(str(exc))) from None
+            for i, batch in enumerate(batches, 1):
+                if i == self.num_workers:  # batch i - 1 came from worker i - 1: every worker has started
+                    _unlink(names)
+                yield batch
+        except GeneratorExit:
+            raise  # the consumer stopped early: a worker still starting needs the names
+        except BaseException as exc:
+            self._stop_workers(batches)  # a failed iteration's workers end with it, before the names go
+            _unlink(names)
+            if isinstance(exc, UserError):
+                raise UserError(_worker_message(str(exc))) from None
+            raise
+        _unlink(names)  # the iteration's end: every worker has run
+
+    def _stop_workers(self, batches: object) -> None:
+        """End the iteration's workers now (the next iteration starts new ones)."""
+        shutdown = getattr(batches, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self._iterator = None
+
+
+def _semaphore_finalizers() -> dict[tuple, mp_util.Finalize]:
+    """This process's pending unlinks of named semaphores (multiprocessing registers one per
+    semaphore a non-fork context creates), by their registry key. Python has no public handle on
+    them: its registry and the unlink it registers are read where CPython has them (none found
+    elsewhere: the names then go as Python lets them)."""
+    cleanup = getattr(SemLock, "_cleanup", None)
+    registry = getattr(mp_util, "_finalizer_registry", {})
+    if cleanup is None:
+        return {}
+    return {key: f for key, f in list(registry.items()) if getattr(f, "_callback", None) is cleanup}
+
+
+def _unlink(finalizers: list[mp_util.Finalize]) -> None:
+    """Unlink the semaphores' names now (and tell the resource tracker), emptying the list."""
+    while finalizers:
+        finalizers.pop()()
+
+
+def _end_with_owner(owner: int, worker_id: int) -> None:
+    """A worker's ``worker_init_fn``: end the worker once the process that owns the loader has ended,
+    however it ended. PyTorch's workers watch their parent, which for a worker a fork server started
+    is the fork server, and that lives as long as its children: without this, a rank ending with
+    ``os._exit`` (or killed) would leave them, the fork server and the resource tracker running."""
+
+    def watch() -> None:
+        while _running(owner):
+            time.sleep(OWNER_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="end-with-owner", daemon=True).start()
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (an exited process its parent has not reaped yet does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no /proc, or the process has just gone: the next look tells
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _worker_message(message: str) -> str:
@@ -220,7 +305,8 @@ def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfi
     workers of a rank with tables in host memory would each copy them. ``dedup_ids``: the workers
     also pack each history feature's distinct ids for the lookup (``JaggedBatch.to_torch``).
     ``persistent_workers``: the workers outlive an iteration, so a loader iterated again (the
-    holdout, scored at every eval) starts no new processes."""
+    holdout, scored at every eval) starts no new processes. The workers end with the process that
+    makes the loader, however it ends (``_end_with_owner``)."""
     dataset = WindowDataset(store, windows, cfg.sampler, batch_size=cfg.loader.batch_size,
                             shuffle=cfg.loader.shuffle_within_window, seed=cfg.seed, drop_last=drop_last,
                             start_batch=start_batch, rank=rank, world_size=world_size,
@@ -232,4 +318,5 @@ def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfi
                       prefetch_factor=cfg.loader.prefetch_batches if workers else None,
                       pin_memory=torch.cuda.is_available(),
                       multiprocessing_context=worker_start if workers else None,
+                      worker_init_fn=functools.partial(_end_with_owner, os.getpid()) if workers else None,
                       persistent_workers=persistent_workers and workers > 0)

@@ -77,6 +77,12 @@ class EvalSchedule:
     def first(self) -> int:
         return first_eval_samples(self.global_batch_size, self.interval, self.train_samples)
 
+    @property
+    def every_step(self) -> bool:
+        """Whether ``eval_every_data_pct`` of the train samples is less than one global batch: the
+        interval is then its floor, one global batch, and an eval follows every step from the first."""
+        return self.eval_every_data_pct * self.train_samples < self.global_batch_size
+
     def should_eval(self, samples_seen: int) -> bool:
         """True on grid points from the first eval on.
 

@@ -15,10 +15,16 @@ is not enough: ``tensorboard --logdir`` drops a curve's later points only where 
 point at the same step again, so a checkpoint's wait that the interrupted run logged stays.) A
 run that starts fresh (``--restart``, or no checkpoint to resume from) removes the folder first,
 with or without scalars of its own; a resumed run without scalars leaves it as it is.
+
+An event file deleted during the run (or its folder) would otherwise take every later point into
+the deleted inode, with nothing said: each write first looks whether the file is still the one it
+opened, and if not, says so in one line and goes on in a new file, so the curves continue from
+there (the points written before are gone with the file).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import struct
 import time
@@ -51,6 +57,7 @@ class TensorBoardScalars:
         self.cluster, self.schedule, self.wanted, self.log = cluster, schedule, wanted, log
         self.collecting = False  # on every rank: whether rank 0 writes, so the step losses are kept
         self._writer: FileWriter | None = None
+        self._file: tuple[Path, int, int] | None = None  # the writer's event file: path, device, inode
         self._summary: Any = None  # tensorboard's Summary message, imported with the writer
         self._losses: list[torch.Tensor] = []  # device scalars, not read yet
         self._wall_times: list[float] = []  # when each of those steps was queued
@@ -90,7 +97,7 @@ class TensorBoardScalars:
             return None
         self._summary = Summary
         earlier = sorted(self.folder.glob(EVENT_FILES)) if resumed_at is not None else []
-        writer = FileWriter(str(self.folder))
+        writer = self._new_file_writer(FileWriter)
         for path in earlier:
             for record in _records(path):
                 try:
@@ -104,6 +111,42 @@ class TensorBoardScalars:
             path.unlink()
         return writer
 
+    def _new_file_writer(self, file_writer: type[FileWriter]) -> FileWriter:
+        """A writer of a new event file in the folder (made if missing), whose file is remembered."""
+        before = set(self.folder.glob(EVENT_FILES))
+        writer = file_writer(str(self.folder))
+        (path,) = set(self.folder.glob(EVENT_FILES)) - before
+        stat = path.stat()
+        self._file = path, stat.st_dev, stat.st_ino
+        return writer
+
+    def _reopen_if_deleted(self) -> None:
+        """Before a write: where the event file is no longer in the folder (deleted, or replaced by
+        another file of its name), say so once and write on to a new file."""
+        if self._writer is None or self._file is None:
+            return
+        path, device, inode = self._file
+        try:
+            stat = os.stat(path)
+            if (stat.st_dev, stat.st_ino) == (device, inode):
+                return
+        except (FileNotFoundError, NotADirectoryError):  # the file, or its folder, is gone
+            pass
+        self._writer.close()  # what it held goes to the deleted file
+        try:
+            self._writer = self._new_file_writer(type(self._writer))
+        except OSError as exc:
+            self._writer, self._file = None, None
+            self.log(
+                f"the TensorBoard event file {path} was deleted during the run and a new one cannot be made "
+                f"({exc}): this run writes no more TensorBoard scalars"
+            )
+            return
+        self.log(
+            f"the TensorBoard event file {path} was deleted during the run: the scalars go on in "
+            f"{self._file[0].name} (the points written before are gone)"
+        )
+
     def add_step(self, loss: torch.Tensor) -> None:
         """Keep one step's loss (a device scalar: nothing is read here)."""
         if self.collecting:
@@ -113,6 +156,7 @@ class TensorBoardScalars:
     def write_steps(self) -> None:
         """Write the steps since the last call: call where the loop has just synced with the device, on
         every rank (the losses are averaged over the ranks)."""
+        self._reopen_if_deleted()
         if self._losses:
             self._write_losses()
         self.flush()
@@ -148,10 +192,12 @@ class TensorBoardScalars:
 
     def write_window(self, steps: int, mean_loss: float, samples_per_s: float) -> None:
         """A train window's end: its mean loss and training rate (report.json's window_losses and throughput)."""
+        self._reopen_if_deleted()
         self._add(steps, {"train/window_mean_loss": mean_loss, "train/samples_per_s": samples_per_s})
         self.flush()
 
     def write_eval(self, record: EvalRecord) -> None:
+        self._reopen_if_deleted()
         self._add(
             record.step,
             {"eval/auc": record.auc, "eval/seconds": record.eval_seconds, "eval/samples_count": record.samples_count},
@@ -160,6 +206,7 @@ class TensorBoardScalars:
 
     def write_checkpoint_wait(self, steps: int, seconds: float) -> None:
         """How long the loop waited for the checkpoint at ``steps`` (its copy, or its whole write)."""
+        self._reopen_if_deleted()
         self._add(steps, {"checkpoint/wait_seconds": seconds})
         self.flush()
 
@@ -179,7 +226,7 @@ class TensorBoardScalars:
         """Flush and close the file (steps not read yet are left out: the run ended between syncs)."""
         if self._writer is not None:
             self._writer.close()
-            self._writer = None
+            self._writer, self._file = None, None
         self.collecting = False
         self._losses.clear()
         self._wall_times.clear()

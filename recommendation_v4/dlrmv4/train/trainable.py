@@ -5,9 +5,10 @@ train window (each window's last partial batch is dropped, so no step would run)
 whose first eval comes after the last sample the run can train on (no eval could reach the target;
 ``--max-steps`` is the user's own limit and is left out).
 
-Warned, each in one line (``recipe_warnings``): a warm-up longer than the data, or a target above the
-holdout's best possible AUC (the store's recorded ceiling, ``data/holdout_quality.py``). The run goes
-on (a submitter may mean it), but nobody waits an hour to learn it."""
+Warned, each in one line (``recipe_warnings``): a warm-up longer than the data, a target above the
+holdout's best possible AUC (the store's recorded ceiling, ``data/holdout_quality.py``), or an eval
+interval below one global batch (an eval after every step, as tests may want). The run goes on (a
+submitter may mean it), but nobody waits an hour to learn it."""
 
 from __future__ import annotations
 
@@ -68,5 +69,12 @@ def recipe_warnings(cfg: BenchmarkConfig, meta: dict[str, Any], train_samples: i
         warnings.append(
             f"warning: the target AUC {tr.target_auc:g} is above the holdout's best possible AUC {ceiling:.4f} "
             f"(the store's ceiling: {meta['quality']['ceiling']}): no run can reach it (set --target-auc)"
+        )
+    schedule = EvalSchedule(train_samples, gbs, tr.eval_every_data_pct)
+    if tr.eval_mode == "holdout" and schedule.every_step:
+        warnings.append(
+            f"warning: eval every step: --eval-every-data-pct {tr.eval_every_data_pct:g} gives an interval of "
+            f"{tr.eval_every_data_pct * train_samples:.3g} samples, below one global batch of {gbs:,} samples "
+            f"(evals from sample {schedule.first:,} on)"
         )
     return warnings

@@ -94,12 +94,11 @@ def history_lengths(shape: WarmUpBatch, context_tokens: int, rng: np.random.Gene
     hist = rng.integers(1, longest + 1, shape.samples)
     hist[0] = longest
     off = int(hist.sum()) % _DIVISOR
+    moves: tuple[int, ...] = ()
     if shape.aligned and off:
         moves = (-off, _DIVISOR - off)
     elif not shape.aligned and not off:
         moves = (1, -1)
-    else:
-        moves = ()
     for move in moves:  # the first that the other samples can absorb within [1, longest]
         moved = _spread(hist, move, longest)
         if moved is not None:
