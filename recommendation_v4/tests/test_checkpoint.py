@@ -15,18 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from dlrmv4.checkpoint import files as checkpoint_module
-from dlrmv4.checkpoint.files import (
-    CheckpointCadence,
-    CheckpointPosition,
-    CheckpointWriter,
-    ModelAndOptimizers,
-    latest_checkpoint,
-    load_checkpoint,
-    resume_point,
-    save_checkpoint,
-)
+from dlrmv4.checkpoint import chain
+from dlrmv4.checkpoint import writer as checkpoint_writer
+from dlrmv4.checkpoint.cadence import CheckpointCadence
+from dlrmv4.checkpoint.loading import load_checkpoint, load_small_state
+from dlrmv4.checkpoint.newest import latest_checkpoint, resume_point
 from dlrmv4.checkpoint.rng import capture_rng_state, restore_rng_state
+from dlrmv4.checkpoint.state import CheckpointPosition, ModelAndOptimizers
+from dlrmv4.checkpoint.writer import CheckpointWriter, save_checkpoint
 from dlrmv4.config import TrainConfig
 from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
@@ -208,7 +204,7 @@ def test_a_checkpoint_being_pruned_leaves_the_step_names_first(tmp_path, monkeyp
     next start), not a step directory without its marker that every resume warns about."""
     net = torch.nn.Linear(2, 2)
     removed: list[Path] = []
-    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", lambda path, **_: removed.append(Path(path)))  # killed
+    monkeypatch.setattr(chain.shutil, "rmtree", lambda path, **_: removed.append(Path(path)))  # killed
     for step in (1, 2):
         save_checkpoint(tmp_path, _position(step), {"model": net}, keep_last=1)
     root = tmp_path / "checkpoints"
@@ -287,7 +283,7 @@ def test_checkpoints_none_of_which_is_usable_are_refused(tmp_path, capsys):
 def _held_writes(monkeypatch):
     """save_checkpoint behind a gate the test opens, counting the writes in flight."""
     gate, state = threading.Event(), {"in_flight": 0, "most": 0, "started": 0}
-    real = checkpoint_module.save_checkpoint
+    real = checkpoint_writer.save_checkpoint
 
     def held(*args, **kwargs):
         state["started"] += 1
@@ -299,7 +295,7 @@ def _held_writes(monkeypatch):
         finally:
             state["in_flight"] -= 1
 
-    monkeypatch.setattr(checkpoint_module, "save_checkpoint", held)
+    monkeypatch.setattr(checkpoint_writer, "save_checkpoint", held)
     return gate, state
 
 
@@ -384,7 +380,7 @@ def _two_ranks(script: str, tmp_path: Path) -> list[tuple[int, str, str]]:
 # Two ranks build their writers (a collective): the timeout of the writer's own control group.
 _WRITER_GROUP_TIMEOUT = textwrap.dedent("""
     import os, sys, torch
-    from dlrmv4.checkpoint.files import CheckpointWriter
+    from dlrmv4.checkpoint.writer import CheckpointWriter
     from dlrmv4.config import DistributedConfig
     from dlrmv4.distributed import start_cluster
     cluster = start_cluster(DistributedConfig(timeout_seconds=5.0))
@@ -413,17 +409,18 @@ def test_the_writers_collectives_wait_as_long_as_a_checkpoints_bytes_take(tmp_pa
 # Two ranks save one checkpoint; rank 0's own part (the small files, the marker) fails as a full disk would.
 _RANK_0_FILES_FAIL = textwrap.dedent("""
     import sys, time, torch
-    from dlrmv4.checkpoint import files
+    from dlrmv4.checkpoint import writer
+    from dlrmv4.checkpoint.state import CheckpointPosition
     from dlrmv4.config import DistributedConfig
     from dlrmv4.distributed import start_cluster
     cluster = start_cluster(DistributedConfig(timeout_seconds=30.0))
     if cluster.rank == 0:
         def full_disk(*args, **kwargs):
             raise OSError(28, "No space left on device")
-        files._write_small_files = full_disk
+        writer._write_small_files = full_disk
     started = time.time()
     try:
-        files.save_checkpoint(sys.argv[1], files.CheckpointPosition(1, 1, 0), {"m": torch.nn.Linear(2, 2)}, 2, cluster)
+        writer.save_checkpoint(sys.argv[1], CheckpointPosition(1, 1, 0), {"m": torch.nn.Linear(2, 2)}, 2, cluster)
         print("saved", flush=True)
     except Exception as exc:
         print(f"{time.time() - started:.1f} {type(exc).__name__}: {exc}", flush=True)
@@ -439,7 +436,8 @@ def test_rank_0_failing_its_own_part_of_a_save_ends_every_rank_with_its_line(tmp
     for _, out, err in outputs:
         seconds, line = out.strip().split(" ", 1)
         assert (
-            line == f"UserError: cannot write {tmp_path / 'checkpoints' / 'step-00000001'}: No space left on device"
+            line
+            == f"CheckpointWriteError: cannot write {tmp_path / 'checkpoints' / 'step-00000001'}: No space left on device"
         ), out + err[-3000:]
         assert float(seconds) < 15
     assert latest_checkpoint(tmp_path) is None
@@ -448,7 +446,8 @@ def test_rank_0_failing_its_own_part_of_a_save_ends_every_rank_with_its_line(tmp
 # Writes ~24 MB checkpoints in a loop, each tensor filled with its step, until it is killed.
 _WRITER = textwrap.dedent("""
     import sys, torch
-    from dlrmv4.checkpoint.files import CheckpointPosition, CheckpointWriter
+    from dlrmv4.checkpoint.state import CheckpointPosition
+    from dlrmv4.checkpoint.writer import CheckpointWriter
     from dlrmv4.distributed import Cluster
     net = torch.nn.ModuleList(torch.nn.Linear(1000, 2000) for _ in range(3))
     writer = CheckpointWriter(sys.argv[1], 2, Cluster.single(torch.device("cpu")), sys.argv[2] == "async")
@@ -694,7 +693,8 @@ def test_writer_thread_errors_are_kept_for_the_save_and_stay_silent(monkeypatch,
 _CUT_SAVE = textwrap.dedent("""
     import resource, sys, torch
     from dlrmv4.checkpoint import dcp_io
-    from dlrmv4.checkpoint.files import CheckpointPosition, CheckpointWriter, save_checkpoint
+    from dlrmv4.checkpoint.state import CheckpointPosition
+    from dlrmv4.checkpoint.writer import CheckpointWriter, save_checkpoint
     from dlrmv4.distributed import Cluster
     from dlrmv4.errors import UserError
     dcp_io.io_threads = lambda: 2
@@ -758,7 +758,7 @@ def _cut_under_a_new_marker(ckpt) -> None:
     data = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
     with open(data, "r+b") as fh:
         fh.truncate(data.stat().st_size // 2)
-    checkpoint_module._write_small_files(ckpt, _position(int(ckpt.name[5:])), checkpoint_module.load_small_state(ckpt))
+    checkpoint_writer._write_small_files(ckpt, _position(int(ckpt.name[5:])), load_small_state(ckpt))
 
 
 def test_a_resume_falls_back_from_a_checkpoint_whose_marker_covers_cut_files(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Delta checkpoints (checkpoint/table_deltas.py, the chains of checkpoint/files.py): the rows found
+"""Delta checkpoints (checkpoint/table_deltas.py, the chains of checkpoint/chain.py): the rows found
 changed are exactly the rows that changed, a chain applied over its whole checkpoint gives the tables
 back bit for bit, a delta is usable only with its whole chain, and pruning keeps the chains it needs.
 The whole-run resume from deltas (kills included, other world sizes) is in tests/test_train.py and
@@ -16,20 +16,16 @@ import torch
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from dlrmv4.checkpoint import files, table_deltas
-from dlrmv4.checkpoint.files import (
-    CHAIN_FILE,
-    MARKER,
-    CheckpointPosition,
-    CheckpointWriter,
-    checkpoint_chain,
-    latest_checkpoint,
-    load_checkpoint,
-    resume_point,
-    save_checkpoint,
-)
+from dlrmv4.checkpoint import layout, table_deltas
+from dlrmv4.checkpoint import writer as checkpoint_writer
+from dlrmv4.checkpoint.chain import checkpoint_chain
+from dlrmv4.checkpoint.layout import CHAIN_FILE, MARKER
+from dlrmv4.checkpoint.loading import load_checkpoint
+from dlrmv4.checkpoint.newest import latest_checkpoint, resume_point
+from dlrmv4.checkpoint.state import CheckpointPosition
 from dlrmv4.checkpoint.table_deltas import ENTRY, ChangedRows, TableRowsDelta, apply_delta
 from dlrmv4.checkpoint.tables import TableState
+from dlrmv4.checkpoint.writer import CheckpointWriter, save_checkpoint
 from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
 
@@ -165,7 +161,7 @@ class _ReusedStagingCopy(BlockingAsyncStager):
 def test_deltas_of_different_sizes_go_through_the_asynchronous_writer(tmp_path, monkeypatch):
     """A delta's rows are written as they are: the dense state beside them goes through the staging copy
     reused from save to save, and the next delta (other rows, other sizes) must not."""
-    monkeypatch.setattr(files, "BlockingAsyncStager", _ReusedStagingCopy)
+    monkeypatch.setattr(checkpoint_writer, "BlockingAsyncStager", _ReusedStagingCopy)
     tables, tracker, net = Tables({"item": 300, "artist": 40}), ChangedRows(), torch.nn.Linear(4, 3)
     writer = CheckpointWriter(tmp_path, 5, tables.cluster, asynchronous=True)
     writer.save(_position(1), {"model": net, "sparse": TableState(tables)})
@@ -284,8 +280,8 @@ def test_a_chain_s_shared_checkpoints_are_hashed_once(tmp_path, monkeypatch):
     data[len(data) // 2] ^= 1
     tensors.write_bytes(bytes(data))
     hashed: list[Path] = []
-    real = files._sha256
-    monkeypatch.setattr(files, "_sha256", lambda path: hashed.append(path) or real(path))
+    real = layout.sha256
+    monkeypatch.setattr(layout, "sha256", lambda path: hashed.append(path) or real(path))
     with pytest.raises(UserError, match="none is usable"):
         resume_point(tmp_path)
     content = [p for p in hashed if p.name != MARKER]

@@ -118,7 +118,8 @@ def _final_tables(run_dir: Path) -> dict:
 
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from dlrmv4.checkpoint.files import checkpoint_chain, latest_checkpoint
+    from dlrmv4.checkpoint.chain import checkpoint_chain
+    from dlrmv4.checkpoint.newest import latest_checkpoint
 
     whole, *deltas = checkpoint_chain(latest_checkpoint(run_dir))
     with warnings.catch_warnings():
@@ -284,7 +285,7 @@ def test_non_finite_loss_stops_with_the_step_and_window(data_path, tmp_path, mon
     """The model's loss turns NaN at training step 11: ``python -m dlrmv4 train`` must stop with one
     line naming step 11 and its window, exit 1, and never checkpoint the diverged state."""
     from dlrmv4 import cli
-    from dlrmv4.checkpoint.files import CHECKPOINT_DIR
+    from dlrmv4.checkpoint.layout import CHECKPOINT_DIR
     from dlrmv4.data.loader import make_window_loader
     from dlrmv4.data.store import open_store
     from dlrmv4.model.hstu import DlrmHSTU
@@ -547,7 +548,7 @@ def test_a_reached_target_survives_a_last_checkpoint_that_cannot_be_written(data
 def test_a_background_write_that_fails_is_said_at_the_next_step(data_path, tmp_path, monkeypatch):
     """The step-7 checkpoint's background write fails: the run ends with its line at the next step
     boundary or the one after (the writer thread's own timing), not at the next save, 7 steps later."""
-    from dlrmv4.checkpoint import files as checkpoint_files
+    from dlrmv4.checkpoint import writer as checkpoint_files
     from dlrmv4.errors import UserError
     from dlrmv4.train.run import run_training
     from dlrmv4.train.step import TrainStep
@@ -578,7 +579,7 @@ def test_a_window_end_checkpoint_never_waits_for_the_previous_write(data_path, t
     """Writes made slow (1.5 s each, in the background): the window-end checkpoints that come while one
     is in flight are skipped and said in the log, so the run's saves wait for no write; the steps cadence
     is never skipped (each of its saves waits for the one before), and the last checkpoint resumes."""
-    from dlrmv4.checkpoint import files as checkpoint_files
+    from dlrmv4.checkpoint import writer as checkpoint_files
     from dlrmv4.train.run import run_training
 
     real = checkpoint_files.save_checkpoint

@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpe
 import torch
 from harness import RESULTS, command_line, device_facts, device_label, write_results
 
-from dlrmv4.checkpoint.files import CheckpointPosition, CheckpointWriter, ModelAndOptimizers
+from dlrmv4.checkpoint.state import CheckpointPosition, ModelAndOptimizers
+from dlrmv4.checkpoint.writer import CheckpointWriter
 from dlrmv4.distributed import Cluster
 
 GIB = 1 << 30

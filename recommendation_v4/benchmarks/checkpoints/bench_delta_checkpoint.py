@@ -24,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpe
 import torch
 from harness import command_line, device_facts, device_label, write_results
 
-from dlrmv4.checkpoint.files import CheckpointPosition, save_checkpoint
+from dlrmv4.checkpoint.state import CheckpointPosition
 from dlrmv4.checkpoint.table_deltas import ENTRY, ChangedRows, TableRowsDelta, delta_bytes
+from dlrmv4.checkpoint.writer import save_checkpoint
 from dlrmv4.distributed import Cluster
 
 GIB = 1 << 30

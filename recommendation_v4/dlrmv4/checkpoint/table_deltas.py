@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dlrmv4.checkpoint.dcp_io import dcp_load
-from dlrmv4.checkpoint.files import HostCopy
+from dlrmv4.checkpoint.state import HostCopy
 from dlrmv4.checkpoint.tables import SparseEmbeddings
 from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError

@@ -10,25 +10,19 @@ from typing import Any, Callable
 
 import torch
 
-from dlrmv4.checkpoint.files import (
-    CheckpointCadence,
-    CheckpointPosition,
-    CheckpointWriter,
-    ModelAndOptimizers,
-    checkpoint_chain,
-    load_checkpoint,
-    load_small_state,
-)
+from dlrmv4.checkpoint.cadence import CheckpointCadence
+from dlrmv4.checkpoint.loading import load_chain, load_small_state
 from dlrmv4.checkpoint.resume_contract import changed_settings, run_settings
 from dlrmv4.checkpoint.rng import capture_rng_state, restore_rng_state, resume_seed
+from dlrmv4.checkpoint.state import CheckpointPosition, ModelAndOptimizers
 from dlrmv4.checkpoint.table_deltas import (
     ENTRY,
     ChangedRows,
     TableRowsDelta,
-    apply_delta,
     delta_bytes,
     split_by_columns,
 )
+from dlrmv4.checkpoint.writer import CheckpointWriter
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.distributed import Cluster
 from dlrmv4.errors import UserError
@@ -187,20 +181,12 @@ class Checkpointer:
             return None
         changed = self.check_settings(Path(path))
         dense = {"dense": ModelAndOptimizers(self.model, [self.optimizer])}
-        whole, *deltas = checkpoint_chain(path)
         sparse = {"sparse": self.embeddings.checkpoint_state()}
-        # Behind deltas the whole checkpoint gives the tables alone: the dense state is the newest's.
         io = self.writer.cluster  # reads wait on the slowest rank's bytes, as writes do (before any write)
-        position, state = load_checkpoint(whole, sparse if deltas else {**dense, **sparse}, io)
-        for delta in deltas:
-            rows = apply_delta(delta, self.embeddings, io)
-            self.log(f"applied {delta.name}: {rows:,} changed rows of the tables since {whole.name}")
-            whole = delta
-        if deltas:  # the dense state, the position and the rest are the newest checkpoint's own
-            position, state = load_checkpoint(path, dense, io)
+        position, state, deltas = load_chain(path, dense, sparse, self.embeddings, io, self.log)
         if self.full_every > 1:
             self.changed_rows.reset(self.embeddings)
-        self.parent, self.deltas_since_whole = Path(path), len(deltas)
+        self.parent, self.deltas_since_whole = Path(path), deltas
         saved_world = len(state["rank_states"])
         mean_loss, window_steps = state["window_accumulator"]
         if saved_world == self.cluster.world_size:

@@ -11,7 +11,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from dlrmv4.checkpoint.files import CHECKPOINT_DIR, resume_point
+from dlrmv4.checkpoint.layout import CHECKPOINT_DIR
+from dlrmv4.checkpoint.newest import resume_point
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.config_loading import to_dict
 from dlrmv4.data.paths import store_dir

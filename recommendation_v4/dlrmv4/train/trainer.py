@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from dlrmv4.checkpoint.files import CheckpointWriteError
+from dlrmv4.checkpoint.writer import CheckpointWriteError
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.loader import WindowLoader, make_window_loader
 from dlrmv4.data.store import Store

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from dlrmv4.checkpoint.files import CheckpointPosition, CheckpointWriter, latest_checkpoint, load_checkpoint
+from dlrmv4.checkpoint.loading import load_checkpoint
+from dlrmv4.checkpoint.newest import latest_checkpoint
+from dlrmv4.checkpoint.state import CheckpointPosition
+from dlrmv4.checkpoint.writer import CheckpointWriter
 from dlrmv4.distributed import Cluster
 
 
@@ -50,9 +53,10 @@ class _CudaTables:
 
 
 def test_a_delta_of_gpu_tables_applied_over_its_whole_checkpoint_gives_them_back(tmp_path):
-    from dlrmv4.checkpoint.files import checkpoint_chain, save_checkpoint
+    from dlrmv4.checkpoint.chain import checkpoint_chain
     from dlrmv4.checkpoint.table_deltas import ENTRY, ChangedRows, TableRowsDelta, apply_delta
     from dlrmv4.checkpoint.tables import TableState
+    from dlrmv4.checkpoint.writer import save_checkpoint
 
     tables, tracker = _CudaTables(0), ChangedRows()
     parent = save_checkpoint(tmp_path, CheckpointPosition(1, 1, 0), {"sparse": TableState(tables)}, keep_last=3)
@@ -78,7 +82,7 @@ def test_a_delta_of_gpu_tables_applied_over_its_whole_checkpoint_gives_them_back
 def test_deltas_of_different_sizes_through_the_pinned_staging_copy(tmp_path):
     """The asynchronous writer reuses its pinned staging copy for the dense state; the deltas' rows (other
     rows, other sizes at every save) are written as they are."""
-    from dlrmv4.checkpoint.files import checkpoint_chain
+    from dlrmv4.checkpoint.chain import checkpoint_chain
     from dlrmv4.checkpoint.table_deltas import ENTRY, ChangedRows, TableRowsDelta, apply_delta
     from dlrmv4.checkpoint.tables import TableState
 
