@@ -14,8 +14,8 @@
 #   LOG_FILE (the MLPerf log).
 # Launch (docs/distributed.md):
 #   GPUS_PER_NODE (processes per node, default 1; on a machine without GPUs, gloo CPU processes),
-#   NNODES (default 1), NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node torchrun rendezvous),
-#   RDZV_TIMEOUT (seconds a node waits for the others to join, default 600).
+#   NNODES (default 1), NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node torchrun rendezvous: node 0,
+#   at MASTER_ADDR, holds its store), RDZV_TIMEOUT (seconds a node waits for the others, default 600).
 #   With more than one process on one node the data is prepared once first, then torchrun (through
 #   python -m dlrmv4.launch, which ends a failed job in one line naming the rank and cause) starts
 #   one process per GPU; across nodes, prepare it beforehand on one node (PREPARE_ONLY=1). The
@@ -92,9 +92,12 @@ else
         step python -m dlrmv4 prepare --if-missing "${md5s[@]}" "${args[@]+"${args[@]}"}"
         rendezvous=(--standalone)
     else  # the nodes would race to write one store: it is prepared beforehand, once (PREPARE_ONLY=1)
-        rendezvous=(--nnodes "${nnodes}" --node-rank "${NODE_RANK:?NODE_RANK must be set on each node}"
+        # Node 0's launcher hosts the rendezvous store at MASTER_ADDR:MASTER_PORT, the others join it.
+        is_host=0
+        [[ "${NODE_RANK:?NODE_RANK must be set on each node}" == "0" ]] && is_host=1
+        rendezvous=(--nnodes "${nnodes}" --node-rank "${NODE_RANK}"
                     --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:?}:${MASTER_PORT:-29500}"
-                    --rdzv-conf "join_timeout=${RDZV_TIMEOUT:-600}")
+                    --rdzv-conf "join_timeout=${RDZV_TIMEOUT:-600},is_host=${is_host}")
     fi
     start=$(date +%s)
     # torchrun would give each rank one CPU thread; a rank's host work (pinning, TorchRec's input

@@ -236,14 +236,17 @@ class Cluster:
     def silent_ranks(self, seconds: float = SILENCE_SECONDS) -> list[int] | None:
         """The other ranks that gave no sign of life in the store for ``seconds`` (ranks that never gave
         one are not counted: their watch had not started); None when the store itself is gone or does
-        not answer."""
+        not answer, found after ``seconds`` all the same: under torchrun the agent reads the same store,
+        notices within its monitor interval, stops this rank and says the node's line."""
         others = [r for r in range(self.world_size) if r != self.rank]
+        until = time.monotonic() + seconds
         try:
             store = dist.distributed_c10d._get_default_store()
             before = [store.add(f"{ALIVE_KEY}{r}", 0) for r in others]
             time.sleep(seconds)
             after = [store.add(f"{ALIVE_KEY}{r}", 0) for r in others]
         except Exception:  # noqa: BLE001 - a store that is gone is the answer
+            time.sleep(max(0.0, until - time.monotonic()))
             return None
         return [r for r, b, a in zip(others, before, after) if a == b > 0]
 
@@ -258,7 +261,9 @@ class FailureWatch:
     The main thread cannot always do it: on GPUs it may be blocked in native code waiting for a
     collective that the failed rank will never join, and NCCL's watchdog would end the process at the
     collective timeout with a native stack trace instead of a line. ``stop`` (on this rank's own
-    failure, or at the end) makes sure that at most one of the two reports."""
+    failure, or at the end) makes sure that at most one of the two reports. Each poll also leaves
+    this rank's sign of life in the store (``Cluster.beat``), by which a lost collective names the
+    rank that stopped answering."""
 
     def __init__(self, cluster: Cluster, poll_seconds: float = FAILURE_POLL_SECONDS) -> None:
         self._cluster, self._poll_seconds = cluster, poll_seconds
@@ -493,9 +498,9 @@ def start_cluster(cfg: DistributedConfig, need_group: bool = False) -> Cluster:
 
 def _meet_at_rank_zero(rank: int, world: int, timeout_seconds: float) -> None:
     """Ranks started without a launcher (srun's tasks) meet at the store rank 0's process opens on
-    MASTER_PORT. c10d alone would wait for a missing rank 0 about twice the timeout, with native stack
-    dumps, and for ever at a port another program holds: rank 0 first checks that the port is free,
-    the others wait, up to the timeout, for a store to answer there."""
+    MASTER_PORT. c10d alone waits for a missing rank 0 about twice the timeout, with native stack
+    dumps, and without end at a port another program holds: rank 0 first checks that the port is
+    free, the others wait, up to the timeout, for a store to answer there."""
     addr = os.environ["MASTER_ADDR"]
     try:
         port = int(os.environ["MASTER_PORT"])
@@ -511,7 +516,7 @@ def _meet_at_rank_zero(rank: int, world: int, timeout_seconds: float) -> None:
             f"rank {rank} of {world}: no rendezvous store answered at {addr}:{port} within {timeout_seconds:g} s "
             "(--timeout-seconds): task 0 did not start, or MASTER_ADDR/MASTER_PORT do not name its node"
         )
-    if answer.kind == "other":
+    if answer.kind != "store":
         raise UserError(f"rank {rank} of {world}: {port_held_line(addr, port, answer)}")
 
 
@@ -559,7 +564,8 @@ STORE_RETRY_SECONDS = 0.5
 @dataclass(frozen=True)
 class PortAnswer:
     """What is at a rendezvous address: ``"store"`` (a c10d store answered), ``"nothing"`` (refused,
-    unreachable) or ``"other"`` (another program; ``said``: how it answered)."""
+    unreachable), ``"silent"`` (a program that took the connection but gave no store's answer) or
+    ``"other"`` (a program that answered otherwise); ``said``: how, for the line."""
 
     kind: str
     said: str = ""
@@ -578,12 +584,12 @@ def probe_port(addr: str, port: int, seconds: float = STORE_PROBE_SECONDS) -> Po
             while len(answer) < 4:
                 chunk = conn.recv(64)
                 if not chunk:
-                    return PortAnswer("other", "it closed the connection without answering as a rendezvous store")
+                    return PortAnswer("silent", "it closed the connection without answering as a rendezvous store")
                 answer += chunk
         except socket.timeout:
-            return PortAnswer("other", "it accepted a connection but never answered as a rendezvous store")
+            return PortAnswer("silent", "it accepted a connection but never answered as a rendezvous store")
         except OSError as exc:
-            return PortAnswer("other", f"it broke the connection ({exc.strerror or exc})")
+            return PortAnswer("silent", f"it broke the connection ({exc.strerror or exc})")
     if struct.unpack("=I", answer[:4])[0] == _PROBE_NONCE:
         return PortAnswer("store")
     text = " ".join(answer.decode("ascii", "replace").split())[:60]
@@ -592,12 +598,12 @@ def probe_port(addr: str, port: int, seconds: float = STORE_PROBE_SECONDS) -> Po
 
 def wait_for_store(addr: str, port: int, seconds: float) -> PortAnswer:
     """Probe ``addr:port`` until a store answers, another program answers something, or ``seconds``
-    have passed (the last answer then: nothing, or a program that never answered as a store)."""
+    have passed (the last answer then: nothing, or a program silent as a store)."""
     deadline = time.monotonic() + seconds
     while True:
         left = deadline - time.monotonic()
         answer = probe_port(addr, port, max(min(STORE_PROBE_SECONDS, left), 0.1))
-        if answer.kind == "store" or answer.said.startswith("it answered"):
+        if answer.kind in ("store", "other"):
             return answer
         left = deadline - time.monotonic()
         if left <= 0:

@@ -25,19 +25,22 @@ def under_launcher() -> bool:
     return os.environ.get(LAUNCHER_ENV) == "1"
 
 
-def leave_for_launcher(line: str, caused_by_another_rank: bool = False) -> None:
+def leave_for_launcher(line: str, caused_by_another_rank: bool = False) -> bool:
     """Write this rank's one-line failure where torchrun's agent reads it, once: the first line a rank
     leaves is its cause (nothing without a launcher; best effort: the report must never mask the
-    failure)."""
+    failure). True when the launcher has a line of this rank's."""
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
-        return
+        return False
     record = {"message": line, "timestamp": int(time.time()), CAUSED_BY_ANOTHER_RANK: caused_by_another_rank}
     try:
         with open(path, "x") as fh:
             json.dump(record, fh)
-    except OSError:  # FileExistsError included
-        pass
+    except FileExistsError:
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def one_line(exc: BaseException) -> str:
@@ -46,9 +49,12 @@ def one_line(exc: BaseException) -> str:
 
 
 def report_failure(line: str, caused_by_another_rank: bool = False) -> None:
-    """The one error line: on stderr, and where a launcher reads it."""
-    print(ERROR_PREFIX + line, file=sys.stderr, flush=True)
-    leave_for_launcher(line, caused_by_another_rank)
+    """The one error line: where a launcher reads it, and on stderr unless dlrmv4.launch (which says
+    the job's one line) has it; in one write, since ranks started unbuffered share a console."""
+    if leave_for_launcher(line, caused_by_another_rank) and under_launcher():
+        return
+    sys.stderr.write(ERROR_PREFIX + line + "\n")
+    sys.stderr.flush()
 
 
 def exit_with_error(message: str, linger_seconds: float = 0.0) -> None:

@@ -110,9 +110,10 @@ def hosts_the_store(rdzv_conf: str, host: str) -> tuple[bool, bool]:
 
 
 def check_the_port(args: argparse.Namespace, waiting: str) -> str | None:
-    """Before torchrun's rendezvous, whose waits at the port run in native code (a store that never
-    answers held both nodes for minutes and SIGTERM could not stop them): the problem's line, or
-    None. A node that joins as a client leaves torchrun the join timeout it has left."""
+    """The problem's line, or None, before torchrun's rendezvous: its waits at the port run in native
+    code, where a program that never answers as a store holds a node for minutes, beyond the join
+    timeout and deaf to SIGTERM. A node that joins as a client leaves torchrun the join timeout it
+    has left."""
     host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=DEFAULT_RDZV_PORT)
     hosting, said = hosts_the_store(args.rdzv_conf, host)
     if hosting:
@@ -128,7 +129,7 @@ def check_the_port(args: argparse.Namespace, waiting: str) -> str | None:
     if answer.kind == "store":
         args.rdzv_conf = with_join_timeout(args.rdzv_conf, max(1, math.ceil(timeout - (time.monotonic() - started))))
         return None
-    if answer.kind == "other":
+    if answer.kind != "nothing":
         return port_held_line(host, port, answer)
     return (
         f"the nodes did not all join: waited for {waiting}: no rendezvous store answered there (the node that "

@@ -11,8 +11,8 @@ whose replacement the pinned versions do not all have, and a note on a B200 kern
 off on other GPUs. None asks anything of a user, so none is shown (docs/training.md lists them).
 
 c10d's native warnings (a store connection that closed, a client that retries) each come with a dump
-of some fifteen native stack frames, around the one line that says the cause; only its errors are
-shown, unless ``TORCH_CPP_LOG_LEVEL`` is set.
+of some fifteen native stack frames, around the one line that says the cause; only c10d's errors
+are shown, unless ``TORCH_CPP_LOG_LEVEL`` is set.
 """
 
 from __future__ import annotations

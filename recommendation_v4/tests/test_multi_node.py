@@ -1,15 +1,20 @@
 """Two nodes on one machine (two process trees meeting at 127.0.0.1, gloo), launched as a submitter
-launches several nodes: ``run_and_time.sh`` with NNODES=2 and a NODE_RANK each. A node killed
-mid-run and both started again with RESUME=1 finish bit-exactly as an uninterrupted run; the node
-that holds global rank 0 alone checks the log; nodes with different process counts are refused;
-a node whose peers never come waits a bounded time and says so in one line."""
+launches several nodes: ``run_and_time.sh`` with NNODES=2 and a NODE_RANK each, or as two srun tasks
+on two nodes (SLURM's variables, no launcher). A node killed mid-run and both started again with
+RESUME=1 finish bit-exactly as an uninterrupted run; the node that holds global rank 0 alone checks
+the log; nodes with different process counts are refused. Each failure ends a node with one line
+that names its cause, within its stated timeout and a few seconds, with no native stack dump: peers
+that never come, the node that holds the rendezvous store stopped, a rendezvous port that another
+program holds, a rank that stops answering."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -48,6 +53,30 @@ def _node(node_rank: int, port: int, flags: list[str], gpus_per_node: int = 1, *
     )
 
 
+def _task(task: int, port: int, flags: list[str], **env: str) -> subprocess.Popen:
+    """One of two srun tasks, each on a node of its own: run_and_time.sh's SLURM path."""
+    task_env = dict(
+        launch_env(),
+        SLURM_PROCID=str(task),
+        SLURM_LOCALID="0",
+        SLURM_NODEID=str(task),
+        SLURM_NTASKS="2",
+        SLURM_STEP_TASKS_PER_NODE="1(x2)",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        DLRMV4_NO_VENV="1",
+        **env,
+    )
+    return subprocess.Popen(
+        ["bash", str(REPO / "run_and_time.sh"), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=task_env,
+        start_new_session=True,
+    )
+
+
 def _tree(pid: int) -> list[int]:
     """``pid`` and every process below it (torchrun's workers leave their launcher's process group)."""
     children: dict[int, list[int]] = {}
@@ -72,6 +101,77 @@ def _kill_node(node: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     node.communicate()
+
+
+def _trainer(node: subprocess.Popen, deadline: float) -> int:
+    """The pid of the ``python -m dlrmv4 train`` under a task's run_and_time.sh."""
+    while time.time() < deadline:
+        for pid in _tree(node.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if Path(argv[0].decode()).name.startswith("python") and b"train" in argv:
+                return pid
+        time.sleep(0.2)
+    raise AssertionError("the task's trainer did not appear")
+
+
+def _until(node: subprocess.Popen, text: str, stdout: bool = False) -> float:
+    """Read the node's stderr (or stdout) up to the line holding ``text``; the time it came."""
+    stream = node.stdout if stdout else node.stderr
+    assert stream is not None
+    seen = []
+    for line in stream:
+        if text in line:
+            return time.time()
+        seen.append(line)
+    raise AssertionError(f"{text!r} never came: {''.join(seen)[-3000:]}")
+
+
+def _ended(node: subprocess.Popen, timeout: float) -> tuple[str, float]:
+    """The rest of the node's stderr and when it ended; a node still running after ``timeout`` is
+    killed and fails the test."""
+    try:
+        _, err = node.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_node(node)
+        raise AssertionError(f"still running after {timeout:g} s") from None
+    return err, time.time()
+
+
+def _one_clean_line(err: str) -> str:
+    """The node's one error line, its last, with no native stack dump or traceback around it."""
+    errors = [line for line in err.splitlines() if "[dlrmv4] error:" in line]
+    assert len(errors) == 1 and errors[0] == _last_line(err) and errors[0].startswith("[dlrmv4] error:"), err[-3000:]
+    for noise in ("frame #", "Exception raised from", "Traceback", "ChildFailedError"):
+        assert noise not in err, err[-3000:]
+    assert not [line for line in err.splitlines() if line.startswith(("[W", "[E"))], err[-3000:]  # c10d's log lines
+    return errors[0]
+
+
+@pytest.fixture
+def port_held_by_a_web_server():
+    """A port that another program (Python's HTTP server) listens on."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.time() < deadline and server.poll() is None, "the web server did not start"
+                time.sleep(0.1)
+        yield port
+    finally:
+        server.kill()
+        server.wait()
 
 
 def _both(flags: list[str], **env: str) -> list[tuple[int, str, str]]:
@@ -125,6 +225,17 @@ def test_nodes_with_different_process_counts_are_refused(data_path, tmp_path):
         assert "set GPUS_PER_NODE / --nproc-per-node alike on every node" in _last_line(err)
 
 
+def test_each_node_says_its_refusal_once_on_a_line_of_its_own(data_path, tmp_path):
+    """Nodes with different process counts: every rank refuses, and each node says so in one line
+    (node 0's two ranks printed theirs, at times run together on one line, then its launcher a copy)."""
+    flags = run_flags(data_path, tmp_path / "run")
+    port = free_port()
+    nodes = [_node(0, port, flags, gpus_per_node=2), _node(1, port, flags, gpus_per_node=1)]
+    for node in nodes:
+        err, _ = _ended(node, 300)
+        assert node.returncode == 1 and "the nodes run different numbers of processes" in _one_clean_line(err)
+
+
 def test_a_node_whose_peers_never_come_gives_up_in_one_line(data_path, tmp_path):
     node = _node(0, free_port(), run_flags(data_path, tmp_path / "run"), RDZV_TIMEOUT="5")
     started = time.time()
@@ -134,6 +245,25 @@ def test_a_node_whose_peers_never_come_gives_up_in_one_line(data_path, tmp_path)
     assert len(waiting) == 1 and waiting[0].startswith("[dlrmv4] node 0: ") and "(up to 5 s)" in waiting[0]
     assert _last_line(err).startswith("[dlrmv4] error: node 0: the nodes did not all join: waited for 2 nodes")
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_node_whose_node_0_never_comes_gives_up_in_one_line(data_path, tmp_path):
+    """Node 1 alone: no store ever answers at MASTER_PORT (node 0's launcher would hold it); the node
+    says so within its join timeout and a few seconds."""
+    port = free_port()
+    node = _node(1, port, run_flags(data_path, tmp_path / "run"), RDZV_TIMEOUT="5")
+    try:
+        waiting = _until(node, "waiting for 2 nodes")
+        err, ended = _ended(node, 60)
+    finally:
+        if node.poll() is None:
+            _kill_node(node)
+    assert node.returncode == 1 and ended - waiting < 5 + 5, err[-3000:]
+    assert _one_clean_line(err) == (
+        f"[dlrmv4] error: node 1: the nodes did not all join: waited for 2 nodes at 127.0.0.1:{port} (up to 5 s): no "
+        "rendezvous store answered there (the node that hosts it, NODE_RANK 0, has not started, or the endpoint "
+        "does not name it)"
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -152,3 +282,115 @@ def test_a_node_stopped_while_it_waits_for_its_peers_says_so_in_one_line(data_pa
     name = signal.Signals(sig).name
     assert _last_line(err) == f"[dlrmv4] terminated ({name}): every rank was stopped", err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("task", [0, 1])
+def test_a_slurm_task_whose_peer_never_comes_gives_up_in_one_line_within_its_timeout(data_path, tmp_path, task):
+    """One srun task of two, the other never starts: the task says one line within the timeout it
+    announced and a few seconds (task 1 waited twice the timeout, with two native stack dumps)."""
+    flags = run_flags(data_path, tmp_path / "run", **{"distributed.timeout_seconds": 10.0})
+    node = _task(task, free_port(), flags)
+    joining = _until(node, f"[dlrmv4] rank {task}: joining the 2 ranks at 127.0.0.1:")
+    err, ended = _ended(node, 120)
+    assert node.returncode == 1 and ended - joining < 10 + 5, err[-3000:]
+    line = _one_clean_line(err)
+    if task == 0:
+        assert "rank 0 of 2: could not join the process group at 127.0.0.1:" in line and "1/2 clients joined" in line
+    else:
+        assert "rank 1 of 2: no rendezvous store answered at 127.0.0.1:" in line and "within 10 s" in line, line
+
+
+def test_sigterm_to_the_node_that_holds_the_store_ends_the_other_in_one_line(data_path, tmp_path):
+    """A scheduler stops node 0 mid-run (its launcher holds the rendezvous store): node 1 says in one
+    line that the store went with the node that held it, not that the nodes did not all join, and no
+    c10d warning or stack frame comes with it."""
+    flags = run_flags(data_path, tmp_path / "run", **{"train.checkpoint_every_steps": 2})
+    port = free_port()
+    nodes = [_node(rank, port, flags) for rank in range(2)]
+    try:
+        deadline = time.time() + 300
+        while not list((tmp_path / "run" / "checkpoints").glob("step-*/COMPLETE")):  # training is under way
+            assert time.time() < deadline and nodes[0].poll() is None and nodes[1].poll() is None
+            time.sleep(0.05)
+        os.killpg(nodes[0].pid, signal.SIGTERM)
+        stopped = time.time()
+        err0, _ = _ended(nodes[0], 120)
+        err1, ended = _ended(nodes[1], 120)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                _kill_node(node)
+    assert nodes[0].returncode == 143 and _last_line(err0) == "[dlrmv4] terminated (SIGTERM): every rank was stopped"
+    assert nodes[1].returncode == 1 and ended - stopped < 30, err1[-3000:]
+    assert _one_clean_line(err1) == (
+        f"[dlrmv4] error: node 1: lost the rendezvous store at 127.0.0.1:{port}: the node that holds it stopped or "
+        "failed (its output says why); this node's ranks were stopped"
+    )
+
+
+def test_a_rendezvous_port_held_by_another_program_is_named_on_every_node(
+    data_path, tmp_path, port_held_by_a_web_server
+):
+    """MASTER_PORT is held by a web server: node 0, which would host the store there, says so at once;
+    node 1, which finds something there that never answers as a store, within its join timeout (both
+    waited for minutes, deaf to SIGTERM, and said nothing of the port)."""
+    port = port_held_by_a_web_server
+    flags = run_flags(data_path, tmp_path / "run")
+    nodes = [_node(rank, port, flags, RDZV_TIMEOUT="10") for rank in range(2)]
+    try:
+        waiting = [_until(node, "waiting for 2 nodes") for node in nodes]
+        ends = [_ended(node, 60) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                _kill_node(node)
+    for rank, (node, (err, ended)) in enumerate(zip(nodes, ends)):
+        assert node.returncode == 1 and ended - waiting[rank] < (5 if rank == 0 else 10 + 5), err[-3000:]
+        line = _one_clean_line(err)
+        assert line.startswith(
+            f"[dlrmv4] error: node {rank}: MASTER_PORT {port} on 127.0.0.1 is held by another program"
+        )
+        assert line.endswith("stop it, or give every node another MASTER_PORT"), line
+
+
+def test_sigterm_reaches_a_node_that_waits_at_a_port_another_program_holds(
+    data_path, tmp_path, port_held_by_a_web_server
+):
+    """Node 1 waits for a store at a port a web server holds: a SIGTERM ends it at once, in one line."""
+    node = _node(1, port_held_by_a_web_server, run_flags(data_path, tmp_path / "run"), RDZV_TIMEOUT="120")
+    try:
+        _until(node, "waiting for 2 nodes")
+        time.sleep(2.0)  # into the wait itself
+        os.killpg(node.pid, signal.SIGTERM)
+        stopped = time.time()
+        err, ended = _ended(node, 60)
+    finally:
+        if node.poll() is None:
+            _kill_node(node)
+    assert node.returncode == 143 and ended - stopped < 10, err[-3000:]
+    assert _last_line(err) == "[dlrmv4] terminated (SIGTERM): every rank was stopped", err[-3000:]
+
+
+def test_a_rank_that_stops_answering_is_named_when_the_collective_times_out(data_path, tmp_path):
+    """Two srun tasks on two nodes; task 1 stops (SIGSTOP) as training starts: task 0's collective
+    times out and its one line names rank 1, whose failure watch no longer gives a sign of life in
+    the store. (No checkpoint is written: a write in flight waits for its peer for its own, longer
+    timeout.)"""
+    flags = run_flags(
+        data_path, tmp_path / "run", **{"train.checkpoint_every_steps": 1000, "distributed.timeout_seconds": 10.0}
+    )
+    port = free_port()
+    tasks = [_task(rank, port, flags) for rank in range(2)]
+    try:
+        trainer = _trainer(tasks[1], time.time() + 300)
+        _until(tasks[0], "training on 2 processes", stdout=True)
+        os.kill(trainer, signal.SIGSTOP)
+        stopped = time.time()
+        err, ended = _ended(tasks[0], 120)
+    finally:
+        for task in tasks:
+            if task.poll() is None:
+                _kill_node(task)
+    assert tasks[0].returncode == 1 and ended - stopped < 10 + 15, err[-3000:]
+    line = _one_clean_line(err)
+    assert line.startswith("[dlrmv4] error: rank 0 of 2: ") and "stopped answering: rank 1 (timeout 10 s)" in line, line
