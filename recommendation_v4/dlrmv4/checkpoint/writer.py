@@ -18,6 +18,7 @@ import pickle
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from dlrmv4.checkpoint.layout import (
     write_synced,
 )
 from dlrmv4.checkpoint.state import CheckpointPosition, HostCopy, split_state
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed import Cluster, lost_rank_error
 from dlrmv4.errors import UserError
 from dlrmv4.files import atomic_directory, remove_dead_temps, write_errors_in_one_line, write_failure
 
@@ -188,6 +189,7 @@ class CheckpointWriter:
         self.run_dir, self.keep_last, self.asynchronous = run_dir, keep_last, asynchronous
         # A collective (every rank builds its writer): the waits of a write are bounded by its bytes.
         self.cluster = cluster.for_checkpoint_io()
+        self._peers = cluster  # the training's: its timeout paces the liveness checks of a long wait
         # One staging copy per kind of save (whole, delta's dense state): each is reused by the next save of its kind.
         self._stagers: dict[tuple[str, ...], BlockingAsyncStager] = {}
         self._thread = (
@@ -257,9 +259,29 @@ class CheckpointWriter:
         return path
 
     def wait(self) -> Path | None:
-        """Wait for the write in flight, if any; its path (None when there was none)."""
+        """Wait for the write in flight, if any; its path (None when there was none). With several ranks
+        a write's collectives wait as long as its bytes take, so the wait asks, every collective timeout,
+        whether every rank still gives signs of life: one that stopped answering ends it with the line
+        naming that rank, instead of the hours of the write's own timeout."""
         pending, self._pending = self._pending, None
-        return None if pending is None else pending.result()
+        if pending is None:
+            return None
+        if self._peers.world_size == 1:
+            return pending.result()
+        while True:
+            try:
+                return pending.result(timeout=self._peers.timeout_seconds)
+            except FutureTimeout:
+                if self._peers.silent_ranks() != []:  # a silent rank, or the store gone with its holder
+                    waited = TimeoutError(f"the write had not ended after {self._peers.timeout_seconds:g} s")
+                    raise lost_rank_error(self._peers, "a checkpoint write", waited) from None
+
+    def abandon(self) -> None:
+        """Leave the write in flight to itself (a failing rank of several: a peer may never join its
+        collectives); the previous checkpoint stays the resume point."""
+        self._pending = None
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
         self.wait()

@@ -174,6 +174,10 @@ class Checkpointer:
         self.wait()
         self.writer.close()
 
+    def abandon(self) -> None:
+        """End without waiting for the write in flight (a failing rank of several)."""
+        self.writer.abandon()
+
     def restore(self, path: Path | None) -> Resumed | None:
         """Continue from the checkpoint at ``path`` (the run's resume point, found once by the
         caller on rank 0 and shared); None for a fresh run."""

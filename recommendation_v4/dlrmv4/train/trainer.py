@@ -218,13 +218,17 @@ class Trainer:
             raise
         finally:
             # Each is closed however the run ends; the checkpoint being written (of a state before any
-            # failure) is finished. When the run ends by an error, that error is the one reported.
+            # failure) is finished, except on a failing rank of several. When the run ends by an error,
+            # that error is the one reported.
             failing = sys.exc_info()[0] is not None
+            # A failing rank of several leaves the write in flight: a peer that stopped would keep its
+            # collectives waiting for hours (the previous checkpoint stays the resume point).
+            abandon = failing and self.cluster.world_size > 1
             closes = (
                 self.scalars.close,
                 lambda: self._trace_written(self.profiler.close()),
                 self.progress.close,
-                self.checkpointer.close,
+                self.checkpointer.abandon if abandon else self.checkpointer.close,
             )
             for close in closes:
                 if failing:
