@@ -23,7 +23,7 @@ Measured (files in benchmarks/results/, each naming its device and commit):
   the disk allows, every K-th whole and the others holding the rows changed since the save before:
   ``delta_rows.json`` gives the share of the busiest rank's block a window changes (``synthetic-1b``'s
   windows, Yambda-5B's tables), ``delta_checkpoint_gpu.json`` (the H200's; the H100's
-  ``delta_checkpoint_h100-57d15c4.json``) what the step waits per GiB of a rank's
+  ``delta_checkpoint_h100.json``) what the step waits per GiB of a rank's
   tables to find and copy the changed rows; a window end is skipped only while a write is in flight
   (after a whole one), and the next delta then holds the rows of every window since.
 
@@ -501,8 +501,8 @@ def exchange_source(p: dict) -> str:
 # Each GPU's weak-scaling row at the real per-rank tables, each up to four ranks (the widest measured).
 EXCHANGE_ROWS = {"h200": "h200x4-torchrec-real-tables-dedup", "h100": "h100x4-torchrec-real-tables-dedup"}
 
-# Each GPU's delta find-and-copy table (the H100's from the last machine of that kind lent, at 57d15c4).
-DELTA_COST_FROM = {"h200": "delta_checkpoint_gpu", "h100": "delta_checkpoint_h100-57d15c4"}
+# Each GPU's delta find-and-copy table (each file names its commit and machine).
+DELTA_COST_FROM = {"h200": "delta_checkpoint_gpu", "h100": "delta_checkpoint_h100"}
 
 
 def main() -> None:
