@@ -7,43 +7,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dlrmv4.data.batch import JaggedBatch, TorchJaggedBatch
+from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.data.hashing import NUM_CONTEXTUAL
 from dlrmv4.data.synthetic_batch import synthetic_batch
 from dlrmv4.model.embeddings import TABLE_NAMES, SequenceEmbeddings
 
 
 def random_batch(lengths, seed: int, dedup_ids: bool = False) -> TorchJaggedBatch:
-    rng = np.random.default_rng(seed)
-    lengths = np.asarray(lengths, np.int32)
-    b, t = len(lengths), int(lengths.sum())
-    offsets = np.zeros(b + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    ts = (
-        np.concatenate([np.sort(rng.integers(0, 10**7, n)) for n in lengths]).astype(np.int64)
-        if t
-        else np.zeros(0, np.int64)
+    """A batch with the given history lengths (0 allowed), every id below 100."""
+    return synthetic_batch(
+        np.asarray(lengths, np.int32), dict.fromkeys(TABLE_NAMES, 100), np.random.default_rng(seed), dedup_ids=dedup_ids
     )
-    query = np.array([ts[offsets[i + 1] - 1] if lengths[i] else rng.integers(0, 10**7) for i in range(b)], np.int64)
-    batch = JaggedBatch(
-        history_lengths=lengths,
-        history_offsets=offsets,
-        history_item_id=rng.integers(0, 100, t),
-        history_artist_id=rng.integers(0, 100, t),
-        history_album_id=rng.integers(0, 100, t),
-        history_action=rng.choice([1, 2, 4], t).astype(np.int64),
-        history_timestamp=ts,
-        contextual_ids=rng.integers(0, 100, (b, NUM_CONTEXTUAL)),
-        candidate_item_id=rng.integers(0, 100, b),
-        candidate_artist_id=rng.integers(0, 100, b),
-        candidate_album_id=rng.integers(0, 100, b),
-        candidate_timestamp=query + rng.integers(0, 600, b),
-        query_time=query,
-        label=rng.integers(0, 2, b).astype(np.float32),
-        anchor_index=np.arange(b, dtype=np.int64),
-    )
-    batch.validate()
-    return batch.to_torch(dedup_ids=dedup_ids)
 
 
 def random_embeddings(batch: TorchJaggedBatch, dim: int, seed: int, dtype=torch.float32) -> SequenceEmbeddings:

@@ -8,11 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from raw_factory import random_events, write_raw
-from test_train import OVERRIDES
+from test_train import OVERRIDES, data_path  # noqa: F401 - the store every run here trains on
 
 from dlrmv4.config_loading import load_config
-from dlrmv4.data.preprocess import preprocess
 from dlrmv4.train.warm_up import WarmUpBatch, history_lengths, length_buckets, warm_up_batches
 
 
@@ -48,15 +46,6 @@ def test_history_lengths_meet_the_shape(samples, longest):
         low, high = longest - 9 + samples - 1, (longest - 9) * samples  # the totals the slice can have
         if samples > 1 and high // 16 * 16 >= low:  # some total of the slice is a multiple of 16
             assert (hist.sum() % 16 == 0) == aligned, (hist.sum(), aligned)
-
-
-@pytest.fixture(scope="module")
-def data_path(tmp_path_factory):
-    root = tmp_path_factory.mktemp("warm_up")
-    cfg = load_config(None, None, OVERRIDES)
-    raw = write_raw(root / "raw", random_events(21, num_users=40, max_events=300, span_days=9))
-    preprocess(raw, root / "data" / "processed" / "synthetic-tiny", cfg.dataset, cfg.preprocess, progress=False)
-    return root / "data"
 
 
 def _run(data_path: Path, run_dir: Path, warm_up: str, extra: dict) -> tuple[dict, list[tuple], list[str]]:

@@ -590,20 +590,20 @@ def main() -> None:
         widest = max(r["world_size"] for r in row["results"])
         exchange_from = f"scaling {args.exchange_from} at {widest} ranks, {row['device']}, commit {row['commit']}"
     deltas = delta_parts(args.delta_rows_from, args.delta_cost_from)
+    parts = measured_parts(
+        args.gpu,
+        nvlink_gbs,
+        args.network_gbs,
+        source,
+        exchange,
+        exchange_from,
+        share,
+        deltas,
+        args.full_every,
+        args.compile_on_the_clock,
+    )
     if args.measured_run is not None:
         run, world, measured = measured_run(args.measured_run)
-        parts = measured_parts(
-            args.gpu,
-            nvlink_gbs,
-            args.network_gbs,
-            source,
-            exchange,
-            exchange_from,
-            share,
-            deltas,
-            args.full_every,
-            args.compile_on_the_clock,
-        )
         result = {
             "gpu": parts["gpu"],
             "commits": parts["commits"],
@@ -617,20 +617,7 @@ def main() -> None:
         print(text)
         write_results(f"projection_{args.label}", result, text, device="cpu")
         return
-    p = project(
-        measured_parts(
-            args.gpu,
-            nvlink_gbs,
-            args.network_gbs,
-            source,
-            exchange,
-            exchange_from,
-            share,
-            deltas,
-            args.full_every,
-            args.compile_on_the_clock,
-        )
-    )
+    p = project(parts)
     p["command"] = command_line()
     text = table(p)
     print(text)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import fcntl
 import os
-import socket
-import time
 from pathlib import Path
 from typing import Callable
+
+from dlrmv4.lock_file import lock_holder, name_holder, release
 
 LOCK_SUFFIX = ".prepare.lock"
 
@@ -38,26 +38,19 @@ class PrepareLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read(fd) or "a process that has not written its name yet"
+                holder = lock_holder(fd) or "a process that has not written its name yet"
                 self.log(f"waiting for another preparation of {self.store} to finish ({holder}; lock {self.path})")
                 fcntl.flock(fd, fcntl.LOCK_EX)  # a signal's exception (SIGTERM, Ctrl-C) ends the wait
                 self.waited = True
         except BaseException:
             os.close(fd)
             raise
-        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {started}".encode(), 0)
+        name_holder(fd)
         self._fd = fd
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)  # released: nothing names a holder that has gone
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
+            release(self._fd)
             self._fd = None
 
-
-def _read(fd: int) -> str:
-    return os.pread(fd, 4096, 0).decode(errors="replace").strip()

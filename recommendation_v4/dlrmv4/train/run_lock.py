@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import fcntl
 import os
-import socket
-import time
 from pathlib import Path
 from typing import Callable
 
 from dlrmv4.errors import UserError
+from dlrmv4.lock_file import lock_holder, name_holder, release
 
 LOCK_FILE = "run.lock"
 
@@ -32,28 +31,20 @@ class RunDirectoryLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read(fd) or "a process that has not written its name yet"
+            holder = lock_holder(fd) or "a process that has not written its name yet"
             os.close(fd)
             raise UserError(
                 f"run directory {self.path.parent} is in use by a live run ({holder}); wait for it to end, "
                 "or give this run another --run-dir"
             ) from None
-        previous = _read(fd)
+        previous = lock_holder(fd)
         if previous:
             self.log(f"taking over {self.path}: its run ({previous}) ended without releasing it")
-        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {started}".encode(), 0)
+        name_holder(fd)
         self._fd = fd
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)  # released cleanly: the next run has nothing to take over
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
+            release(self._fd)
             self._fd = None
-
-
-def _read(fd: int) -> str:
-    return os.pread(fd, 4096, 0).decode(errors="replace").strip()
