@@ -43,14 +43,7 @@ def _node(node_rank: int, port: int, flags: list[str], gpus_per_node: int = 1, *
         DLRMV4_NO_VENV="1",
         **env,
     )
-    return subprocess.Popen(
-        ["bash", str(REPO / "run_and_time.sh"), *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=node_env,
-        start_new_session=True,
-    )
+    return _run_and_time(flags, node_env)
 
 
 def _task(task: int, port: int, flags: list[str], **env: str) -> subprocess.Popen:
@@ -67,12 +60,17 @@ def _task(task: int, port: int, flags: list[str], **env: str) -> subprocess.Pope
         DLRMV4_NO_VENV="1",
         **env,
     )
+    return _run_and_time(flags, task_env)
+
+
+def _run_and_time(flags: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """run_and_time.sh in a session of its own (a node is killed as a process tree), its output piped."""
     return subprocess.Popen(
         ["bash", str(REPO / "run_and_time.sh"), *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=task_env,
+        env=env,
         start_new_session=True,
     )
 
