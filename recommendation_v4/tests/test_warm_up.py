@@ -88,3 +88,5 @@ def test_a_run_with_the_warm_up_is_the_run_without_it(data_path, tmp_path, extra
     (said,) = [line for line in warm_lines if line.startswith("kernels compiled and tuned before RUN_START")]
     assert said.startswith("kernels compiled and tuned before RUN_START: 21 warm-up passes over 3 sequence-length")
     assert not any(line.startswith("kernels compiled and tuned") for line in cold_lines)
+    # The PyTorch reference ops compile nothing: no count of Triton kernels either.
+    assert not any(line.startswith("Triton kernels after RUN_START") for line in warm_lines + cold_lines)

@@ -269,11 +269,13 @@ class Trainer:
 
     def _warm_up_kernels(self) -> None:
         """Compile and autotune the step's and the eval's Triton kernels on synthetic batches (train.warm_up)."""
-        if warm_up_wanted(self.cfg.train.warm_up, resolve(self.cfg.model.kernels, self.device)):
+        kernels = resolve(self.cfg.model.kernels, self.device)
+        if warm_up_wanted(self.cfg.train.warm_up, kernels):
             rows = {spec.name: spec.rows for spec in self.embeddings.specs}
             samples = self.cfg.loader.batch_size // self.cluster.world_size
             self.log(warm_up(self.step, samples, rows, self.cfg.sampler.max_seq_len, self.dedup_ids).describe())
-        self.compiled_at_start = compiled_kernels()
+        if kernels == "triton":  # (the PyTorch reference ops compile nothing)
+            self.compiled_at_start = compiled_kernels()
 
     def _compiled_on_the_clock(self) -> None:
         """Say how many kernels were compiled or autotuned inside the timed run (none after a warm-up)."""
