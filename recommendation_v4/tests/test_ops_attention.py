@@ -280,3 +280,29 @@ def test_backward_column_sums(dq_mode, dtype):
     targets = torch.randint(0, 3, (len(lengths),), generator=gen).tolist()
     q, k, v, offsets, num_targets = make_batch(lengths, 2, 32, 16, dtype, "cpu", seed, targets)
     check_column_sums(q, k, v, offsets, num_targets, max(lengths) + 40, 0.3, dq_mode, seed)
+
+
+def test_silu_form_is_chosen_per_kernel_kind():
+    """One SiLU form for every kernel, or a form per kernel kind with the others at their default;
+    a kind that does not exist, or a form the target cannot run, is refused."""
+    from dlrmv4.ops.triton.attention import _silu_form
+    from dlrmv4.ops.triton.targets import TARGETS
+
+    hopper, mi300 = (next(t for t in TARGETS if t.name == name) for name in ("sm_90", "gfx942"))
+    bf16 = torch.bfloat16
+
+    def forms(choice, target=hopper, dtype=bf16):
+        return [_silu_form(target, dtype, choice, kind) for kind in ("fwd", "dkdv", "dq")]
+
+    assert forms(None) == ["tanh", "bf16x2", "tanh"]
+    assert forms("tanh") == ["tanh", "tanh", "tanh"]
+    assert forms({"dq": "bf16x2"}) == ["tanh", "bf16x2", "bf16x2"]
+    assert forms({"dkdv": "tanh", "fwd": "sigmoid"}) == ["sigmoid", "tanh", "tanh"]
+    assert forms(None, mi300) == ["sigmoid"] * 3
+    assert forms(None, None, torch.float32) == ["sigmoid"] * 3
+    with pytest.raises(ValueError, match="not kernel kinds"):
+        forms({"bwd": "tanh"})
+    with pytest.raises(ValueError, match="not available"):
+        forms({"dq": "bf16x2"}, mi300)
+    with pytest.raises(ValueError, match="not available"):
+        forms({"dq": "bf16x2"}, hopper, torch.float16)

@@ -35,8 +35,14 @@ from dlrmv4.ops.triton import attention as tri
 
 HERE = Path(__file__).resolve().parent
 MIXES = {"full 4,096": "full", "jagged (real-data-like)": "jagged", "full 2,048": "half"}
-# (dq mode, SiLU form in every kernel) besides the default (packed bf16 in dK/dV only)
-VARIANTS = (("separate", "tanh"), ("separate", "bf16x2"))
+# (name, dq mode, SiLU form: one for every kernel or one per kernel kind), the default first so each
+# is timed beside it; the default is packed bf16 in dK/dV, fp32 tanh in the forward and dQ.
+VARIANTS = (
+    ("default", None, None),
+    ("tanh in every kernel", "separate", "tanh"),
+    ("bf16x2 in every kernel", "separate", "bf16x2"),
+    ("bf16x2 in dK/dV and dQ", "separate", {"dq": "bf16x2"}),
+)
 
 COLD_START = """
 import time, torch
@@ -98,19 +104,25 @@ def time_reference(q, k, v, offsets, targets, grad, n, alpha) -> tuple[float, fl
     return f, window_ms(both, min_ms=100.0, reps=3)
 
 
-def kernel_breakdown(q, k, v, offsets, targets, grad, n, alpha, iters: int = 5) -> dict[str, float]:
+def kernel_breakdown(q, k, v, offsets, targets, grad, n, alpha, iters: int = 5, **kw) -> dict[str, float]:
     """Mean CUDA time per fwd+bwd of each kernel (profiler), to see where the time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            tri.attention_fwd(q, k, v, offsets, targets, n, alpha)
-            tri.attention_bwd(grad, q, k, v, offsets, targets, n, alpha)
+            tri.attention_fwd(q, k, v, offsets, targets, n, alpha, silu=kw.get("silu"))
+            tri.attention_bwd(grad, q, k, v, offsets, targets, n, alpha, **kw)
         torch.cuda.synchronize()
     times: dict[str, float] = {}
     for e in prof.key_averages():
         times[e.key[:60]] = getattr(e, "self_device_time_total", 0.0) / 1e3 / iters
     return {key: ms for key, ms in sorted(times.items(), key=lambda kv: -kv[1]) if ms > 0.001}
+
+
+def _kernel_ms(variant: dict, kind: str) -> str:
+    """The profiled time of the variant's ``kind`` kernel (``_hstu_attention_<kind>``), or "-"."""
+    times = [ms for name, ms in variant["kernel_ms"].items() if name.startswith(f"_hstu_attention_{kind}")]
+    return f"{sum(times):.3f}" if times else "-"
 
 
 def tuned_configs() -> dict[str, dict]:
@@ -195,17 +207,21 @@ def main() -> None:
         if mix.startswith("jagged"):
             breakdown = kernel_breakdown(q, k, v, offsets, targets, grad, n, alpha)
             if args.variants:
-                for dq_mode, silu in VARIANTS:
-                    var = time_triton(q, k, v, offsets, targets, grad, n, alpha, dq_mode=dq_mode, silu=silu)
+                for name, dq_mode, silu in VARIANTS:
+                    kw = {"dq_mode": dq_mode, "silu": silu}
+                    var = time_triton(q, k, v, offsets, targets, grad, n, alpha, **kw)
+                    kernels = kernel_breakdown(q, k, v, offsets, targets, grad, n, alpha, **kw)
                     f, fb = var["fwd_ms"], var["fwd_bwd_ms"]
                     variants.append(
                         {
-                            "dq_mode": dq_mode,
+                            "variant": name,
+                            "dq_mode": dq_mode or tri.DQ_MODE,
                             "silu": silu,
                             "fwd_ms": f,
                             "fwd_bwd_ms": fb,
                             "fwd_tflops": flops / f / 1e9,
                             "fwd_bwd_tflops": 3.5 * flops / fb / 1e9,
+                            "kernel_ms": kernels,
                         }
                     )
         del q, k, v, grad, ref_out
@@ -222,12 +238,16 @@ def main() -> None:
         for r in rows
     )
     vtable = "".join(
-        f"| {x['dq_mode']} | {x['silu']} | {x['fwd_ms']:.3f} ({x['fwd_tflops']:.0f}) "
-        f"| {x['fwd_bwd_ms']:.3f} ({x['fwd_bwd_tflops']:.0f}) |\n"
+        f"| {x['variant']} | {x['dq_mode']} | {x['fwd_ms']:.3f} ({x['fwd_tflops']:.0f}) "
+        f"| {x['fwd_bwd_ms']:.3f} ({x['fwd_bwd_tflops']:.0f}) | {_kernel_ms(x, 'fwd')} | {_kernel_ms(x, 'dkdv')} "
+        f"| {_kernel_ms(x, 'dq')} |\n"
         for x in variants
     )
     if vtable:
-        vtable = "| dq mode | SiLU form | fwd ms (TFLOP/s) | fwd+bwd ms (TFLOP/s) |\n|---|---|---|---|\n" + vtable
+        vtable = (
+            "| variant | dq mode | fwd ms (TFLOP/s) | fwd+bwd ms (TFLOP/s) | fwd kernel ms | dK/dV kernel ms "
+            "| dQ kernel ms |\n|---|---|---|---|---|---|---|\n" + vtable
+        )
     env = {
         "device": device_name("cuda"),
         "torch": torch.__version__,

@@ -4,6 +4,8 @@ no re-tuning inside a max_seq_len bucket. Skipped without CUDA (tests/gpu/confte
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from test_ops_attention import check_against_reference, check_column_sums, fresh_seed, make_batch, poison_outputs
@@ -40,6 +42,25 @@ def test_full_size_matches_float64_reference(monkeypatch, dtype, tol, targets, d
         targets = torch.randint(0, 64, (BATCH,), generator=gen).tolist()
     q, k, v, offsets, nt = make_batch(lengths, HEADS, DIM, DIM, dtype, "cuda", seed, targets)
     check_against_reference(q, k, v, offsets, max(lengths), nt, ALPHA, tol, seed)
+
+
+@pytest.mark.parametrize(
+    "silu", ["tanh", "bf16x2", "sigmoid", {"dq": "bf16x2"}], ids=["tanh", "bf16x2", "sigmoid", "dq-bf16x2"]
+)
+def test_every_silu_form_matches_the_reference(monkeypatch, silu):
+    """Each SiLU form the kernels can take on this GPU, in every kernel or in one kind only (the
+    benchmark's variants), against the float64 reference."""
+    from dlrmv4.ops.triton import attention as tri
+
+    monkeypatch.setattr(tri, "attention_fwd", functools.partial(tri.attention_fwd, silu=silu))
+    monkeypatch.setattr(tri, "attention_bwd", functools.partial(tri.attention_bwd, silu=silu))
+    poison_outputs(monkeypatch)
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    lengths = reference_lengths(gen)
+    targets = torch.randint(0, 64, (BATCH,), generator=gen).tolist()
+    q, k, v, offsets, nt = make_batch(lengths, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed, targets)
+    check_against_reference(q, k, v, offsets, max(lengths), nt, ALPHA, 2e-2, seed)
 
 
 def test_deterministic_configs_match_the_reference(monkeypatch, deterministic_algorithms):

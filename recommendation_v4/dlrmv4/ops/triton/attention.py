@@ -47,6 +47,8 @@ on an H200, the AMD lists chosen by registers alone (on MI350X, ``waves_per_eu``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import triton
 import triton.language as tl
@@ -58,6 +60,9 @@ from .targets import KernelTarget, current_target
 
 DQ_MODES = ("separate", "atomic")
 SILU_FORMS = ("bf16x2", "f16x2", "tanh", "sigmoid")
+KERNEL_KINDS = ("fwd", "dkdv", "dq")
+# A SiLU form for every kernel, or one per kernel kind (kinds not named take their default).
+SiluChoice = str | Mapping[str, str] | None
 DQ_MODE = "separate"
 # Interpreter tiles (CPU tests): small and unequal, so every span and alignment case is exercised.
 INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
@@ -654,13 +659,21 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _silu_form(target: KernelTarget | None, dtype: torch.dtype, silu: str | None, kind: str) -> str:
+def _silu_form(target: KernelTarget | None, dtype: torch.dtype, choice: SiluChoice, kind: str) -> str:
     """Which SiLU a kernel evaluates (see ``_weights``), by target. Measured on an H200
     (notes_attention.md): packed 16-bit arithmetic pays in the dK/dV kernel (fewer FMA-pipe
     instructions, and fp16's fp32 form spills there); the forward and dQ kernels are as fast or
     faster with fp32 tanh.approx (packed, dQ needs more registers). results/kernel_resources.md has
     each form's registers and spills. Both are PTX: AMD targets, fp32 inputs and the interpreter
-    (``target`` None) take the portable x * sigmoid(x)."""
+    (``target`` None) take the portable x * sigmoid(x). ``choice``: one form for every kernel, or a
+    form per kernel kind (``{"dq": "bf16x2"}``; kinds not named take their default)."""
+    if isinstance(choice, Mapping):
+        unknown = sorted(set(choice) - set(KERNEL_KINDS))
+        if unknown:
+            raise ValueError(f"silu: {unknown} are not kernel kinds ({', '.join(KERNEL_KINDS)})")
+        silu = choice.get(kind)
+    else:
+        silu = choice
     nvidia = target is not None and target.nvidia
     packed_form = {torch.bfloat16: "bf16x2", torch.float16: "f16x2"}.get(dtype, "")
     packed = target is not None and nvidia and packed_form != "" and int(target.arch) >= 90
@@ -675,7 +688,7 @@ def _silu_form(target: KernelTarget | None, dtype: torch.dtype, silu: str | None
     return silu
 
 
-def _common(q: torch.Tensor, v: torch.Tensor, num_targets, silu: str | None, kind: str) -> dict:
+def _common(q: torch.Tensor, v: torch.Tensor, num_targets, silu: SiluChoice, kind: str) -> dict:
     # fp32: three TF32 products on NVIDIA tensor cores (fp32-level error); plain FMA elsewhere.
     # 16-bit inputs are exact in either; AMD's dot takes only "ieee" (or bf16x3 / bf16x6).
     target = current_target()
@@ -695,7 +708,7 @@ def _empty_batch(q: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int) -
 
 
 def attention_fwd(
-    q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: float, *, silu: str | None = None
+    q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: float, *, silu: SiluChoice = None
 ) -> torch.Tensor:
     """out [T, H, Dv] in q's dtype."""
     q, k, v = (unit_cols(t) for t in (q, k, v))
@@ -775,7 +788,7 @@ def attention_bwd(
     alpha: float,
     *,
     dq_mode: str | None = None,
-    silu: str | None = None,
+    silu: SiluChoice = None,
     out=None,
     col_sums=None,
 ):
