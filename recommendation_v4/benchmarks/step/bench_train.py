@@ -305,6 +305,12 @@ def main() -> None:
         help="windows starting before this many samples are warm-up (Triton autotunes each new "
         "sequence-length bucket in the first steps; the loader starts)",
     )
+    parser.add_argument(
+        "--warm-up",
+        default="auto",
+        choices=("auto", "true", "false"),
+        help="the kernels' warm-up before RUN_START (train.warm_up; auto: on where Triton kernels run)",
+    )
     parser.add_argument("--label", default="", help="suffix of the results file names")
     parser.add_argument("--smoke", action="store_true", help="synthetic-tiny and a tiny model on the CPU")
     args = parser.parse_args()
@@ -344,6 +350,8 @@ def main() -> None:
         "1.0",
         "--profile-steps",
         profile,
+        "--warm-up",
+        args.warm_up,
     )
     say(f"train: {run_s:.0f} s")
     report = json.loads((run_dir / "report.json").read_text())
@@ -404,12 +412,22 @@ def main() -> None:
         "checkpoints": checkpoints,
         "table_gib": table_gib,
         "window_rates": windows,
+        "warm_up": args.warm_up,
+        "triton_kernels_after_run_start": report.get("triton_kernels_after_run_start"),
     }
     text = table(result)
     print(text)
     if not args.smoke:
         name = "train" + (f"_{args.label}" if args.label else "")
         write_results(name, result, text, device=device)
+
+
+def kernels_on_the_clock(r: dict) -> str:
+    """ "compiled / autotuned" Triton kernels after RUN_START, as the run's report counted them."""
+    counted = r.get("triton_kernels_after_run_start")
+    if counted is None:
+        return "-"
+    return f"{len(counted['compiled'])} / {len(counted['autotuned'])}"
 
 
 def checkpoint_mode(r: dict) -> str:
@@ -443,6 +461,9 @@ def table(r: dict) -> str:
             f"| loop / bare step | {r['loop_vs_bare']:.2f} |",
             f"| eval samples/s (median of {r['evals']}) | {r['eval_samples_per_s']:,.0f} |",
             f"| eval rate / training rate (goal >= 3) | {r['eval_vs_train_rate']:.2f} |",
+            f"| each eval's seconds, in order | {' / '.join(f'{s:.1f}' for s in r['eval_seconds'])} |",
+            f"| kernels' warm-up before RUN_START (--warm-up {r.get('warm_up', 'auto')}): Triton kernels compiled / "
+            f"autotuned after RUN_START | {kernels_on_the_clock(r)} |",
             f"| MFU, yardstick (every layer in full) / executed FLOPs, vs measured peak | {r['mfu_yardstick']:.1%} / "
             f"{r['mfu_executed']:.1%} |",
             f"| GPU busy in the profiled steps | {busy} |",
