@@ -60,7 +60,8 @@ WARM_STEPS = 6  # the first is the cold start; all are untimed
 CATEGORIES = [
     ("attention", r"hstu_attention|candidate_attention"),
     ("dense optimizer", r"adam|multi_tensor|foreach|clip|norm_kernel|l2norm"),
-    ("embedding lookup + update", r"adagrad|index|embedding|sort|segment|scatter|gather|radix|unique|cumsum"),
+    # Before GEMMs: FBGEMM's own kernels ("fbgemm_gpu::...") would match "gemm" there.
+    ("embedding lookup + update", r"adagrad|index|embedding|sort|segment|scatter|gather|radix|unique|cumsum|bucketize"),
     ("GEMMs", r"gemm|sm90|cutlass|cublas|matmul|nvjet|xmma|splitk"),
     (
         "norms / elementwise",

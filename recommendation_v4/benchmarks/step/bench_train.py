@@ -461,9 +461,6 @@ def table(r: dict) -> str:
             f"| loop / bare step | {r['loop_vs_bare']:.2f} |",
             f"| eval samples/s (median of {r['evals']}) | {r['eval_samples_per_s']:,.0f} |",
             f"| eval rate / training rate (goal >= 3) | {r['eval_vs_train_rate']:.2f} |",
-            f"| each eval's seconds, in order | {' / '.join(f'{s:.1f}' for s in r['eval_seconds'])} |",
-            f"| kernels' warm-up before RUN_START (--warm-up {r.get('warm_up', 'auto')}): Triton kernels compiled / "
-            f"autotuned after RUN_START | {kernels_on_the_clock(r)} |",
             f"| MFU, yardstick (every layer in full) / executed FLOPs, vs measured peak | {r['mfu_yardstick']:.1%} / "
             f"{r['mfu_executed']:.1%} |",
             f"| GPU busy in the profiled steps | {busy} |",
@@ -471,6 +468,10 @@ def table(r: dict) -> str:
             f"{r['run_wall_s']:.0f}: {r['train_seconds']:.1f} / {r['eval_seconds_total']:.1f} / "
             f"{r['checkpoint_seconds']:.1f} / {other:.1f} |",
             f"| data preparation (generate + preprocess + verify; not in the run) s | {r['prepare_s']:.1f} |",
+            "",
+            f"Each eval's seconds, in order: {' / '.join(f'{s:.1f}' for s in r['eval_seconds'])}. The kernels' warm-up "
+            f"before RUN_START: `--warm-up {r.get('warm_up', 'auto')}`; Triton kernels compiled / autotuned after "
+            f"RUN_START: {kernels_on_the_clock(r)}.",
         ]
     )
 
