@@ -696,3 +696,36 @@ def test_a_sigterm_to_the_process_group_ends_the_run_in_its_one_line(data_path, 
         _, err = proc.communicate(timeout=120)
         assert (proc.returncode, err.strip().splitlines()[-1:]) == (143, ["[dlrmv4] terminated (SIGTERM)"]), err
         assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_worker_starts_follow_the_pinned_host_memory():
+    """Workers come from the fork server where a forked one would copy pinned host memory: the
+    tables' (both loaders) or an asynchronous checkpoint's staging copy (the evals')."""
+    from dlrmv4.train.trainer import worker_starts
+
+    assert worker_starts(False, False) == (None, None)
+    assert worker_starts(False, True) == (None, "forkserver")
+    assert worker_starts(True, False) == ("forkserver", "forkserver")
+    assert worker_starts(True, True) == ("forkserver", "forkserver")
+
+
+def test_the_fork_server_starts_before_run_start(data_path, tmp_path, monkeypatch):
+    """A run whose loaders' workers come from the fork server starts it, with torch imported, before
+    RUN_START (the workers then start inside the timed run without importing it), and its training
+    and evals run on workers from it."""
+    import dlrmv4.train.trainer as trainer_module
+    from dlrmv4.mlperf.runlog import RunLog
+    from dlrmv4.train.run import run_training
+
+    order: list[str] = []
+    start_server, run_start = trainer_module.start_fork_server, RunLog.init_stop_and_run_start
+    monkeypatch.setattr(trainer_module, "worker_starts", lambda *pinned: ("forkserver", "forkserver"))
+    monkeypatch.setattr(trainer_module, "start_fork_server", lambda: (order.append("fork server"), start_server()))
+    monkeypatch.setattr(
+        RunLog, "init_stop_and_run_start", lambda self, *a: (order.append("RUN_START"), run_start(self, *a))
+    )
+    values = {**_overrides(data_path, tmp_path / "run"), "loader.num_workers": 1}
+    cfg = load_config(None, None, {tuple(k.split(".")): v for k, v in values.items()})
+    history, _ = run_training(cfg, log=lambda m: None)
+    assert order == ["fork server", "RUN_START"]
+    assert history.steps > 0 and len(history.evals) > 0

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dlrmv4.checkpoint.writer import CheckpointWriteError
 from dlrmv4.config import BenchmarkConfig
+from dlrmv4.data.fork_server import start_fork_server
 from dlrmv4.data.loader import WindowLoader, make_window_loader
 from dlrmv4.data.store import Store
 from dlrmv4.data.windows import sample_counts, split_windows
@@ -101,6 +102,14 @@ def build_trainer(
     return Trainer(cfg, store, model, embeddings, cluster, runlog, resume_from, log, progress, config_filename)
 
 
+def worker_starts(tables_pinned: bool, staging_pinned: bool) -> tuple[str | None, str | None]:
+    """How the training and the eval loaders' workers start: from the fork server where the rank
+    holds pinned host memory a forked worker would copy (tables in host memory: both; an
+    asynchronous checkpoint's staging copy, pinned before RUN_START: the evals'), else forked."""
+    train = "forkserver" if tables_pinned else None
+    return train, "forkserver" if staging_pinned else train
+
+
 class Trainer:
     """One run on one device per rank: the model, the sparse tables, both optimizers, the data stream."""
 
@@ -143,14 +152,12 @@ class Trainer:
                 )
             )
         self.step = TrainStep(model, embeddings, cfg.train, self.finite, train_model)
-        # Loader workers forked from a rank with tables in pinned host memory would copy them all;
-        # the evals' workers start from a fork server too once an asynchronous checkpoint pins its
-        # staging copy. The training loader's workers fork after stage_ahead has pinned it (before
-        # RUN_START, where they cannot start without loading data): what that fork costs is not
-        # measured yet.
-        self.worker_start = "forkserver" if embeddings.holds_pinned_host_memory else None
-        staging_pinned = cfg.train.async_checkpoints and self.device.type == "cuda"
-        eval_worker_start = "forkserver" if staging_pinned else self.worker_start
+        # The training loader's workers fork after stage_ahead has pinned the staging copy (after
+        # RUN_START, where they may load data): what that fork costs is not measured yet.
+        self.worker_start, eval_worker_start = worker_starts(
+            embeddings.holds_pinned_host_memory, cfg.train.async_checkpoints and self.device.type == "cuda"
+        )
+        self.fork_server_wanted = cfg.loader.num_workers > 0 and "forkserver" in (self.worker_start, eval_worker_start)
         self.dedup_ids = looks_up_distinct_ids(cfg, embeddings.backend)  # the loader packs them
         self.evaluator = Evaluator(
             cfg,
@@ -252,6 +259,8 @@ class Trainer:
             # Before RUN_START: outside the timed run (not for a run with nothing to do).
             self._warm_up_kernels()
             self.checkpointer.stage_ahead()
+            if self.fork_server_wanted:  # the loaders' workers then start without importing torch
+                start_fork_server()
         facts = RunFacts(
             self.train_samples, self.eval_samples, self.config_filename, self.cluster.world_size, self.step.chunks
         )
