@@ -257,10 +257,10 @@ class Trainer:
                 self.log(f"continuing the stopped run from step {resumed.history.steps}")
         if resumed is None or resumed.history.status == "running":
             # Before RUN_START: outside the timed run (not for a run with nothing to do).
-            self._warm_up_kernels()
-            self.checkpointer.stage_ahead()
             if self.fork_server_wanted:  # the loaders' workers then start without importing torch
                 start_fork_server()
+            self._warm_up_kernels()
+            self.checkpointer.stage_ahead()
         facts = RunFacts(
             self.train_samples, self.eval_samples, self.config_filename, self.cluster.world_size, self.step.chunks
         )
