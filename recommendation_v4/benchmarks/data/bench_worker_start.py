@@ -96,7 +96,8 @@ def main() -> None:
             f"| {MODES[mode]} | {each} | {medians[mode]:.2f} | {medians[mode] / medians['preloaded']:.1f} | "
             f"{'-' if mode == 'default' else f'{start:.2f}'} |"
         )
-    table = "\n".join(lines) + f"\n\nCommand: `{command_line()}`"
+    command = command_line(without=("--out",))  # where the results go is no part of what was measured
+    table = "\n".join(lines) + f"\n\nCommand: `{command}`"
     print(table)
     result = {"preset": args.preset, "workers": args.workers, "runs": runs, "median_first_batch_s": medians}
     write_results("worker_start" + (f"_{args.label}" if args.label else ""), result, table, out=args.out)
