@@ -29,19 +29,20 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
         self.eps, self.kernels = eps, kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.weight, self.bias, self.eps, kernels=self.kernels)
+    def forward(self, x: torch.Tensor, input_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_bias``: the bias a GEMM added into x, whose gradient the norm gives (``ops/layer_norm.py``)."""
+        return layer_norm(x, self.weight, self.bias, self.eps, kernels=self.kernels, input_bias=input_bias)
 
-    def plus(self, x: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
+    def plus(self, x: torch.Tensor, addend: torch.Tensor, input_bias: torch.Tensor | None = None) -> torch.Tensor:
         """forward(x) + addend in one pass (``layer_norm_plus``)."""
-        return layer_norm_plus(x, self.weight, self.bias, self.eps, addend, kernels=self.kernels)
+        return layer_norm_plus(x, self.weight, self.bias, self.eps, addend, kernels=self.kernels, input_bias=input_bias)
 
 
 class SwishLayerNorm(LayerNorm):
     """x * sigmoid(LayerNorm(x))."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swish_layer_norm(x, self.weight, self.bias, self.eps, kernels=self.kernels)
+    def forward(self, x: torch.Tensor, input_bias: torch.Tensor | None = None) -> torch.Tensor:
+        return swish_layer_norm(x, self.weight, self.bias, self.eps, kernels=self.kernels, input_bias=input_bias)
 
 
 class Tower(nn.Sequential):
@@ -51,6 +52,8 @@ class Tower(nn.Sequential):
     first Linear multiplies each block by its slice of the weight and accumulates in the GEMM
     (``addmm``), so the concatenation (a full copy of the token rows) is never built.
     ``tower(..., plus=t)`` is ``tower(...) + t``, the sum taken inside the last norm.
+    Each Linear's bias is added in its GEMM and gets its gradient from the norm after it
+    (``input_bias``: the norm's backward sums the rows it writes), not from a reduction of its own.
     """
 
     def __init__(self, in_dim: int, hidden: int, out_dim: int, eps: float, kernels: str, normal: bool = False) -> None:
@@ -62,17 +65,22 @@ class Tower(nn.Sequential):
         )
 
     def forward(self, *blocks: torch.Tensor, plus: torch.Tensor | None = None) -> torch.Tensor:
-        first, *middle, norm = self
-        assert isinstance(first, nn.Linear) and isinstance(norm, LayerNorm)  # as __init__ lays them out
+        first, swish_norm, second, norm = self
+        # as __init__ lays them out
+        assert isinstance(first, nn.Linear) and isinstance(second, nn.Linear) and isinstance(norm, LayerNorm)
         widths = [x.shape[-1] for x in blocks]
         if sum(widths) != first.in_features:
             raise ValueError(f"Tower: input blocks of widths {widths} do not add up to {first.in_features}")
         weights = first.weight.split(widths, dim=1)
-        h = F.linear(blocks[0], weights[0], first.bias)
+        h = F.linear(blocks[0], weights[0], _detached(first.bias))
         for x, w in zip(blocks[1:], weights[1:]):
             # In place, so h is not copied first (the GEMM's backward needs only x and w); autocast
             # leaves in-place ops alone, so the operands take h's dtype here as it would give them.
             h = h.addmm_(x.to(h.dtype), w.t().to(h.dtype))
-        for module in middle:
-            h = module(h)
-        return norm(h) if plus is None else norm.plus(h, plus)
+        h = F.linear(swish_norm(h, input_bias=first.bias), second.weight, _detached(second.bias))
+        return norm(h, input_bias=second.bias) if plus is None else norm.plus(h, plus, input_bias=second.bias)
+
+
+def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias for the GEMM's forward alone: its gradient comes from the norm after the GEMM."""
+    return None if bias is None else bias.detach()

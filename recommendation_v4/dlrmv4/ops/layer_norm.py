@@ -10,6 +10,11 @@ round): a sum of norms (the preprocessor's towers) takes no [N, D] add pass of i
 x back after the layer: x then has one use, and the backward adds the residual's gradient inside
 the norm's backward (or into the rows it took) instead of autograd summing two [N, D] gradients
 in a pass of their own.
+
+``input_bias`` (of ``layer_norm``, ``layer_norm_plus``, ``swish_layer_norm``) names the bias a GEMM
+already added into x (``F.linear(a, w, input_bias.detach())``): the norm adds nothing in the
+forward, and its backward gives that bias its gradient, dx summed over the rows. The Triton
+backward sums dx in registers, so the GEMM's backward has no [N, D] reduction pass for it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dlrmv4.ops.reference import layer_norm as ref
 # Triton is optional (the reference runs without it): kernel modules are imported on first use.
 class _LayerNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, swish, addend):
+    def forward(ctx, x, weight, bias, eps, swish, addend, input_bias):
         from dlrmv4.ops.triton import layer_norm as tri
 
         x2d = tri.rows_2d(x)
@@ -32,6 +37,7 @@ class _LayerNormFn(torch.autograd.Function):
         ctx.save_for_backward(x2d, weight, bias, mean, rstd)
         ctx.swish = swish
         ctx.addend_shape = addend.shape if addend is not None else None
+        ctx.input_bias_dtype = input_bias.dtype if input_bias is not None else None
         return y.view(x.shape)
 
     @staticmethod
@@ -39,9 +45,27 @@ class _LayerNormFn(torch.autograd.Function):
         from dlrmv4.ops.triton import layer_norm as tri
 
         x2d, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = tri.backward(x2d, weight, bias, tri.rows_2d(dy), mean, rstd, ctx.swish)
+        dx_sum = None
+        if ctx.needs_input_grad[6]:
+            dx_sum = torch.empty(x2d.shape[1], device=x2d.device, dtype=torch.float32)
+        dx, dw, db = tri.backward(x2d, weight, bias, tri.rows_2d(dy), mean, rstd, ctx.swish, dx_sum=dx_sum)
         d_addend = dy.view(ctx.addend_shape) if ctx.addend_shape is not None else None
-        return dx.view(dy.shape), dw, db, None, None, d_addend
+        d_input_bias = dx_sum.to(ctx.input_bias_dtype) if dx_sum is not None else None
+        return dx.view(dy.shape), dw, db, None, None, d_addend, d_input_bias
+
+
+class _InputBiasGradFn(torch.autograd.Function):
+    """x, unchanged; the backward gives ``input_bias`` x's gradient summed over the rows (the
+    reference path's form of ``input_bias``: the reduction the GEMM's own backward would make)."""
+
+    @staticmethod
+    def forward(ctx, x, input_bias):
+        ctx.input_bias_dtype = input_bias.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        return dx, dx.reshape(-1, dx.shape[-1]).sum(0).to(ctx.input_bias_dtype)
 
 
 class _LayerNormAndInputFn(torch.autograd.Function):
@@ -92,9 +116,11 @@ def layer_norm_and_input(
     return _LayerNormAndInputFn.apply(x, weight, bias, eps, rows)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+def _check(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, input_bias: torch.Tensor | None = None
+) -> None:
     d = x.shape[-1]
-    for name, t in (("weight", weight), ("bias", bias)):
+    for name, t in (("weight", weight), ("bias", bias), ("input_bias", input_bias)):
         if t is not None and tuple(t.shape) != (d,):
             raise ValueError(
                 f"layer_norm: {name} has shape {tuple(t.shape)}, expected ({d},) for x of shape {tuple(x.shape)}"
@@ -102,9 +128,14 @@ def _check(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
 
 
 def layer_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, kernels: str = "auto"
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    kernels: str = "auto",
+    input_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return _norm(x, weight, bias, eps, kernels, swish=False)
+    return _norm(x, weight, bias, eps, kernels, swish=False, input_bias=input_bias)
 
 
 def layer_norm_plus(
@@ -114,20 +145,26 @@ def layer_norm_plus(
     eps: float,
     addend: torch.Tensor,
     kernels: str = "auto",
+    input_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LayerNorm(x) + addend (addend of x's shape), bit for bit as the two ops give it; one pass
     where both are in x's dtype (see the module docstring)."""
     if addend.shape != x.shape:
         raise ValueError(f"layer_norm_plus: addend has shape {tuple(addend.shape)}, x has {tuple(x.shape)}")
     if addend.dtype != x.dtype:  # the add's type promotion is the two ops' own
-        return layer_norm(x, weight, bias, eps, kernels) + addend
-    return _norm(x, weight, bias, eps, kernels, swish=False, addend=addend)
+        return layer_norm(x, weight, bias, eps, kernels, input_bias) + addend
+    return _norm(x, weight, bias, eps, kernels, swish=False, addend=addend, input_bias=input_bias)
 
 
 def swish_layer_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, kernels: str = "auto"
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    kernels: str = "auto",
+    input_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return _norm(x, weight, bias, eps, kernels, swish=True)
+    return _norm(x, weight, bias, eps, kernels, swish=True, input_bias=input_bias)
 
 
 def _norm(
@@ -138,9 +175,12 @@ def _norm(
     kernels: str,
     swish: bool,
     addend: torch.Tensor | None = None,
+    input_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    _check(x, weight, bias)
+    _check(x, weight, bias, input_bias)
     if resolve(kernels, x.device) == "pytorch":
+        if input_bias is not None:
+            x = _InputBiasGradFn.apply(x, input_bias)
         y = (ref.swish_layer_norm if swish else ref.layer_norm)(x, weight, bias, eps)
         return y if addend is None else y + addend
-    return _LayerNormFn.apply(x, weight, bias, eps, swish, addend)
+    return _LayerNormFn.apply(x, weight, bias, eps, swish, addend, input_bias)

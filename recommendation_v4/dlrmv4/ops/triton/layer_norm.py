@@ -1,7 +1,9 @@
 """Triton LayerNorm / SwishLayerNorm over the last dim: one row block per program forward, a
 persistent grid backward that keeps the weight/bias gradient partials in registers.
 
-Statistics are fp32 and saved (8 bytes a row), so the backward re-reads only x and dy.
+Statistics are fp32 and saved (8 bytes a row), so the backward re-reads only x and dy. The
+backward can also sum dx over its rows (``dx_sum``): the gradient of a bias that a GEMM added into
+x, taken from registers instead of in a reduction pass over dx of its own.
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ def _layer_norm_bwd(
     DX,
     DWp,
     DBp,
+    DXSp,
     Mean,
     Rstd,
     N,
@@ -147,6 +150,7 @@ def _layer_norm_bwd(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     HAS_DR: tl.constexpr,
+    DX_SUMS: tl.constexpr,
     SWISH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -158,6 +162,7 @@ def _layer_norm_bwd(
     b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32) if HAS_B else tl.zeros([BLOCK_D], tl.float32)
     dw_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dxs_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Grid-stride over row blocks; a block past the end is fully masked. A while loop, because
     # the interpreter (numpy 2) cannot take range() over a run-time scalar argument.
     it = 0
@@ -188,11 +193,15 @@ def _layer_norm_bwd(
         tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         dw_acc += dz * xhat
         db_acc += dz
+        if DX_SUMS:  # rows past the end have dx = 0; the padding columns are never stored
+            dxs_acc += dx
         it += 1
     if HAS_W:
         tl.store(DWp + pid * D + cols, tl.sum(dw_acc, axis=0), mask=cmask)
     if HAS_B:
         tl.store(DBp + pid * D + cols, tl.sum(db_acc, axis=0), mask=cmask)
+    if DX_SUMS:
+        tl.store(DXSp + pid * D + cols, tl.sum(dxs_acc, axis=0), mask=cmask)
 
 
 # Launch shapes (elements per program, per thread[, programs per SM]): the fastest of
@@ -254,10 +263,16 @@ def backward(
     swish: bool,
     tile: tuple[int, int, int] = BWD_TILE,
     residual_grad: torch.Tensor | None = None,
+    dx_sum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx [N, D], dweight or None, dbias or None); weight/bias grads are summed in fp32.
-    ``residual_grad`` ([N, D], unit column stride): a gradient of x from elsewhere, added into dx."""
+    ``residual_grad`` ([N, D], unit column stride): a gradient of x from elsewhere, added into dx.
+    ``dx_sum`` (contiguous fp32 [D]) receives dx's sum over its rows, added up before rounding."""
     n, d = x2d.shape
+    if dx_sum is not None and (
+        tuple(dx_sum.shape) != (d,) or dx_sum.dtype != torch.float32 or not dx_sum.is_contiguous()
+    ):
+        raise ValueError(f"layer_norm: dx_sum must be contiguous fp32 [{d}], got {dx_sum.dtype} {tuple(dx_sum.shape)}")
     dx = torch.empty((n, d), device=x2d.device, dtype=x2d.dtype)
     block_m, block_d, warps = row_tile(d, tile[0], tile[1], warp_lanes())
     n_blocks = triton.cdiv(n, block_m)
@@ -265,6 +280,7 @@ def backward(
         HAS_W=weight is not None,
         HAS_B=bias is not None,
         HAS_DR=residual_grad is not None,
+        DX_SUMS=dx_sum is not None,
         SWISH=swish,
         BLOCK_M=block_m,
         BLOCK_D=block_d,
@@ -272,16 +288,18 @@ def backward(
     )
     dr_stride = residual_grad.stride(0) if residual_grad is not None else 0
 
-    def args(progs: int, dw_part: torch.Tensor | None, db_part: torch.Tensor | None) -> tuple:
-        pointers = (x2d, weight, bias, dy, residual_grad, dx, dw_part, db_part, mean, rstd)
+    def args(progs: int, dw_part: torch.Tensor | None, db_part: torch.Tensor | None, dxs_part) -> tuple:
+        pointers = (x2d, weight, bias, dy, residual_grad, dx, dw_part, db_part, dxs_part, mean, rstd)
         strides = (x2d.stride(0), dy.stride(0), dr_stride, dx.stride(0))
         return (*pointers, n, d, *strides, triton.cdiv(n_blocks, progs), progs)
 
     def partials(progs: int) -> tuple[torch.Tensor | None, ...]:
-        return weight_grad_partials(x2d.device, progs, d, n, weight, bias)
+        return weight_grad_partials(x2d.device, progs, d, n, weight, bias, dx_sum)
 
-    dw_part, db_part = launch_persistent(
+    dw_part, db_part, dxs_part = launch_persistent(
         _layer_norm_bwd, x2d.device, x2d.dtype, n_blocks, tile[2], meta, partials, args
     )
     dw, db = sum_weight_grads(dw_part, db_part, weight, bias)
+    if dx_sum is not None:
+        torch.sum(dxs_part, dim=0, out=dx_sum)
     return dx, dw, db
