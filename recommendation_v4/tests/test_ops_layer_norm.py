@@ -196,20 +196,16 @@ def test_layer_norm_and_input(rows, dtype, gen, poison):
     assert_close(dx, dx64, dtype, "dx, norm only")
 
 
-@pytest.mark.parametrize("kind", ["layer_norm", "swish_layer_norm", "layer_norm_plus"])
-@pytest.mark.parametrize("kernels", ["triton", "pytorch"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows,width", [(37, 48), (130, 7), (0, 16)])
-def test_input_bias_gets_the_gemms_bias_gradient(kind, kernels, dtype, rows, width, gen, poison):
+def check_input_bias(kind, kernels, dtype, rows, width, device, gen):
     """norm(a W^T + c, input_bias=c), c detached in the GEMM, against norm(a W^T + c) with c in the
     GEMM's own graph, in float64: the same output, and c, a, W, the norm's weight and bias get the
     same gradients (c's summed by the norm's backward instead of by the GEMM's)."""
-    a = randn((rows, 20), gen, dtype, scale=0.5).requires_grad_()
-    gemm_w = randn((width, 20), gen, scale=0.3).requires_grad_()
-    c = randn(width, gen, scale=0.5).requires_grad_()
-    w = randn(width, gen, scale=0.5, shift=1.0).requires_grad_()
-    b = randn(width, gen, scale=0.5).requires_grad_()
-    addend = randn((rows, width), gen, dtype)
+    a = randn((rows, 20), gen, dtype, device, scale=0.5).requires_grad_()
+    gemm_w = randn((width, 20), gen, device=device, scale=0.3).requires_grad_()
+    c = randn(width, gen, device=device, scale=0.5).requires_grad_()
+    w = randn(width, gen, device=device, scale=0.5, shift=1.0).requires_grad_()
+    b = randn(width, gen, device=device, scale=0.5).requires_grad_()
+    addend = randn((rows, width), gen, dtype, device)
 
     def norm(x, weight, bias, input_bias, kernels):
         args = dict(kernels=kernels, input_bias=input_bias)
@@ -219,16 +215,23 @@ def test_input_bias_gets_the_gemms_bias_gradient(kind, kernels, dtype, rows, wid
 
     h = torch.nn.functional.linear(a, gemm_w.to(dtype), c.detach().to(dtype))
     y = norm(h, w, b, c, kernels)
-    dy = randn(y.shape, gen, dtype)
+    dy = randn(y.shape, gen, dtype, device)
     grads = torch.autograd.grad(y, [a, gemm_w, c, w, b], dy)
     leaves = [leaf64(t) for t in (a, gemm_w, c, w, b)]
-    a64, gemm_w64, c64, w64, b64 = leaves
-    y64 = norm(torch.nn.functional.linear(a64, gemm_w64, c64), w64, b64, None, "pytorch")
+    y64 = norm(torch.nn.functional.linear(*leaves[:3]), *leaves[3:], None, "pytorch")
     refs = torch.autograd.grad(y64, leaves, dy.double())
     assert_close(y, y64, dtype, "y")
     for got, want, what in zip(grads, refs, ("da", "dW", "dc (input_bias)", "dweight", "dbias")):
         assert got.dtype == (dtype if what == "da" else torch.float32), what
         assert_close(got, want, dtype, what)  # h itself is rounded to dtype
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "swish_layer_norm", "layer_norm_plus"])
+@pytest.mark.parametrize("kernels", ["triton", "pytorch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,width", [(37, 48), (130, 7), (0, 16)])
+def test_input_bias_gets_the_gemms_bias_gradient(kind, kernels, dtype, rows, width, gen, poison):
+    check_input_bias(kind, kernels, dtype, rows, width, "cpu", gen)
 
 
 def test_dx_sum_is_checked(gen):

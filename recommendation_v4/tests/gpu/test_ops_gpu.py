@@ -15,7 +15,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from sync_guard import run_without_syncs
-from test_ops_layer_norm import assert_close, check_norm_plus, gen, leaf64, poison, randn  # noqa: F401  (fixtures)
+from test_ops_layer_norm import (  # noqa: F401  (fixtures)
+    assert_close,
+    check_input_bias,
+    check_norm_plus,
+    gen,
+    leaf64,
+    poison,
+    randn,
+)
 from test_ops_output_block import check_du_sums
 
 from dlrmv4.ops.gather_rows import gather_rows
@@ -91,6 +99,13 @@ def test_layer_norm_plus(dtype, gen, poison):
     x = randn(shape, gen, dtype, CUDA, scale=2.0, shift=0.5)
     w, b = randn(512, gen, device=CUDA, shift=1.0), randn(512, gen, device=CUDA)
     check_norm_plus(x, randn(shape, gen, dtype, CUDA), w, b, randn(shape, gen, dtype, CUDA))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind,width", [("swish_layer_norm", 256), ("layer_norm_plus", 512), ("layer_norm", 512)])
+def test_layer_norm_input_bias(kind, width, dtype, gen, poison):
+    """A tower's bias gradient summed by the norm's backward, at a slice's token count."""
+    check_input_bias(kind, "triton", dtype, B * 2850, width, CUDA, gen)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
