@@ -36,7 +36,8 @@ PRESET = "yambda-5b"  # the reference's model widths
 DTYPES = ("bfloat16", "float16", "float32")
 ROWS = 100  # rows of every table (random_batch draws ids below 100)
 LENGTHS = (700, 1, 300, 50)  # histories: several tiles, a one-token one, and sums over 256 ids a row
-# Every kernel of ops/triton/ the model launches; a kernel added there must be launched here too.
+# Every kernel of ops/triton/ the model launches on every target; a kernel added there must be
+# launched here too.
 KERNELS = frozenset(
     {
         "_hstu_attention_fwd",
@@ -56,6 +57,9 @@ KERNELS = frozenset(
         "_long_runs",
     }
 )
+# Kernels a target runs besides those: the Gluon attention forward (ops/gluon/) where the attention
+# seam picks it (ops/attention_kernels.py: sm_90, 16-bit sequences).
+TARGET_KERNELS = {"sm_90": frozenset({"_hstu_attention_fwd_ws"})}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -158,6 +158,13 @@ class ModelConfig:
         "operator implementation: Triton kernels, the PyTorch reference, or auto (Triton on GPUs)",
         choices=("auto", "triton", "pytorch"),
     )
+    attention_kernels: str = _field(
+        "auto",
+        "kernels of the STU layers' attention with the Triton ops: gluon (the warp-specialized Hopper "
+        "forward: sm_90, bf16/fp16, head dims 64 or 128), triton (the portable kernels), or auto "
+        "(gluon where it applies)",
+        choices=("auto", "gluon", "triton"),
+    )
     sequence_dtype: str = _field(
         "bfloat16",
         "autocast dtype of the sequence model (head and loss stay fp32)",

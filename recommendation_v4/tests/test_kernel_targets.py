@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_targets import KERNELS
+from kernel_targets import KERNELS, TARGET_KERNELS
 
 from dlrmv4.ops.triton import attention
 from dlrmv4.ops.triton.targets import TARGETS, KernelTarget, target_named
@@ -48,7 +48,7 @@ def first_configs(tmp_path_factory) -> list[dict]:
 def check_targets(rows: list[dict]) -> None:
     for target in TARGETS:
         mine = [r for r in rows if r["target"] == target.name]
-        assert {r["kernel"] for r in mine} == KERNELS, target.name
+        assert {r["kernel"] for r in mine} == KERNELS | TARGET_KERNELS.get(target.name, frozenset()), target.name
         for r in mine:
             assert r["shared_memory"] <= target.shared_memory, (
                 f"{r['kernel']} {r['constants']} needs {r['shared_memory']} bytes of shared memory on "

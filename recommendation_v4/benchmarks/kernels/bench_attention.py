@@ -1,11 +1,16 @@
-"""Jagged HSTU attention on the GPU: Triton forward and forward+backward TFLOP/s against the PyTorch
-reference and the bf16 matmul peak measured in the same process, plus the cold start.
+"""Jagged HSTU attention on the GPU: the portable Triton kernels and the Hopper Gluon forward
+(``ops/attention_kernels.py``), forward and forward+backward TFLOP/s against the PyTorch reference,
+cuDNN's causal softmax attention at the same shapes and the bf16 matmul peak, all measured in the
+same process, plus the cold start.
 
 Shape: B=32, H=4, d=128 (q/k and v), bf16, one candidate per sequence, the three length mixes of
 ``length_mix.py``: all 4,096; jagged like the real data (2,740 + 1,355 * Beta(0.3, 3.5): mean ~2,850,
 range 2,740-4,095, N = the batch's longest); all 2,048.
 FLOPs on the real lengths: fwd = sum_b 2 * (L_b^2 / 2) * H * 2d; fwd+bwd = 3.5 x fwd (the SPEC's
-yardstick, whatever the kernels really do). Prints a table last; writes results/attention.{json,md}.
+yardstick, whatever the kernels really do). cuDNN (torch SDPA, SDPBackend.CUDNN_ATTENTION, causal,
+bf16): the batch padded to the mix's longest sequence, its FLOPs counted over the causal triangle of
+that padded length (the work it does); "gluon / cuDNN" is the ratio of the two rates. Prints a
+table last; writes results/attention.{json,md}.
 
     python benchmarks/kernels/bench_attention.py [--variants] [--no-cold-start] [--out benchmarks/results]
 """
@@ -30,6 +35,7 @@ from harness import RESULTS, command_line, device_name, matmul_peak_tflops, wind
 from length_mix import jagged_lengths
 from triton.testing import do_bench
 
+from dlrmv4.ops.gluon import attention as hopper
 from dlrmv4.ops.reference.attention import hstu_attention_reference
 from dlrmv4.ops.triton import attention as tri
 
@@ -89,6 +95,39 @@ def time_triton(q, k, v, offsets, targets, grad, n, alpha, **kw) -> dict[str, fl
         "fwd_bwd_ms": window_ms(both),
         "do_bench_fwd_ms": do_bench(fwd, return_mode="median"),
         "do_bench_fwd_bwd_ms": do_bench(both, return_mode="median"),
+    }
+
+
+def time_gluon(q, k, v, offsets, targets, grad, n, alpha) -> dict[str, float]:
+    """The Gluon forward, and with the portable backward after it (what ``attention="auto"`` runs on sm_90)."""
+    fwd = lambda: hopper.attention_fwd(q, k, v, offsets, targets, n, alpha)
+    both = lambda: (fwd(), tri.attention_bwd(grad, q, k, v, offsets, targets, n, alpha))
+    both()
+    return {"fwd_ms": window_ms(fwd), "fwd_bwd_ms": window_ms(both)}
+
+
+def time_cudnn(lengths: list[int], heads: int, dim: int, seed: int) -> dict[str, float]:
+    """cuDNN's causal softmax attention on the batch padded to its longest sequence: ms and TFLOP/s
+    (FLOPs over the padded causal triangle; fwd+bwd = 3.5 x fwd as for ours)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    batch, length = len(lengths), max(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, g = (
+        torch.randn(batch, heads, length, dim, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    )
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        fwd = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        both = lambda: torch.autograd.grad(fwd(), (q, k, v), g)
+        both()
+        fwd_ms, both_ms = window_ms(fwd), window_ms(both)
+    flops = fwd_flops([length] * batch, heads, dim)
+    return {
+        "fwd_ms": fwd_ms,
+        "fwd_bwd_ms": both_ms,
+        "fwd_tflops": flops / fwd_ms / 1e9,
+        "fwd_bwd_tflops": 3.5 * flops / both_ms / 1e9,
     }
 
 
@@ -184,6 +223,13 @@ def main() -> None:
         }
         ref_fwd_ms, ref_both_ms = time_reference(q, k, v, offsets, targets, grad, n, alpha)
         flops = fwd_flops(lengths, args.heads, args.dim)
+        gluon = time_gluon(q, k, v, offsets, targets, grad, n, alpha)
+        gluon_err = (
+            (hopper.attention_fwd(q, k, v, offsets, targets, n, alpha).float() - ref_out.float()).norm()
+            / ref_out.float().norm()
+        ).item()
+        cudnn = time_cudnn(lengths, args.heads, args.dim, args.seed)
+        gluon_tflops = {"fwd": flops / gluon["fwd_ms"] / 1e9, "fwd_bwd": 3.5 * flops / gluon["fwd_bwd_ms"] / 1e9}
         rows.append(
             {
                 "mix": mix,
@@ -200,6 +246,14 @@ def main() -> None:
                 "speedup_fwd_bwd_vs_ref": ref_both_ms / both_ms,
                 "fraction_of_matmul_peak": 3.5 * flops / both_ms / 1e9 / peak,
                 "rel_err_vs_reference_bf16": err,
+                "gluon_fwd_ms": gluon["fwd_ms"],
+                "gluon_fwd_tflops": gluon_tflops["fwd"],
+                "gluon_fwd_bwd_ms": gluon["fwd_bwd_ms"],
+                "gluon_fwd_bwd_tflops": gluon_tflops["fwd_bwd"],
+                "gluon_rel_err_vs_reference_bf16": gluon_err,
+                "cudnn": cudnn,
+                "gluon_over_cudnn_fwd": gluon_tflops["fwd"] / cudnn["fwd_tflops"],
+                "gluon_over_cudnn_fwd_bwd": gluon_tflops["fwd_bwd"] / cudnn["fwd_bwd_tflops"],
                 "do_bench_fwd_ms": timing["do_bench_fwd_ms"],
                 "do_bench_fwd_bwd_ms": timing["do_bench_fwd_bwd_ms"],
             }
@@ -235,6 +289,18 @@ def main() -> None:
         f"| {r['mix']} | {r['tokens']:,} | {r['mean_len']:,.0f} | {r['max_len']:,} | {r['fwd_ms']:.3f} "
         f"| {r['fwd_tflops']:.0f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_bwd_tflops']:.0f} | {r['fraction_of_matmul_peak']:.2f} "
         f"| {r['ref_fwd_bwd_ms']:.1f} | {r['speedup_fwd_bwd_vs_ref']:.0f} |\n"
+        for r in rows
+    )
+    gtable = (
+        "| mix | Gluon fwd ms | Gluon fwd TFLOP/s (× peak) | cuDNN fwd TFLOP/s | Gluon / cuDNN fwd "
+        "| Gluon fwd + Triton bwd TFLOP/s (× peak) | cuDNN fwd+bwd TFLOP/s (× peak) | ours / cuDNN fwd+bwd |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    ) + "".join(
+        f"| {r['mix']} | {r['gluon_fwd_ms']:.3f} | {r['gluon_fwd_tflops']:.0f} ({r['gluon_fwd_tflops'] / peak:.2f}) "
+        f"| {r['cudnn']['fwd_tflops']:.0f} | {r['gluon_over_cudnn_fwd']:.2f} "
+        f"| {r['gluon_fwd_bwd_tflops']:.0f} ({r['gluon_fwd_bwd_tflops'] / peak:.2f}) "
+        f"| {r['cudnn']['fwd_bwd_tflops']:.0f} ({r['cudnn']['fwd_bwd_tflops'] / peak:.2f}) "
+        f"| {r['gluon_over_cudnn_fwd_bwd']:.2f} |\n"
         for r in rows
     )
     vtable = "".join(
@@ -287,13 +353,18 @@ def main() -> None:
         f"triton {env['triton']}; bf16 matmul peak measured in the same run: {peak:.0f} TFLOP/s. B={args.batch}, "
         f"H={args.heads}, d={args.dim}, bf16, one candidate per sequence; TFLOP/s on the real lengths "
         f"(fwd+bwd = 3.5 x fwd); dQ mode `{tri.DQ_MODE}`; medians of CUDA-event windows of back-to-back "
-        f"calls.\n\n{table}\n" + (f"Variants on the jagged mix:\n\n{vtable}\n" if vtable else "") + cold_line
+        f'calls.\n\n{table}\nThe Hopper Gluon forward (what `attention="auto"` runs on sm_90; the backward is the '
+        f"portable one) beside cuDNN's causal softmax attention on the batch padded to each mix's longest "
+        f"sequence (FLOPs over that padded triangle):\n\n{gtable}\n"
+        + (f"Variants on the jagged mix:\n\n{vtable}\n" if vtable else "")
+        + cold_line
     )
     write_results("attention", result, md, device="cuda", out=args.out)
     print(json.dumps({"kernels_ms": breakdown, "tuned": tuned_configs(), "cold_start": cold, "env": env}, indent=1))
     if vtable:
         print(vtable)
     print(table)
+    print(gtable)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ def reference_config(
     chunks: int = 1,
     recompute: str = "none",
     last_layer: str = "candidates",
+    attention: str = "auto",
 ) -> BenchmarkConfig:
     cfg = load_config("yambda-5b")
     emb = dataclasses.replace(
@@ -88,7 +89,7 @@ def reference_config(
         cfg,
         embeddings=emb,
         sampler=sampler,
-        model=dataclasses.replace(cfg.model, recompute=recompute, last_layer=last_layer),
+        model=dataclasses.replace(cfg.model, recompute=recompute, last_layer=last_layer, attention_kernels=attention),
         train=dataclasses.replace(cfg.train, warmup_steps=100, learning_rate=1e-4, chunks=chunks),
     )
     if smoke:
@@ -261,6 +262,12 @@ def main() -> None:
         choices=("candidates", "all"),
         help="last STU layer: candidate rows only (the default) or all rows",
     )
+    parser.add_argument(
+        "--attention-kernels",
+        default="auto",
+        choices=("auto", "gluon", "triton"),
+        help="kernels of the STU layers' attention (ops/attention_kernels.py)",
+    )
     parser.add_argument("--label", default="", help="suffix of the results file names")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU; nothing saved")
     args = parser.parse_args()
@@ -272,7 +279,9 @@ def main() -> None:
     for backend, recompute, chunks, last_layer in itertools.product(
         args.backends, args.recompute, args.chunks, args.last_layer
     ):
-        cfg = reference_config(args.table_rows, args.smoke, backend, chunks, recompute, last_layer)
+        cfg = reference_config(
+            args.table_rows, args.smoke, backend, chunks, recompute, last_layer, args.attention_kernels
+        )
         for batch in args.batches:
             try:
                 row = measure(

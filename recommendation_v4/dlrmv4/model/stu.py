@@ -59,7 +59,7 @@ class STULayer(nn.Module):
         ``consume_input``: without gradients the output may be written over x (``stu_layer``)."""
         cfg = self.cfg
         # One candidate per sequence: the target-aware mask equals the causal one stu_mixing applies.
-        extra = {} if candidates_only else {"consume_input": consume_input}
+        extra = {} if candidates_only else {"consume_input": consume_input, "attention": cfg.attention_kernels}
         op = stu_candidate_layer if candidates_only else stu_layer
         return op(
             x,

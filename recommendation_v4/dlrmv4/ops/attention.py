@@ -1,6 +1,7 @@
 """Jagged HSTU attention: the public op, its dispatcher and the autograd glue for the Triton kernels.
 
-``hstu_attention(q, k, v, seq_offsets, max_seq_len, num_targets=None, alpha=..., kernels="auto")``:
+``hstu_attention(q, k, v, seq_offsets, max_seq_len, num_targets=None, alpha=..., kernels="auto",
+attention="auto")``:
 per sequence b of L tokens with n_t = num_targets[b] candidates at its end, token i attends to j iff
 ``(j <= i and j < L - n_t) or j == i``; ``A_ij = SiLU(alpha q_i.k_j) / N`` (no softmax, N =
 max_seq_len, the batch's longest sequence) and ``out_i = sum_j A_ij v_j``, accumulated in fp32 and
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention_kernels import attention_kernels
 from .dispatch import resolve
 from .reference.attention import hstu_attention_reference
 
@@ -20,20 +22,17 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 class _TritonHSTUAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: float):
-        from .triton.attention import attention_fwd
-
+    def forward(ctx, q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: float, attention: str):
+        kernels = attention_kernels(attention, q, v)
         ctx.save_for_backward(q, k, v, seq_offsets, num_targets)
-        ctx.max_seq_len, ctx.alpha = max_seq_len, alpha
-        return attention_fwd(q, k, v, seq_offsets, num_targets, max_seq_len, alpha)
+        ctx.max_seq_len, ctx.alpha, ctx.bwd = max_seq_len, alpha, kernels.bwd
+        return kernels.fwd(q, k, v, seq_offsets, num_targets, max_seq_len, alpha)
 
     @staticmethod
     def backward(ctx, grad_out):
-        from .triton.attention import attention_bwd
-
         q, k, v, seq_offsets, num_targets = ctx.saved_tensors
-        dq, dk, dv = attention_bwd(grad_out, q, k, v, seq_offsets, num_targets, ctx.max_seq_len, ctx.alpha)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = ctx.bwd(grad_out, q, k, v, seq_offsets, num_targets, ctx.max_seq_len, ctx.alpha)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def check_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets) -> None:
@@ -83,11 +82,13 @@ def hstu_attention(
     num_targets: torch.Tensor | None = None,
     alpha: float,
     kernels: str = "auto",
+    attention: str = "auto",
 ) -> torch.Tensor:
-    """Jagged HSTU attention, [T, H, Dv] in q's dtype (see the module docstring)."""
+    """Jagged HSTU attention, [T, H, Dv] in q's dtype (see the module docstring). ``attention``:
+    which GPU kernels the Triton path runs (``ops/attention_kernels.py``)."""
     check_attention_inputs(q, k, v, seq_offsets, max_seq_len, num_targets)
     max_seq_len = int(max_seq_len)
     if resolve(kernels, q.device) == "pytorch":
         return hstu_attention_reference(q, k, v, seq_offsets, max_seq_len, num_targets, alpha)
     check_triton_attention_inputs(q, v)
-    return _TritonHSTUAttention.apply(q, k, v, seq_offsets, num_targets, max_seq_len, float(alpha))
+    return _TritonHSTUAttention.apply(q, k, v, seq_offsets, num_targets, max_seq_len, float(alpha), attention)

@@ -1,5 +1,6 @@
-"""How many of the project's Triton kernels this process has compiled and autotuned so far: the run
-counts them at RUN_START and at its end, so a compilation inside the timed run shows in its log.
+"""How many of the project's Triton kernels (its Gluon kernels too: ``gluon.jit`` functions are
+Triton JIT functions) this process has compiled and autotuned so far: the run counts them at
+RUN_START and at its end, so a compilation inside the timed run shows in its log.
 
 A kernel variant is one entry of a ``triton.jit`` function's per-device cache (a new specialization:
 constexprs, dtypes, integer arguments' divisibility); an autotuned key is one entry of an autotuner's
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from dlrmv4.ops.dispatch import triton_available
 
-_KERNEL_MODULES = "dlrmv4.ops.triton."
+_KERNEL_MODULES = ("dlrmv4.ops.triton.", "dlrmv4.ops.gluon.")  # the modules whose kernels count
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dlrmv4.ops.attention_kernels import attention_kernels
 from dlrmv4.ops.dispatch import resolve
 from dlrmv4.ops.layer_norm import layer_norm, layer_norm_and_input
 from dlrmv4.ops.reference.philox import check_dropout
@@ -46,14 +47,13 @@ class _ProjectedMixingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, n, uvqk_weight, uvqk_bias, attn_norm_weight, attn_norm_bias, seq_offsets, args):
         from dlrmv4.ops.triton import output_block as tob
-        from dlrmv4.ops.triton.attention import attention_fwd
 
-        dims, max_seq_len, alpha, attn_eps, dropout = args
+        dims, max_seq_len, alpha, attn_eps, dropout, attention = args
         w = uvqk_weight.to(n.dtype)
         uvqk = F.linear(n, w, uvqk_bias.to(n.dtype))
         check_stu_mixing_inputs(uvqk, seq_offsets, max_seq_len, *dims, attn_norm_weight, attn_norm_bias)
         u, v, q, k = split_uvqk(uvqk, *dims)
-        attn = attention_fwd(q, k, v, seq_offsets, None, max_seq_len, alpha).flatten(1)
+        attn = attention_kernels(attention, q, v).fwd(q, k, v, seq_offsets, None, max_seq_len, alpha).flatten(1)
         y, mean, rstd, keep = tob.forward(u, attn, attn_norm_weight, attn_norm_bias, attn_eps, *dropout)
         ctx.save_for_backward(n, w, uvqk, attn, attn_norm_weight, attn_norm_bias, mean, rstd, keep, seq_offsets)
         ctx.args = args
@@ -63,7 +63,7 @@ class _ProjectedMixingFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         n, w, uvqk, attn, attn_norm_weight, attn_norm_bias, mean, rstd, keep, seq_offsets = ctx.saved_tensors
-        dims, max_seq_len, alpha, _, dropout = ctx.args
+        dims, max_seq_len, alpha, _, dropout, attention = ctx.args
         d_bias = torch.empty(uvqk.shape[1], dtype=torch.float32, device=uvqk.device)
         grad, d_attn_w, d_attn_b = mixing_backward(
             dy,
@@ -80,6 +80,7 @@ class _ProjectedMixingFn(torch.autograd.Function):
             alpha,
             dropout[0],
             uvqk_bias_grad=d_bias,
+            attention=attention,
         )
         del uvqk
         d_weight = grad.t().mm(n)
@@ -107,13 +108,12 @@ class _CheapRecomputeFn(torch.autograd.Function):
     ):
         from dlrmv4.ops.triton import layer_norm as tln
         from dlrmv4.ops.triton import output_block as tob
-        from dlrmv4.ops.triton.attention import attention_fwd
 
-        dims, max_seq_len, alpha, norm_eps, attn_eps, dropout = args
+        dims, max_seq_len, alpha, norm_eps, attn_eps, dropout, attention = args
         n, mean, rstd = tln.forward(x, norm_weight, norm_bias, norm_eps, swish=False)
         uvqk = F.linear(n, uvqk_weight.to(x.dtype), uvqk_bias.to(x.dtype))
         u, v, q, k = split_uvqk(uvqk, *dims)
-        attn = attention_fwd(q, k, v, seq_offsets, None, max_seq_len, alpha).flatten(1)
+        attn = attention_kernels(attention, q, v).fwd(q, k, v, seq_offsets, None, max_seq_len, alpha).flatten(1)
         y = tob.forward(u, attn, attn_norm_weight, attn_norm_bias, attn_eps, *dropout)[0]
         ctx.save_for_backward(
             x,
@@ -151,7 +151,7 @@ class _CheapRecomputeFn(torch.autograd.Function):
             out_weight,
             seq_offsets,
         ) = ctx.saved_tensors
-        dims, max_seq_len, alpha, norm_eps, attn_eps, dropout = ctx.args
+        dims, max_seq_len, alpha, norm_eps, attn_eps, dropout, attention = ctx.args
         dt = x.dtype
         dout = dout.contiguous()
         # Recompute n, uvqk and y (the same kernels on the same inputs: the same values and mask).
@@ -183,7 +183,7 @@ class _CheapRecomputeFn(torch.autograd.Function):
             d_uvqk_bias,
         )
         del dy, keep
-        attention_backward(dattn, uvqk, seq_offsets, dims, max_seq_len, alpha, grad, d_uvqk_bias)
+        attention_backward(dattn, uvqk, seq_offsets, dims, max_seq_len, alpha, grad, d_uvqk_bias, attention)
         del uvqk, dattn
         d_uvqk_weight = grad.t().mm(n)
         dn = grad.mm(w_uvqk)
@@ -236,12 +236,14 @@ def stu_layer(
     recompute: str = "none",
     kernels: str = "auto",
     consume_input: bool = False,
+    attention: str = "auto",
 ) -> torch.Tensor:
     """x [T, D] (jagged by seq_offsets) -> x + STU(x), in x's dtype; ``max_seq_len`` is the
     attention's N; dropout masks from (``seed``, ``row_offset`` + row); ``recompute`` as in the
     module docstring. ``consume_input``: without gradients (nothing keeps x for a backward) the
     output is written over x, the residual GEMM adding into x instead of into a copy of it (the
-    same GEMM: torch.addmm copies its C operand into the output first)."""
+    same GEMM: torch.addmm copies its C operand into the output first). ``attention``: which
+    kernels run the attention with the Triton path (``ops/attention_kernels.py``)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"stu_layer: recompute={recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
     if x.dim() != 2 or x.shape[1] != uvqk_weight.shape[1]:
@@ -271,6 +273,7 @@ def stu_layer(
             training=training,
             kernels=kernels,
             row_offset=row_offset,
+            attention=attention,
         )
         # x + y W_out^T in one GEMM: the residual is the GEMM's C operand, not a separate pass.
         same = residual.data_ptr() == x.data_ptr() and residual.dtype == _compute_dtype(x)
@@ -284,7 +287,7 @@ def stu_layer(
         n, residual = layer_norm_and_input(x, norm_weight, norm_bias, norm_eps, kernels=kernels)
         if resolve(kernels, x.device) == "pytorch" or not torch.is_grad_enabled():
             return mix_and_project(residual, F.linear(n, uvqk_weight, uvqk_bias))
-        args = (dims, int(max_seq_len), float(alpha), attn_eps, (dropout_p, seed, training, row_offset))
+        args = (dims, int(max_seq_len), float(alpha), attn_eps, (dropout_p, seed, training, row_offset), attention)
         n = n.to(_compute_dtype(x))
         y = _ProjectedMixingFn.apply(n, uvqk_weight, uvqk_bias, attn_norm_weight, attn_norm_bias, seq_offsets, args)
         return torch.addmm(residual, y, out_weight.t())
@@ -297,7 +300,7 @@ def stu_layer(
         return mix_and_project(x, checkpoint(project, x, use_reentrant=False))
     x = x.to(_compute_dtype(x))
     dropout = (dropout_p, seed, training, row_offset)
-    args = (dims, int(max_seq_len), float(alpha), norm_eps, attn_eps, dropout)
+    args = (dims, int(max_seq_len), float(alpha), norm_eps, attn_eps, dropout, attention)
     return _CheapRecomputeFn.apply(
         x.contiguous(),
         norm_weight,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from dlrmv4.ops.attention import check_attention_inputs, check_triton_attention_inputs
+from dlrmv4.ops.attention_kernels import attention_kernels
 from dlrmv4.ops.dispatch import resolve
 from dlrmv4.ops.reference import stu_mixing as ref
 from dlrmv4.ops.reference.philox import check_dropout
@@ -85,16 +86,16 @@ def attention_backward(
     alpha: float,
     grad: torch.Tensor,
     uvqk_bias_grad: torch.Tensor | None = None,
+    attention: str = "auto",
 ) -> None:
-    """The mixing backward's second half (Triton): dv, dq, dk into their columns of ``grad`` (and
-    their sums over rows into the v, q, k slices of ``uvqk_bias_grad``, when given)."""
-    from dlrmv4.ops.triton.attention import attention_bwd
-
+    """The mixing backward's second half: dv, dq, dk into their columns of ``grad`` (and their sums
+    over rows into the v, q, k slices of ``uvqk_bias_grad``, when given), by the attention kernels
+    ``attention`` picks (``ops/attention_kernels.py``)."""
     num_heads, _, v_dim = dims
     _, v, q, k = split_uvqk(uvqk, *dims)
     _, dv, dq, dk = split_uvqk(grad, *dims)
     sums = _bias_grad_slices(uvqk_bias_grad, dims)
-    attention_bwd(
+    attention_kernels(attention, q, v).bwd(
         dattn.unflatten(1, (num_heads, v_dim)),
         q,
         k,
@@ -123,6 +124,7 @@ def mixing_backward(
     alpha: float,
     dropout_p: float,
     uvqk_bias_grad: torch.Tensor | None = None,
+    attention: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The Triton mixing's backward from the forward's saved values: (grad [T, W] of uvqk, the attn
     norm's weight and bias gradients). Every column of grad is written: du by the output block, dv,
@@ -132,22 +134,22 @@ def mixing_backward(
     dattn, dw, db = output_block_backward(
         dy, uvqk, attn, weight, bias, mean, rstd, keep, dims, dropout_p, grad, uvqk_bias_grad
     )
-    attention_backward(dattn, uvqk, seq_offsets, dims, max_seq_len, alpha, grad, uvqk_bias_grad)
+    attention_backward(dattn, uvqk, seq_offsets, dims, max_seq_len, alpha, grad, uvqk_bias_grad, attention)
     return grad, dw, db
 
 
 # Triton is optional (the reference runs without it): kernel modules are imported on first use.
 class _STUMixingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, uvqk, weight, bias, seq_offsets, dims, max_seq_len, alpha, eps, dropout):
+    def forward(ctx, uvqk, weight, bias, seq_offsets, dims, max_seq_len, alpha, eps, dropout, attention):
         from dlrmv4.ops.triton import output_block as tob
-        from dlrmv4.ops.triton.attention import attention_fwd
 
         u, v, q, k = split_uvqk(uvqk, *dims)
-        attn = attention_fwd(q, k, v, seq_offsets, None, max_seq_len, alpha).flatten(1)
+        attn = attention_kernels(attention, q, v).fwd(q, k, v, seq_offsets, None, max_seq_len, alpha).flatten(1)
         y, mean, rstd, keep = tob.forward(u, attn, weight, bias, eps, *dropout)
         ctx.save_for_backward(uvqk, attn, weight, bias, mean, rstd, keep, seq_offsets)
         ctx.dims, ctx.max_seq_len, ctx.alpha, ctx.dropout_p = dims, max_seq_len, alpha, dropout[0]
+        ctx.attention = attention
         return y
 
     @staticmethod
@@ -167,8 +169,9 @@ class _STUMixingFn(torch.autograd.Function):
             ctx.max_seq_len,
             ctx.alpha,
             ctx.dropout_p,
+            attention=ctx.attention,
         )
-        return grad, dw, db, None, None, None, None, None, None
+        return grad, dw, db, None, None, None, None, None, None, None
 
 
 def _check(uvqk, seq_offsets, max_seq_len, num_heads, qk_dim, v_dim, weight, bias) -> None:
@@ -212,13 +215,15 @@ def stu_mixing(
     kernels: str = "auto",
     keep_mask: torch.Tensor | None = None,
     row_offset: int = 0,
+    attention: str = "auto",
 ) -> torch.Tensor:
     """uvqk [T, H·(2·Dv + 2·Dqk)] (columns u, v, q, k) -> y [T, 3·H·Dv] in uvqk's dtype (see the
     module docstring). seq_offsets [B+1] cumulative lengths; max_seq_len a host int (the longest
     sequence, also the attention's N); norm_weight, norm_bias [H·Dv] (or None) and eps of the
     LayerNorm of attn; dropout with probability ``dropout_p`` when ``training``, its mask drawn from
     ``seed`` for the global rows from ``row_offset`` on (both paths). ``keep_mask`` (bool
-    [T, 3·H·Dv]) replaces that mask in the reference only (tests)."""
+    [T, 3·H·Dv]) replaces that mask in the reference only (tests). ``attention``: which kernels
+    run the attention with the Triton path (``ops/attention_kernels.py``)."""
     _check(uvqk, seq_offsets, max_seq_len, num_heads, qk_dim, v_dim, norm_weight, norm_bias)
     seed, row_offset = check_dropout("stu_mixing", dropout_p, seed, row_offset)
     max_seq_len = int(max_seq_len)
@@ -253,4 +258,5 @@ def stu_mixing(
         float(alpha),
         eps,
         (dropout_p, seed, training, row_offset),
+        attention,
     )

@@ -37,6 +37,7 @@ from dlrmv4.data.loader import WindowLoader, make_window_loader
 from dlrmv4.data.store import Store
 from dlrmv4.data.windows import sample_counts, split_windows
 from dlrmv4.distributed import Cluster, check_batch_splits
+from dlrmv4.errors import UserError
 from dlrmv4.mlperf.runlog import RunFacts, RunLog
 from dlrmv4.model.embeddings import (
     SparseEmbeddings,
@@ -46,6 +47,7 @@ from dlrmv4.model.embeddings import (
     table_specs,
 )
 from dlrmv4.model.hstu import DlrmHSTU
+from dlrmv4.ops.attention_kernels import AttentionKernels, attention_kernels
 from dlrmv4.ops.compiled_kernels import CompiledKernels, compiled_kernels
 from dlrmv4.ops.dispatch import resolve
 from dlrmv4.train.checkpointer import Checkpointer
@@ -283,8 +285,24 @@ class Trainer:
             rows = {spec.name: spec.rows for spec in self.embeddings.specs}
             samples = self.cfg.loader.batch_size // self.cluster.world_size
             self.log(warm_up(self.step, samples, rows, self.cfg.sampler.max_seq_len, self.dedup_ids).describe())
+        if kernels != "triton" and self.cfg.model.attention_kernels == "gluon":
+            raise UserError(
+                f"--attention-kernels gluon needs the Triton ops on a GPU; this run takes the {kernels} ops"
+            )
         if kernels == "triton":  # (the PyTorch reference ops compile nothing)
+            self.log(self._attention_kernels().describe())
             self.compiled_at_start = compiled_kernels()
+
+    def _attention_kernels(self) -> AttentionKernels:
+        """The kernels the STU layers' attention runs on this device (``model.attention_kernels``)."""
+        m = self.cfg.model
+        dtype = getattr(torch, m.sequence_dtype)
+        q = torch.empty(0, m.num_heads, m.qk_dim, dtype=dtype, device=self.device)
+        v = torch.empty(0, m.num_heads, m.v_dim, dtype=dtype, device=self.device)
+        try:
+            return attention_kernels(m.attention_kernels, q, v)
+        except ValueError as exc:
+            raise UserError(f"--attention-kernels {m.attention_kernels}: {exc}") from None
 
     def _compiled_on_the_clock(self) -> None:
         """Say how many kernels were compiled or autotuned inside the timed run (none after a warm-up)."""
