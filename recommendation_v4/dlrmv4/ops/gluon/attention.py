@@ -40,7 +40,7 @@ from ..strides import unit_cols
 # Query rows per consumer warpgroup (wgmma's M is 64 per warpgroup); a program covers two.
 ROWS_PER_CONSUMER = 64
 # (key tile, stages of the K and V rings, ping-pong) by head dim: the ring plus two Q tiles within shared memory.
-FWD_TILES = {64: (128, 3, True), 128: (128, 3, True), 256: (64, 2, True)}
+FWD_TILES = {64: (128, 3, True), 128: (128, 3, True)}
 # Registers per lane: the producer warp's (the minimum) and each consumer's; the kernel's cap
 # (maxnreg) keeps the 9 warps (12 for register allocation) within the 64 K registers of an SM.
 PRODUCER_REGS = gl.constexpr(24)
@@ -387,7 +387,7 @@ def _rows(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
 
 
 def attention_fwd(q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: float) -> torch.Tensor:
-    """out [T, H, Dv] in q's dtype (bf16 or fp16; Dqk = Dv in {64, 128, 256})."""
+    """out [T, H, Dv] in q's dtype (bf16 or fp16; Dqk and Dv 64 or 128)."""
     q, k, v = (unit_cols(t) for t in (q, k, v))
     total, heads, dqk = q.shape
     dv = v.shape[2]
