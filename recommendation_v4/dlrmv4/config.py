@@ -161,8 +161,9 @@ class ModelConfig:
     attention_kernels: str = _field(
         "auto",
         "kernels of the STU layers' attention with the Triton ops: gluon (the warp-specialized Hopper "
-        "forward: sm_90, bf16/fp16, head dims 64 or 128), triton (the portable kernels), or auto "
-        "(gluon where it applies)",
+        "kernels, forward and backward: sm_90, bf16/fp16, head dims 64 or 128), triton (the portable "
+        "kernels), or auto (where gluon applies, its forward with the portable backward, the faster "
+        "pair measured; triton elsewhere)",
         choices=("auto", "gluon", "triton"),
     )
     sequence_dtype: str = _field(

@@ -51,6 +51,14 @@ def test_auto_falls_back_and_gluon_is_refused_where_it_does_not_apply(dtype, dqk
             seam.attention_kernels("gluon", *qv(dtype, dqk, dv))
 
 
+def test_gluon_runs_both_gluon_kernels_and_auto_the_faster_pair():
+    with compiling_for(target_named("sm_90")):
+        forced, auto = seam.attention_kernels("gluon", *qv()), seam.attention_kernels("auto", *qv())
+    assert (forced.fwd, forced.bwd) == (hopper.attention_fwd, hopper.attention_bwd)
+    assert (auto.fwd, auto.backward) == (hopper.attention_fwd, "triton")
+    assert forced.describe() == "attention kernels: forward gluon, backward gluon"
+
+
 def test_gluon_is_refused_off_hopper_and_triton_is_taken_anywhere():
     with compiling_for(target_named("sm_100")):
         with pytest.raises(ValueError, match="built for sm_90 .*not sm_100"):

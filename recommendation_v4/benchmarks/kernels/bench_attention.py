@@ -99,11 +99,23 @@ def time_triton(q, k, v, offsets, targets, grad, n, alpha, **kw) -> dict[str, fl
 
 
 def time_gluon(q, k, v, offsets, targets, grad, n, alpha) -> dict[str, float]:
-    """The Gluon forward, and with the portable backward after it (what ``attention="auto"`` runs on sm_90)."""
+    """The Gluon forward, with the portable backward after it (what ``attention="auto"`` runs on
+    sm_90); the backwards alone: portable, Gluon (dQ summed in a fixed order), and Gluon with dQ
+    added by atomics (``ordered=False``: what the fixed order costs)."""
     fwd = lambda: hopper.attention_fwd(q, k, v, offsets, targets, n, alpha)
     both = lambda: (fwd(), tri.attention_bwd(grad, q, k, v, offsets, targets, n, alpha))
-    both()
-    return {"fwd_ms": window_ms(fwd), "fwd_bwd_ms": window_ms(both)}
+    gluon_bwd = lambda: hopper.attention_bwd(grad, q, k, v, offsets, targets, n, alpha)
+    unordered_bwd = lambda: hopper.attention_bwd(grad, q, k, v, offsets, targets, n, alpha, ordered=False)
+    portable_bwd = lambda: tri.attention_bwd(grad, q, k, v, offsets, targets, n, alpha)
+    for f in (both, gluon_bwd, unordered_bwd):
+        f()
+    return {
+        "fwd_ms": window_ms(fwd),
+        "fwd_bwd_ms": window_ms(both),
+        "portable_bwd_ms": window_ms(portable_bwd),
+        "gluon_bwd_ms": window_ms(gluon_bwd),
+        "gluon_unordered_bwd_ms": window_ms(unordered_bwd),
+    }
 
 
 def time_cudnn(lengths: list[int], heads: int, dim: int, seed: int) -> dict[str, float]:
@@ -254,6 +266,9 @@ def main() -> None:
                 "cudnn": cudnn,
                 "gluon_over_cudnn_fwd": gluon_tflops["fwd"] / cudnn["fwd_tflops"],
                 "gluon_over_cudnn_fwd_bwd": gluon_tflops["fwd_bwd"] / cudnn["fwd_bwd_tflops"],
+                "portable_bwd_ms": gluon["portable_bwd_ms"],
+                "gluon_bwd_ms": gluon["gluon_bwd_ms"],
+                "gluon_unordered_bwd_ms": gluon["gluon_unordered_bwd_ms"],
                 "do_bench_fwd_ms": timing["do_bench_fwd_ms"],
                 "do_bench_fwd_bwd_ms": timing["do_bench_fwd_bwd_ms"],
             }
@@ -301,6 +316,18 @@ def main() -> None:
         f"| {r['gluon_fwd_bwd_tflops']:.0f} ({r['gluon_fwd_bwd_tflops'] / peak:.2f}) "
         f"| {r['cudnn']['fwd_bwd_tflops']:.0f} ({r['cudnn']['fwd_bwd_tflops'] / peak:.2f}) "
         f"| {r['gluon_over_cudnn_fwd_bwd']:.2f} |\n"
+        for r in rows
+    )
+    btable = (
+        "| mix | portable bwd ms (TFLOP/s) | Gluon bwd ms (TFLOP/s) | Gluon bwd, dQ by atomics, ms (TFLOP/s) |\n"
+        "|---|---|---|---|\n"
+    ) + "".join(
+        f"| {r['mix']} | "
+        + " | ".join(
+            f"{r[key]:.3f} ({2.5 * r['fwd_tflops'] * r['fwd_ms'] / r[key]:.0f})"
+            for key in ("portable_bwd_ms", "gluon_bwd_ms", "gluon_unordered_bwd_ms")
+        )
+        + " |\n"
         for r in rows
     )
     vtable = "".join(
@@ -356,6 +383,9 @@ def main() -> None:
         f'calls.\n\n{table}\nThe Hopper Gluon forward (what `attention="auto"` runs on sm_90; the backward is the '
         f"portable one) beside cuDNN's causal softmax attention on the batch padded to each mix's longest "
         f"sequence (FLOPs over that padded triangle):\n\n{gtable}\n"
+        f"The backwards alone (bwd = 2.5 x fwd FLOPs): the portable kernels (dK/dV, then dQ recomputing S "
+        f"and dP), the Gluon kernel (dQ summed in a fixed order, the default), and the Gluon kernel with dQ "
+        f"added by atomics (`ordered=False`, not deterministic):\n\n{btable}\n"
         + (f"Variants on the jagged mix:\n\n{vtable}\n" if vtable else "")
         + cold_line
     )
@@ -365,6 +395,7 @@ def main() -> None:
         print(vtable)
     print(table)
     print(gtable)
+    print(btable)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Which kernels run the jagged HSTU attention on a GPU: the one seam every caller goes through.
 
 ``attention_kernels(choice, q, v)`` returns the forward and backward the model's attention runs:
-- ``gluon``: the warp-specialized Hopper forward (``ops/gluon/attention.py``), for sm_90 with bf16
-  or fp16 inputs and head dims of 64 or 128; the backward is the portable Triton one;
+- ``gluon``: the warp-specialized Hopper kernels (``ops/gluon/attention.py``), forward and backward,
+  for sm_90 with bf16 or fp16 inputs and head dims of 64 or 128;
 - ``triton``: the portable Triton kernels (``ops/triton/attention.py``) for both;
-- ``auto``: ``gluon`` where it applies, ``triton`` everywhere else (B200, MI300X / MI350X, fp32,
-  other head dims, the interpreter, a compile for another target).
+- ``auto``: the fastest measured on each kind where the Gluon kernels apply: the Gluon forward
+  and the portable backward (the Gluon backward's ordered dQ sum is slower today:
+  docs/benchmarks.md, Attention); ``triton`` everywhere else (B200, MI300X / MI350X, fp32, other
+  head dims, the interpreter, a compile for another target).
 The choice is made from the launch's ``KernelTarget`` (``ops/triton/targets.py``), so a compile for
 a GPU this machine does not have picks what that GPU would run.
 """
@@ -64,4 +66,6 @@ def attention_kernels(choice: str, q: torch.Tensor, v: torch.Tensor) -> Attentio
         return AttentionKernels("triton", "triton", portable.attention_fwd, portable.attention_bwd)
     from .gluon import attention as hopper
 
+    if choice == "gluon":
+        return AttentionKernels("gluon", "gluon", hopper.attention_fwd, hopper.attention_bwd)
     return AttentionKernels("gluon", "triton", hopper.attention_fwd, portable.attention_bwd)

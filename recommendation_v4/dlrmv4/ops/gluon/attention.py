@@ -19,6 +19,15 @@ sequence's end into the next sequence's rows (zeros past T): the masked spans dr
 past the end are not stored, so each sequence's output is independent of its neighbours.
 Every sum runs in a fixed order (key tiles ascending, the wgmma's own order inside a tile), so the
 same inputs give the same bits in every run.
+
+The backward is one kernel (``attention_bwd``): a program holds 128 keys (two consumer warpgroups
+of 64) and walks the query tiles that see them, highest first, while a producer warp streams the Q
+and dO tiles. Each consumer computes S^T and dP^T for its keys, the SiLU and SiLU', and accumulates
+dV and dK in registers; both write dS^T into one shared tile, from which each computes half of the
+tile's dQ columns (5 products a tile pair, nothing recomputed). dQ is summed in fp32 in global
+memory in a fixed order: a block adds its tile after every lower key block's, waiting for its turn
+on a per-tile counter (blocks are launched lowest first, so a turn never waits on a block that has
+not started). The tile waits for the previous one's dQ to be added while its products run.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -421,3 +431,403 @@ def attention_fwd(q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: fl
         maxnreg=MAXNREG,
     )
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward: dK, dV and dQ in one kernel, dQ summed in fp32 in a fixed order.
+# ---------------------------------------------------------------------------------------------------
+
+# Keys per program (two consumers of 64), query rows per tile, stages of the Q / dO ring.
+BWD_KEYS = 128
+BWD_QUERY_ROWS = 64
+BWD_STAGES = 2
+
+
+@gluon.jit
+def _query_tiles(n_start, seq_len, prefix, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The query tiles keys [n_start, n_start + BLOCK_N) are seen by (the Triton dK/dV kernel's
+    spans): [m_lo, m_hi) in BLOCK_M steps, masked below d_end and from u_end on."""
+    n_end = gl.minimum(n_start + BLOCK_N, seq_len)
+    m_lo = (n_start // BLOCK_M) * BLOCK_M
+    d_end = gl.cdiv(n_end, BLOCK_M) * BLOCK_M
+    sees_prefix = n_start < prefix
+    m_hi = gl.where(sees_prefix, gl.cdiv(seq_len, BLOCK_M) * BLOCK_M, d_end)
+    u_end = gl.where(sees_prefix & (n_end > prefix), (prefix // BLOCK_M) * BLOCK_M, (seq_len // BLOCK_M) * BLOCK_M)
+    u_end = gl.minimum(gl.maximum(d_end, u_end), m_hi)
+    return m_lo, m_hi, d_end, u_end
+
+
+@gluon.jit
+def _bwd_producer(
+    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, qdo_ready, qdo_empty,
+    row0, n_start, col_q, col_v, m_hi, tiles,
+    BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row0 + n_start, col_q], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [row0 + n_start, col_v], kv_ready, v_smem)
+    for j in range(tiles):
+        stage = j % STAGES
+        m0 = m_hi - (j + 1) * BLOCK_M  # the highest query tile first (see _bwd_consumer)
+        mbarrier.wait(qdo_empty.index(stage), ((j // STAGES) & 1) ^ 1)
+        ready = qdo_ready.index(stage)
+        mbarrier.expect(ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row0 + m0, col_q], ready, q_smem.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [row0 + m0, col_v], ready, do_smem.index(stage))
+
+
+@gluon.jit
+def _dq_add(dq_mine, m0, dq_acc, dq_turns, start, seq_len, rank, turn_row, col_acc, stride_acc,
+            SLOT: gl.constexpr, BLOCK_M: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
+    """A tile's dQ columns (this consumer's half, staged in shared memory) into the fp32 sum:
+    ORDERED, after every lower key block's (a fixed order: the same bits every run); else by relaxed
+    atomics (in no fixed order)."""
+    WIDTH: gl.constexpr = dq_mine.type.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])  # 16-byte accesses
+    gl.thread_barrier()  # the staged tile was written in the wgmma's layout by other threads
+    dq = dq_mine.load(layout)
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = col_acc + SLOT * WIDTH + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    ptrs = dq_acc + (start + rows.to(gl.int64))[:, None] * stride_acc + cols[None, :]
+    in_seq = (rows < seq_len)[:, None]
+    if ORDERED:
+        turn = dq_turns + (turn_row + m0 // BLOCK_M) * 2 + SLOT
+        while gl.atomic_add(turn, 0, sem="acquire") != rank:
+            pass
+        gl.store(ptrs, gl.load(ptrs, mask=in_seq, other=0.0, cache_modifier=".cg") + dq, mask=in_seq)
+        gl.thread_barrier()
+        gl.atomic_xchg(turn, rank + 1, sem="release")
+    else:
+        gl.atomic_add(ptrs, dq, mask=in_seq, sem="relaxed")
+
+
+@gluon.jit
+def _bwd_consumer(
+    k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty,
+    dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
+    start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
+    stride_dkt, stride_dvt, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
+    SLOT: gl.constexpr, STAGES: gl.constexpr, SUMS: gl.constexpr, ORDERED: gl.constexpr,
+):  # fmt: skip
+    KEYS: gl.constexpr = k_smem.type.shape[0] // 2  # this consumer's keys
+    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+    DQK: gl.constexpr = k_smem.type.shape[1]
+    DV: gl.constexpr = v_smem.type.shape[1]
+    dtype: gl.constexpr = k_smem.type.element_ty
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQK, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQK // 2, 16]
+    )
+
+    keys = n_start + SLOT * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    k_mine = k_smem.slice(SLOT * KEYS, KEYS, dim=0)
+    v_mine = v_smem.slice(SLOT * KEYS, KEYS, dim=0)
+    k_cols = k_smem.slice(SLOT * (DQK // 2), DQK // 2, dim=1)  # dQ's columns this consumer sums
+    dk = gl.zeros([KEYS, DQK], gl.float32, dk_layout)
+    dv = gl.zeros([KEYS, DV], gl.float32, dv_layout)
+    dq_mine = dq_smem.index(SLOT)
+    m_prev = m_hi
+    mbarrier.wait(kv_ready, 0)
+    for j in range(tiles):
+        stage = j % STAGES
+        buf = j % 2
+        m0 = m_hi - (j + 1) * BLOCK_M
+        mbarrier.wait(qdo_ready.index(stage), (j // STAGES) & 1)
+        q = q_smem.index(stage)
+        do = do_smem.index(stage)
+        s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)  # made here: no zeros live across tiles
+        s_t = warpgroup_mma(k_mine, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_mine, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_t, dp_t = warpgroup_mma_wait(0, deps=(s_t, dp_t))
+        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        if (m0 < d_end) | (m0 >= u_end):  # zero scores and dP give zero weights and dS
+            last = gl.where(rows < prefix, rows, prefix - 1)
+            keep = ((keys[:, None] <= last[None, :]) | (keys[:, None] == rows[None, :])) & (rows < seq_len)[None, :]
+            s_t = gl.where(keep, s_t, 0.0)
+            dp_t = gl.where(keep, dp_t, 0.0)
+        t = s_t * (0.5 * alpha)
+        th = _tanh(t)
+        tt = t * th
+        a_t = (t + tt).to(dtype)
+        ds_t = (dp_t * ((0.5 + 0.5 * th) * (1.0 + t - tt))).to(dtype)
+        dv = warpgroup_mma(gl.convert_layout(a_t, gl.DotOperandLayout(0, dv_layout, 2)), do, dv, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(ds_t, gl.DotOperandLayout(0, dk_layout, 2)), q, dk, is_async=True)
+        if j > 0:  # the previous tile's dQ goes out while this tile's dV and dK products run
+            _dq_add(dq_mine, m_prev, dq_acc, dq_turns, start, seq_len, rank, turn_row, col_acc, stride_acc,
+                    SLOT, BLOCK_M, ORDERED)  # fmt: skip
+        # dS^T's rows of this consumer's keys into the shared tile both consumers' dQ products read.
+        mbarrier.wait(ds_empty.index(buf), ((j // 2) & 1) ^ 1)
+        ds_smem.index(buf).slice(SLOT * KEYS, KEYS, dim=0).store(ds_t)
+        fence_async_shared()
+        mbarrier.arrive(ds_full.index(buf))
+        mbarrier.wait(ds_full.index(buf), (j // 2) & 1)
+        dq_zero = gl.zeros([BLOCK_M, DQK // 2], gl.float32, dq_layout)
+        dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+        mbarrier.arrive(qdo_empty.index(stage))
+        mbarrier.arrive(ds_empty.index(buf))
+        dq_mine.store(dq)  # added to the sum while the next tile's products run
+        m_prev = m0
+    _dq_add(dq_mine, m_prev, dq_acc, dq_turns, start, seq_len, rank, turn_row, col_acc, stride_acc,
+            SLOT, BLOCK_M, ORDERED)  # fmt: skip
+
+    dk = dk * (alpha * inv_n)
+    dv = dv * inv_n
+    dk_rows = n_start + SLOT * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dk_layout))
+    dk_cols = gl.arange(0, DQK, layout=gl.SliceLayout(0, dk_layout))
+    dv_rows = n_start + SLOT * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dv_layout))
+    dv_cols = gl.arange(0, DV, layout=gl.SliceLayout(0, dv_layout))
+    dk_in = (dk_rows < seq_len)[:, None]
+    dv_in = (dv_rows < seq_len)[:, None]
+    gl.store(
+        dk_ptr + (start + dk_rows.to(gl.int64))[:, None] * stride_dkt + col_dk + dk_cols[None, :],
+        dk.to(dtype),
+        mask=dk_in,
+    )
+    gl.store(
+        dv_ptr + (start + dv_rows.to(gl.int64))[:, None] * stride_dvt + col_dv + dv_cols[None, :],
+        dv.to(dtype),
+        mask=dv_in,
+    )
+    if SUMS:  # fp32 column sums before rounding, one row of partials per consumer
+        slot = (gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)) * 2 + SLOT
+        gl.store(dk_part + slot.to(gl.int64) * DQK + dk_cols, gl.sum(gl.where(dk_in, dk, 0.0), axis=0))
+        gl.store(dv_part + slot.to(gl.int64) * DV + dv_cols, gl.sum(gl.where(dv_in, dv, 0.0), axis=0))
+
+
+@gluon.jit
+def _bwd_worker(
+    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
+    kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty, dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
+    start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
+    stride_dkt, stride_dvt, col_q, col_v, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
+    ROLE: gl.constexpr, STAGES: gl.constexpr, SUMS: gl.constexpr, ORDERED: gl.constexpr,
+):  # fmt: skip
+    """The worker partitions share one signature: ROLE 1 is the second consumer, 2 the producer."""
+    if ROLE == 1:
+        _bwd_consumer(
+            k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty,
+            dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
+            start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
+            stride_dkt, stride_dvt, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
+            1, STAGES, SUMS, ORDERED,
+        )  # fmt: skip
+    else:
+        _bwd_producer(
+            q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, qdo_ready, qdo_empty,
+            start.to(gl.int32), n_start, col_q, col_v, m_hi, tiles, q_smem.type.shape[1], STAGES,
+        )  # fmt: skip
+
+
+@gluon.jit
+def _bwd_consumer_worker(
+    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
+    kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty, dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
+    start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
+    stride_dkt, stride_dvt, col_q, col_v, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
+    STAGES: gl.constexpr, SUMS: gl.constexpr, ORDERED: gl.constexpr,
+):  # fmt: skip
+    _bwd_worker(
+        q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
+        kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty, dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
+        start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
+        stride_dkt, stride_dvt, col_q, col_v, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
+        1, STAGES, SUMS, ORDERED,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _bwd_producer_worker(
+    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
+    kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty, dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
+    start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
+    stride_dkt, stride_dvt, col_q, col_v, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
+    STAGES: gl.constexpr, SUMS: gl.constexpr, ORDERED: gl.constexpr,
+):  # fmt: skip
+    _bwd_worker(
+        q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
+        kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty, dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
+        start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
+        stride_dkt, stride_dvt, col_q, col_v, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
+        2, STAGES, SUMS, ORDERED,
+    )  # fmt: skip
+
+
+@gluon.jit(do_not_specialize=["N_BUCKET"])
+def _hstu_attention_bwd_ws(
+    q_desc, k_desc, v_desc, do_desc, dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part, seq_offsets, num_targets,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_acc, H, alpha, inv_n, query_tiles, N_BUCKET,
+    DQK: gl.constexpr, DV: gl.constexpr, HAS_TARGETS: gl.constexpr, STAGES: gl.constexpr, SUMS: gl.constexpr,
+    ORDERED: gl.constexpr,
+):  # fmt: skip
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    n_start = gl.program_id(0) * BLOCK_N
+    b = gl.program_id(1) // H
+    h = gl.program_id(1) % H
+    start, seq_len, prefix = _sequence(seq_offsets, num_targets, b, HAS_TARGETS)
+    if n_start >= seq_len:
+        if SUMS:
+            zl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            slot = (gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)) * 2
+            for c in gl.static_range(2):
+                gl.store(
+                    dk_part + (slot + c).to(gl.int64) * DQK + gl.arange(0, DQK, layout=zl),
+                    gl.zeros([DQK], gl.float32, zl),
+                )
+                gl.store(
+                    dv_part + (slot + c).to(gl.int64) * DV + gl.arange(0, DV, layout=zl), gl.zeros([DV], gl.float32, zl)
+                )
+        return
+    m_lo, m_hi, d_end, u_end = _query_tiles(n_start, seq_len, prefix, BLOCK_M, BLOCK_N)
+    tiles = (m_hi - m_lo) // BLOCK_M
+    # dQ's turn: keys before the prefix end go in block order; a candidates' block after all of them.
+    rank = gl.where(n_start < prefix, gl.program_id(0), gl.cdiv(prefix, BLOCK_N))
+    turn_row = gl.program_id(1) * query_tiles
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], k_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    dq_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQK // 2], dq_smem_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for stage in gl.static_range(STAGES):
+        mbarrier.init(qdo_ready.index(stage), count=1)
+        mbarrier.init(qdo_empty.index(stage), count=2)  # one arrival per consumer
+    for buf in gl.static_range(2):
+        mbarrier.init(ds_full.index(buf), count=2)
+        mbarrier.init(ds_empty.index(buf), count=2)
+    col_q = h * DQK
+    col_v = h * DV
+    col_dk = h * stride_dkh
+    col_dv = h * stride_dvh
+    col_acc = h * DQK
+    gl.warp_specialize(
+        [
+            (
+                _bwd_consumer,
+                (
+                    k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty,
+                    dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
+                    start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
+                    stride_dkt, stride_dvt, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
+                    0, STAGES, SUMS, ORDERED,
+                ),
+            ),
+            (
+                _bwd_consumer_worker,
+                (
+                    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
+                    kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty, dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
+                    start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
+                    stride_dkt, stride_dvt, col_q, col_v, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
+                    STAGES, SUMS, ORDERED,
+                ),
+            ),
+            (
+                _bwd_producer_worker,
+                (
+                    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
+                    kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty, dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
+                    start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
+                    stride_dkt, stride_dvt, col_q, col_v, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
+                    STAGES, SUMS, ORDERED,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )  # fmt: skip
+
+
+def attention_bwd(
+    do, q, k, v, seq_offsets, num_targets, max_seq_len: int, alpha: float, *, out=None, col_sums=None, ordered=True
+):
+    """(dq, dk, dv) in one kernel: the same contract as ``ops/triton/attention.py``'s ``attention_bwd``
+    (``out`` buffers, ``col_sums`` of each gradient's rows), for bf16 / fp16 with head dims 64 or 128.
+    dQ is summed in fp32 over the key blocks in block order (each block waits for its turn on the
+    query tile), so the result is the same bits every run; ``ordered=False`` adds it by atomics
+    instead (in no fixed order: refused under ``torch.use_deterministic_algorithms``)."""
+    from ..triton import attention as portable  # the buffer checks and the partial sums' layout
+
+    if not ordered and torch.are_deterministic_algorithms_enabled():
+        raise RuntimeError(
+            "attention_bwd: ordered=False adds dQ with atomics, in no fixed order; "
+            "torch.use_deterministic_algorithms(True) needs ordered=True"
+        )
+
+    do, q, k, v = (unit_cols(t) for t in (do, q, k, v))
+    sums = portable._sum_buffers(col_sums, q, v)
+    if out is None:
+        dq_out = None
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    else:
+        dq_out, dk, dv = portable._grad_buffers(out, q, k, v)
+    total, heads, dqk = q.shape
+    if total == 0 or seq_offsets.numel() < 2 or max_seq_len <= 0:
+        if sums is not None:
+            for t in sums:
+                t.zero_()
+        dq = torch.zeros_like(q) if dq_out is None else dq_out.zero_()
+        return dq, dk.zero_(), dv.zero_()
+    batch = seq_offsets.numel() - 1
+    key_blocks = triton.cdiv(max_seq_len, BWD_KEYS)
+    query_tiles = triton.cdiv(max_seq_len, BWD_QUERY_ROWS)
+    dq_acc = torch.zeros((total, heads, dqk), dtype=torch.float32, device=q.device)
+    turns = torch.zeros(batch * heads * query_tiles * 2, dtype=torch.int32, device=q.device)
+    parts = [
+        torch.empty(batch * heads * key_blocks * 2 * w, dtype=torch.float32, device=q.device) for w in (dqk, v.shape[2])
+    ]
+    targets = num_targets if num_targets is not None else seq_offsets
+    _hstu_attention_bwd_ws[(key_blocks, batch * heads)](
+        _rows(q, BWD_QUERY_ROWS),
+        _rows(k, BWD_KEYS),
+        _rows(v, BWD_KEYS),
+        _rows(do, BWD_QUERY_ROWS),
+        dk,
+        dv,
+        dq_acc,
+        turns,
+        parts[0],
+        parts[1],
+        seq_offsets,
+        targets,
+        dk.stride(0),
+        dk.stride(1),
+        dv.stride(0),
+        dv.stride(1),
+        dq_acc.stride(0),
+        heads,
+        float(alpha),
+        1.0 / max_seq_len,
+        query_tiles,
+        triton.next_power_of_2(max_seq_len),
+        DQK=dqk,
+        DV=v.shape[2],
+        HAS_TARGETS=num_targets is not None,
+        STAGES=BWD_STAGES,
+        SUMS=sums is not None,
+        ORDERED=ordered,
+        num_warps=4,
+        maxnreg=MAXNREG,
+    )
+    dq_acc.mul_(alpha / max_seq_len)
+    dq = dq_acc.to(q.dtype) if dq_out is None else dq_out.copy_(dq_acc)
+    if sums is not None:
+        torch.sum(dq_acc, dim=0, out=sums[0])
+        for part, total_sum in zip(parts, sums[1:]):
+            # One row per consumer of each program, programs (key block, sequence * heads + head).
+            torch.sum(part.view(batch, heads, -1, total_sum.shape[1]), dim=(0, 2), out=total_sum)
+    return dq, dk, dv
