@@ -57,6 +57,13 @@ def test_reference_shape_matches(dtype, tol):
     check(lengths, 1, 128, dtype, tol)
 
 
+def op_grads(q, k, v, offsets, nt, g, attention):
+    """hstu_attention's output and (dq, dk, dv) with the kernels ``attention`` picks."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = hstu_attention(*leaves, offsets, 4_095, num_targets=nt, alpha=0.1, kernels="triton", attention=attention)
+    return (out, *torch.autograd.grad(out, leaves, g))
+
+
 def test_the_seam_runs_gluon_forward_and_portable_backward_on_hopper():
     seed = fresh_seed()
     lengths = [300, 4_095, 1, 129]
@@ -65,12 +72,7 @@ def test_the_seam_runs_gluon_forward_and_portable_backward_on_hopper():
     assert (kernels.forward, kernels.backward) == ("gluon", "triton")
     g = torch.randn(q.shape[0], HEADS, 128, device="cuda", dtype=torch.bfloat16)
 
-    def grads(attention):
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = hstu_attention(*leaves, offsets, 4_095, num_targets=nt, alpha=0.1, kernels="triton", attention=attention)
-        return (out, *torch.autograd.grad(out, leaves, g))
-
-    gluon, triton = grads("auto"), grads("triton")
+    gluon, triton = op_grads(q, k, v, offsets, nt, g, "auto"), op_grads(q, k, v, offsets, nt, g, "triton")
     for name, a, b in zip(("out", "dq", "dk", "dv"), gluon, triton):
         assert rel_err(a, b.double()) < 1e-2, name
     for a, b in zip(gluon[1:], triton[1:]):  # the same backward on the same inputs
@@ -128,12 +130,7 @@ def test_gluon_runs_both_gluon_kernels_in_the_op():
     q, k, v, offsets, nt = make_batch([300, 4_095, 1, 129], HEADS, 128, 128, torch.bfloat16, "cuda", seed, 1)
     g = torch.randn(q.shape[0], HEADS, 128, device="cuda", dtype=torch.bfloat16)
 
-    def grads(attention):
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = hstu_attention(*leaves, offsets, 4_095, num_targets=nt, alpha=0.1, kernels="triton", attention=attention)
-        return (out, *torch.autograd.grad(out, leaves, g))
-
-    both, auto = grads("gluon"), grads("auto")
+    both, auto = op_grads(q, k, v, offsets, nt, g, "gluon"), op_grads(q, k, v, offsets, nt, g, "auto")
     assert torch.equal(both[0], auto[0])  # one forward
     expected = hopper.attention_bwd(g, q, k, v, offsets, nt, 4_095, 0.1)
     for name, a, b in zip(("dq", "dk", "dv"), both[1:], expected):

@@ -210,32 +210,6 @@ def _fwd_worker(
         )  # fmt: skip
 
 
-@gluon.jit
-def _fwd_producer_worker(
-    q_desc, k_desc, v_desc, out_ptr, q_smem, k_smem, v_smem, q_ready, turns, k_ready, k_empty, v_ready, v_empty,
-    start, seq_len, prefix, m_start, col_q, col_v, col_o, stride_ot, alpha, inv_n, first, total, nf, s2,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-):  # fmt: skip
-    _fwd_worker(
-        q_desc, k_desc, v_desc, out_ptr, q_smem, k_smem, v_smem, q_ready, turns, k_ready, k_empty, v_ready, v_empty,
-        start, seq_len, prefix, m_start, col_q, col_v, col_o, stride_ot, alpha, inv_n, first, total, nf, s2,
-        2, BLOCK_N, STAGES, PINGPONG,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _fwd_consumer_worker(
-    q_desc, k_desc, v_desc, out_ptr, q_smem, k_smem, v_smem, q_ready, turns, k_ready, k_empty, v_ready, v_empty,
-    start, seq_len, prefix, m_start, col_q, col_v, col_o, stride_ot, alpha, inv_n, first, total, nf, s2,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-):  # fmt: skip
-    _fwd_worker(
-        q_desc, k_desc, v_desc, out_ptr, q_smem, k_smem, v_smem, q_ready, turns, k_ready, k_empty, v_ready, v_empty,
-        start, seq_len, prefix, m_start, col_q, col_v, col_o, stride_ot, alpha, inv_n, first, total, nf, s2,
-        1, BLOCK_N, STAGES, PINGPONG,
-    )  # fmt: skip
-
-
 @gluon.jit(do_not_specialize=["N_BUCKET"])
 def _hstu_attention_fwd_ws(
     q_desc, k_desc, v_desc, out_ptr, seq_offsets, num_targets,
@@ -306,7 +280,7 @@ def _hstu_attention_fwd_ws(
                     ),
                 ),  # fmt: skip
                 (
-                    _fwd_consumer_worker,
+                    _fwd_worker,
                     (
                         q_desc,
                         k_desc,
@@ -335,13 +309,14 @@ def _hstu_attention_fwd_ws(
                         total,
                         nf,
                         s2,
+                        1,
                         BLOCK_N,
                         STAGES,
                         PINGPONG,
                     ),
                 ),
                 (
-                    _fwd_producer_worker,
+                    _fwd_worker,
                     (
                         q_desc,
                         k_desc,
@@ -370,6 +345,7 @@ def _hstu_attention_fwd_ws(
                         total,
                         nf,
                         s2,
+                        2,
                         BLOCK_N,
                         STAGES,
                         PINGPONG,
@@ -623,40 +599,6 @@ def _bwd_worker(
         )  # fmt: skip
 
 
-@gluon.jit
-def _bwd_consumer_worker(
-    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
-    kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty, dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
-    start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
-    stride_dkt, stride_dvt, col_q, col_v, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
-    STAGES: gl.constexpr, SUMS: gl.constexpr, ORDERED: gl.constexpr,
-):  # fmt: skip
-    _bwd_worker(
-        q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
-        kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty, dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
-        start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
-        stride_dkt, stride_dvt, col_q, col_v, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
-        1, STAGES, SUMS, ORDERED,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _bwd_producer_worker(
-    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
-    kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty, dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
-    start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
-    stride_dkt, stride_dvt, col_q, col_v, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
-    STAGES: gl.constexpr, SUMS: gl.constexpr, ORDERED: gl.constexpr,
-):  # fmt: skip
-    _bwd_worker(
-        q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
-        kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty, dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
-        start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
-        stride_dkt, stride_dvt, col_q, col_v, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
-        2, STAGES, SUMS, ORDERED,
-    )  # fmt: skip
-
-
 @gluon.jit(do_not_specialize=["N_BUCKET"])
 def _hstu_attention_bwd_ws(
     q_desc, k_desc, v_desc, do_desc, dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part, seq_offsets, num_targets,
@@ -726,23 +668,23 @@ def _hstu_attention_bwd_ws(
                 ),
             ),
             (
-                _bwd_consumer_worker,
+                _bwd_worker,
                 (
                     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
                     kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty, dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
                     start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
                     stride_dkt, stride_dvt, col_q, col_v, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
-                    STAGES, SUMS, ORDERED,
+                    1, STAGES, SUMS, ORDERED,
                 ),
             ),
             (
-                _bwd_producer_worker,
+                _bwd_worker,
                 (
                     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
                     kv_ready, qdo_ready, qdo_empty, ds_full, ds_empty, dk_ptr, dv_ptr, dq_acc, dq_turns, dk_part, dv_part,
                     start, seq_len, prefix, n_start, m_hi, d_end, u_end, tiles, rank, turn_row,
                     stride_dkt, stride_dvt, col_q, col_v, col_dk, col_dv, col_acc, stride_acc, alpha, inv_n,
-                    STAGES, SUMS, ORDERED,
+                    2, STAGES, SUMS, ORDERED,
                 ),
             ),
         ],
