@@ -90,3 +90,16 @@ def test_a_run_with_the_warm_up_is_the_run_without_it(data_path, tmp_path, extra
     assert not any(line.startswith("kernels compiled and tuned") for line in cold_lines)
     # The PyTorch reference ops compile nothing: no count of Triton kernels either.
     assert not any(line.startswith("Triton kernels after RUN_START") for line in warm_lines + cold_lines)
+
+
+def test_gluon_attention_on_the_reference_ops_is_one_line_before_run_start(data_path, tmp_path):
+    """``--attention-kernels gluon`` where the run takes the PyTorch reference ops (this CPU): refused
+    in one line before the timed run starts (the kernels are picked at the warm-up's place)."""
+    from dlrmv4.errors import UserError
+
+    with pytest.raises(
+        UserError, match="^--attention-kernels gluon needs the Triton ops on a GPU; this run takes the pytorch ops$"
+    ):
+        _run(data_path, tmp_path / "run", "auto", {("model", "attention_kernels"): "gluon"})
+    log = tmp_path / "run" / "mlperf_log.txt"
+    assert not log.exists() or "run_start" not in log.read_text()

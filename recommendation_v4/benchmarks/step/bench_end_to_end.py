@@ -15,6 +15,7 @@ table the same), which the results name. Data loading is not in this step (see b
     python benchmarks/step/bench_end_to_end.py                      # on a GPU: the table in one call
     python benchmarks/step/bench_end_to_end.py --backends plain torchrec --batches 128 256
     python benchmarks/step/bench_end_to_end.py --batches 256 --recompute none cheap layer --label recompute
+    python benchmarks/step/bench_end_to_end.py --batches 256 --steps 20 --attention-kernels triton --label profile_triton
     python benchmarks/step/bench_end_to_end.py --smoke              # tiny shapes on the CPU (the script runs)
 """
 
