@@ -1,7 +1,7 @@
-"""Hopper (sm_90) HSTU attention forward in Gluon, warp-specialized: the same op and semantics as
-``ops/triton/attention.py``'s ``attention_fwd`` (jagged ``seq_offsets``, the causal and
+"""Hopper (sm_90) HSTU attention in Gluon, forward and backward, warp-specialized: the same op and
+semantics as ``ops/triton/attention.py``'s kernels (jagged ``seq_offsets``, the causal and
 target-aware mask, ``1/N``, ``SiLU(alpha q.k)``, q/k/v as strided views of one projection), for
-bf16 and fp16 inputs.
+bf16 and fp16 inputs with head dims of 64 or 128 (``ops/attention_kernels.py`` picks them).
 
 Why a second kernel: Triton waits on each QK^T before the SiLU, so the multi-function unit's time
 adds to the tensor cores'. Here each program (128 query rows of one sequence and head) runs three
@@ -27,7 +27,7 @@ dV and dK in registers; both write dS^T into one shared tile, from which each co
 tile's dQ columns (5 products a tile pair, nothing recomputed). dQ is summed in fp32 in global
 memory in a fixed order: a block adds its tile after every lower key block's, waiting for its turn
 on a per-tile counter (blocks are launched lowest first, so a turn never waits on a block that has
-not started). The tile waits for the previous one's dQ to be added while its products run.
+not started); a tile's dQ is staged in shared memory and added while the next tile's products run.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ from ..strides import unit_cols
 
 # Query rows per consumer warpgroup (wgmma's M is 64 per warpgroup); a program covers two.
 ROWS_PER_CONSUMER = 64
-# (key tile, stages of the K and V rings, ping-pong) by head dim: the ring plus two Q tiles within shared memory.
+# (key tile, stages of the K and V rings, ping-pong) by head dim: the rings and two Q tiles fit in
+# shared memory (224 KB at head dim 128).
 FWD_TILES = {64: (128, 3, True), 128: (128, 3, True)}
 # Registers per lane: the producer warp's (the minimum) and each consumer's; the kernel's cap
 # (maxnreg) keeps the 9 warps (12 for register allocation) within the 64 K registers of an SM.
@@ -96,7 +97,7 @@ def _tile_start(i, first, s2, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _fwd_producer(
-    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, turns, k_ready, k_empty, v_ready, v_empty,
+    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
     row0, m_start, col_q, col_v, first, total, s2,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
@@ -205,7 +206,7 @@ def _fwd_worker(
         )  # fmt: skip
     else:
         _fwd_producer(
-            q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, turns, k_ready, k_empty, v_ready, v_empty,
+            q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
             start.to(gl.int32), m_start, col_q, col_v, first, total, s2, BLOCK_N, STAGES,
         )  # fmt: skip
 
