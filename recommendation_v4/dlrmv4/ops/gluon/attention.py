@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..strides import unit_cols
+from ..triton.attention import _key_spans, _sequence  # scalar helpers, shared with the portable kernels
 
 # Query rows per consumer warpgroup (wgmma's M is 64 per warpgroup); a program covers two.
 ROWS_PER_CONSUMER = 64
@@ -65,26 +66,12 @@ def _tanh(t):
 
 
 @gluon.jit
-def _sequence(seq_offsets, num_targets, b, HAS_TARGETS: gl.constexpr):
-    """(first token, length, prefix length L - n_t clamped at 0) of sequence b."""
-    start = gl.load(seq_offsets + b).to(gl.int64)
-    seq_len = (gl.load(seq_offsets + b + 1) - start).to(gl.int32)
-    prefix = seq_len
-    if HAS_TARGETS:
-        prefix = gl.maximum(seq_len - gl.load(num_targets + b).to(gl.int32), 0)
-    return start, seq_len, prefix
-
-
-@gluon.jit
 def _key_tiles(m_start, seq_len, prefix, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """The key tiles rows [m_start, m_start + BLOCK_M) visit, as (tiles in [0, e1), their total,
     the first masked key nf, the start s2 of the candidate rows' span): tile i starts at
     i * BLOCK_N below the first count and at s2 + (i - first) * BLOCK_N after it; tiles from nf
-    on are masked. The spans are the Triton forward's ``_key_spans``; there is always one tile."""
-    hi = gl.minimum(m_start + BLOCK_M, seq_len)
-    nf = (gl.minimum(m_start, prefix) // BLOCK_N) * BLOCK_N
-    e1 = gl.maximum(nf, gl.cdiv(gl.minimum(prefix, hi), BLOCK_N) * BLOCK_N)
-    s2 = gl.maximum(e1, (m_start // BLOCK_N) * BLOCK_N)
+    on are masked. The spans are the Triton forward's (``_key_spans``); there is always one tile."""
+    nf, e1, s2, hi = _key_spans(m_start, seq_len, prefix, BLOCK_M, BLOCK_N)
     first = e1 // BLOCK_N
     total = first + gl.cdiv(gl.maximum(hi - s2, 0), BLOCK_N)
     return first, total, nf, s2
