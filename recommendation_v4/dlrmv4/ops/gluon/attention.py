@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..strides import unit_cols
+from ..strides import tma_rows, unit_cols
 from ..triton.attention import _key_spans, _sequence  # scalar helpers, shared with the portable kernels
 
 # Query rows per consumer warpgroup (wgmma's M is 64 per warpgroup); a program covers two.
@@ -352,10 +352,8 @@ def _rows(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
     """x [T, H, D] as a TMA descriptor over its [T, H * D] rows with [block_rows, D] tiles at column
     h * D. A layout TMA cannot take (heads not side by side, a row stride or start not a multiple
     of 16 bytes) is copied first. Rows past T read as zeros."""
+    x = tma_rows(x)
     total, heads, dim = x.shape
-    size = x.element_size()
-    if not ((heads == 1 or x.stride(1) == dim) and (x.stride(0) * size) % 16 == 0 and x.data_ptr() % 16 == 0):
-        x = x.clone(memory_format=torch.contiguous_format)
     layout = gl.NVMMASharedLayout.get_default_for([block_rows, dim], _GL_DTYPES[x.dtype])
     return TensorDescriptor(x, [total, heads * dim], [x.stride(0), 1], [block_rows, dim], layout)
 

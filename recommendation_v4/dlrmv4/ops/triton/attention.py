@@ -55,7 +55,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..dispatch import interpreting
-from ..strides import unit_cols
+from ..strides import tma_rows, unit_cols
 from .targets import KernelTarget, current_target
 
 DQ_MODES = ("separate", "atomic")
@@ -553,10 +553,8 @@ def _rows(x: torch.Tensor) -> TensorDescriptor:
     read by the tensor-memory accelerator where there is one (no per-element addresses held in
     registers). A layout the descriptor cannot take (heads not side by side, a row stride or start
     not a multiple of 16 bytes) is copied first. Rows past T read as zeros."""
+    x = tma_rows(x)
     total, heads, dim = x.shape
-    size = x.element_size()
-    if not ((heads == 1 or x.stride(1) == dim) and (x.stride(0) * size) % 16 == 0 and x.data_ptr() % 16 == 0):
-        x = x.clone(memory_format=torch.contiguous_format)
     return TensorDescriptor(x, [total, heads * dim], [x.stride(0), 1], [1, dim])
 
 
