@@ -115,6 +115,18 @@ def test_the_committed_results_project_with_distinct_ids():
     assert "distinct history ids' rows" in projection.table(with_dedup)
 
 
+def test_a_labelled_pair_of_measurements_is_projected_on_its_own():
+    """--inputs triton: the rehearsal and the train command measured with the portable attention kernels
+    (rehearsal_h200_triton, train_h200_triton) set the rates, not the default pair's files."""
+    default = projection.measured_parts("h200", NVLINK_GBS, NETWORK_GBS)
+    labelled = projection.measured_parts("h200", NVLINK_GBS, NETWORK_GBS, inputs="triton")
+    rehearsal, train = projection.load("rehearsal_h200_triton"), projection.load("train_h200_triton")
+    assert labelled["rehearsal_rate"] == rehearsal["rehearsal"]["samples_per_s"] != default["rehearsal_rate"]
+    assert labelled["eval_rate_per_gpu"] == train["eval_samples_per_s"] != default["eval_rate_per_gpu"]
+    with pytest.raises(SystemExit, match="rehearsal_h200_no-such-label.json: run the benchmark"):
+        projection.measured_parts("h200", NVLINK_GBS, NETWORK_GBS, inputs="no-such-label")
+
+
 def test_a_row_and_a_wire_that_disagree_are_refused(monkeypatch):
     monkeypatch.setattr("sys.argv", ["project_time_to_train.py", "--exchange-from", "h100x2-torchrec-real-tables"])
     with pytest.raises(SystemExit, match="ran with dedup_ids False: leave out --distinct-from"):

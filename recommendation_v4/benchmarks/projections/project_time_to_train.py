@@ -189,9 +189,12 @@ def measured_parts(
     deltas: dict | None = None,
     full_every: int = 8,
     compile_on_the_clock: bool = False,
+    inputs: str = "",
 ) -> dict:
-    """Every measured rate a projection is made from (the results files of ``gpu``)."""
-    rehearsal, train, stu = load(f"rehearsal_{gpu}"), load(f"train_{gpu}"), load("stu")
+    """Every measured rate a projection is made from (the results files of ``gpu``; with ``inputs``, the
+    rehearsal and train command measured under that label: ``rehearsal_<gpu>_<inputs>``, ``train_<gpu>_<inputs>``)."""
+    suffix = f"_{inputs}" if inputs else ""
+    rehearsal, train, stu = load(f"rehearsal_{gpu}{suffix}"), load(f"train_{gpu}{suffix}"), load("stu")
     commits = {"rehearsal": rehearsal["commit"], "train": train["commit"]}
     return {
         "gpu": rehearsal["device"],
@@ -561,6 +564,12 @@ def main() -> None:
     )
     parser.add_argument("--full-every", type=int, default=8, help="every Nth checkpoint whole (the trainer's default)")
     parser.add_argument(
+        "--inputs",
+        default="",
+        help="project from rehearsal_<gpu>_<inputs> and train_<gpu>_<inputs> (a labelled pair, e.g. measured with "
+        "--attention-kernels triton) and write time_to_train_<gpu>_<inputs>",
+    )
+    parser.add_argument(
         "--compile-on-the-clock",
         action="store_true",
         help="count stu.json's cold start (compilation and autotuning) inside the timed run, as a run with "
@@ -601,6 +610,7 @@ def main() -> None:
         deltas,
         args.full_every,
         args.compile_on_the_clock,
+        args.inputs,
     )
     if args.measured_run is not None:
         run, world, measured = measured_run(args.measured_run)
@@ -621,7 +631,7 @@ def main() -> None:
     p["command"] = command_line()
     text = table(p)
     print(text)
-    write_results(f"time_to_train_{args.gpu}", p, text, device="cpu")
+    write_results(f"time_to_train_{args.gpu}" + (f"_{args.inputs}" if args.inputs else ""), p, text, device="cpu")
 
 
 if __name__ == "__main__":

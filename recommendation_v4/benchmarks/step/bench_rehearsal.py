@@ -39,6 +39,7 @@ from dlrmv4.config_loading import load_config
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.model.embeddings import looks_up_distinct_ids, make_embeddings, table_specs
 from dlrmv4.model.hstu import DlrmHSTU
+from dlrmv4.ops.attention_kernels import ATTENTION_KERNEL_CHOICES
 from dlrmv4.plan.explain import describe, refusal
 from dlrmv4.plan.resolve import resolved_config
 from dlrmv4.plan.search import make_memory_plan
@@ -53,7 +54,7 @@ WARM_STEPS = 4
 
 
 def rank_config(
-    plan, cfg: BenchmarkConfig, smoke: bool, sparse_pipeline: bool = True
+    plan, cfg: BenchmarkConfig, smoke: bool, sparse_pipeline: bool = True, attention_kernels: str = "auto"
 ) -> tuple[BenchmarkConfig, dict[str, int]]:
     """The config of one process holding rank 0's share of every table, as the 8-rank plan lays it."""
     planned = resolved_config(plan, cfg)
@@ -71,7 +72,8 @@ def rank_config(
     sampler = dataclasses.replace(planned.sampler, **{f"{name}_rows": rows[name] for name in CONTEXTUAL_FEATURES})
     train = dataclasses.replace(planned.train, learning_rate=1e-4, warmup_steps=100, sparse_pipeline=sparse_pipeline)
     loader = dataclasses.replace(planned.loader, batch_size=SLICE)
-    out = dataclasses.replace(planned, embeddings=emb, sampler=sampler, train=train, loader=loader)
+    model = dataclasses.replace(planned.model, attention_kernels=attention_kernels)
+    out = dataclasses.replace(planned, model=model, embeddings=emb, sampler=sampler, train=train, loader=loader)
     if smoke:
         model = dataclasses.replace(out.model, **SMOKE_MODEL, kernels="pytorch")
         out = dataclasses.replace(
@@ -117,6 +119,12 @@ def main() -> None:
         choices=("true", "false"),
         help="the next batch's ids distributed while a step computes (train.sparse_pipeline)",
     )
+    parser.add_argument(
+        "--attention-kernels",
+        default="auto",
+        choices=ATTENTION_KERNEL_CHOICES,
+        help="kernels of the STU layers' attention (model.attention_kernels)",
+    )
     parser.add_argument("--label", default="", help="suffix of the results file name")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU; nothing saved")
     args = parser.parse_args()
@@ -138,7 +146,7 @@ def main() -> None:
     print(describe(plan), flush=True)
     if not plan.fits:
         sys.exit(f"[dlrmv4] error: {refusal(plan)}")
-    rcfg, rows = rank_config(plan, cfg, args.smoke, args.sparse_pipeline == "true")
+    rcfg, rows = rank_config(plan, cfg, args.smoke, args.sparse_pipeline == "true", args.attention_kernels)
     start_single_process_group(device)
     torch.manual_seed(0)
     model = DlrmHSTU(rcfg.model, seed=0).to(device)
@@ -210,6 +218,7 @@ def main() -> None:
         "init_s": init_s,
         "id_skew": args.id_skew,
         "sparse_pipeline": rcfg.train.sparse_pipeline,
+        "attention_kernels": rcfg.model.attention_kernels,
         "dedup_ids": dedup,
         "steps": args.steps,
         "rehearsal": rehearsal,
@@ -235,7 +244,7 @@ def _table(result: dict) -> str:
         f"{r['mean_tokens']:,.0f} tokens), Zipf({result['id_skew']:g}) ids, {result['steps']} timed steps"
         + (", each distinct history id looked up once" if result.get("dedup_ids") else "")
         + (", the next batch's ids distributed during each step" if result.get("sparse_pipeline") else "")
-        + ".",
+        + f", attention kernels {result.get('attention_kernels', 'auto')}.",
         "",
         "| device | chunks | recompute | peak GiB | resting GiB | samples/s | ms/step | fastest single chunk | ratio |",
         "|---|---:|---|---:|---:|---:|---:|---|---:|",

@@ -61,6 +61,7 @@ from dlrmv4.data.store import open_store
 from dlrmv4.data.windows import split_windows
 from dlrmv4.model.embeddings import looks_up_distinct_ids, store_table_counts, table_specs
 from dlrmv4.model.flops import batch_flops
+from dlrmv4.ops.attention_kernels import ATTENTION_KERNEL_CHOICES
 from dlrmv4.train.schedule import EvalSchedule
 from dlrmv4.train.trainer import build_step
 
@@ -94,6 +95,8 @@ def overrides(args: argparse.Namespace) -> list[str]:
         args.dedup_ids,
         "--async-checkpoints",
         args.async_checkpoints,
+        "--attention-kernels",
+        args.attention_kernels,
     ]
     for name in CONTEXTUAL_FEATURES:
         if name != "uid":
@@ -311,6 +314,12 @@ def main() -> None:
         choices=("auto", "true", "false"),
         help="the kernels' warm-up before RUN_START (train.warm_up; auto: on where Triton kernels run)",
     )
+    parser.add_argument(
+        "--attention-kernels",
+        default="auto",
+        choices=ATTENTION_KERNEL_CHOICES,
+        help="kernels of the STU layers' attention (model.attention_kernels)",
+    )
     parser.add_argument("--label", default="", help="suffix of the results file names")
     parser.add_argument("--smoke", action="store_true", help="synthetic-tiny and a tiny model on the CPU")
     args = parser.parse_args()
@@ -413,6 +422,7 @@ def main() -> None:
         "table_gib": table_gib,
         "window_rates": windows,
         "warm_up": args.warm_up,
+        "attention_kernels": args.attention_kernels,
         "triton_kernels_after_run_start": report.get("triton_kernels_after_run_start"),
     }
     text = table(result)
@@ -446,7 +456,8 @@ def table(r: dict) -> str:
         [
             f"`python -m dlrmv4 train` on one {r['device']} (commit {r['commit']}): preset {r['preset']}, batch "
             f"{r['batch_size']}, {r['backend']} embeddings (contextual tables {r['table_rows']:,} rows each), "
-            f"{r['workers']} loader workers, recompute {r['recompute']}, last layer {r['last_layer']}, {r['steps']} steps, "
+            f"{r['workers']} loader workers, recompute {r['recompute']}, last layer {r['last_layer']}, attention kernels "
+            f"{r.get('attention_kernels', 'auto')}, {r['steps']} steps, "
             f"{r['evals']} evals of {r['eval_samples']:,} samples, a checkpoint every "
             f"{r.get('checkpoint_every', '-')} steps ({checkpoint_mode(r)}); matmul peak measured in the same run "
             f"{r['matmul_peak_tflops']:.0f} TFLOP/s.",
