@@ -20,7 +20,13 @@ from the store. Reported:
 - eval samples/s (the holdout window over each eval's own time) and its ratio to the per-sample
   training rate;
 - where the wall time went: training, evals, checkpoints, the rest (start-up inside the timed
-  region); the GPU's busy share in the profiled steps (union of kernel time over the window);
+  region);
+- two profiled windows of ``PROFILE_STEPS`` steps: the steady step (the latest steps before the first
+  checkpoint with no checkpoint, eval or window end after any of them or the step before) and the
+  first checkpoint's neighbours (the step before it, its staging copy and the first steps of its
+  background write): the GPU's busy share in each (union of kernel time over the window) and its
+  milliseconds a step; and the loop's rate in the windows that train while the first checkpoint is
+  written against those before it;
 - MFU by the reference's yardstick (every layer in full) and by the FLOPs executed.
 
     python benchmarks/step/bench_train.py                                      # on a GPU (store in data/bench50m)
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -55,7 +62,7 @@ from harness import (
 
 from dlrmv4.config_loading import config_from_args
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
-from dlrmv4.data.loader import make_window_loader
+from dlrmv4.data.loader import BatchSlice, make_window_loader, plan_batches
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
 from dlrmv4.data.windows import split_windows
@@ -66,6 +73,10 @@ from dlrmv4.train.schedule import EvalSchedule
 from dlrmv4.train.trainer import build_step
 
 WARM_STEPS = 5
+PROFILE_STEPS = 5
+# The trainer's lines for a save made ("... at step N") and for a background write that ended.
+SAVE_LINE = re.compile(r"\[dlrmv4\] checkpoint step-\d{8}.* at step (\d+)")
+WRITTEN_LINE = re.compile(r"\[dlrmv4\] checkpoint step-\d{8} written \(([\d.]+) s in the background\)")
 
 
 def say(text: str) -> None:
@@ -198,14 +209,91 @@ def loop_rates(windows: list[dict], warmup_samples: int) -> tuple[float, int, fl
     return float(samples[steady].sum() / seconds[steady].sum()), int(samples[steady].sum()), overall
 
 
-def gpu_busy_share(trace: Path) -> float | None:
-    """Union of GPU kernel time over the profiled window's span (first kernel start to last end)."""
-    if not trace.exists():
-        return None
-    events = json.loads(trace.read_text()).get("traceEvents", [])
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e)
+@dataclasses.dataclass(frozen=True)
+class LoopEvents:
+    """What the train loop does after a step besides training, by the step's index (0-based)."""
+
+    window_ends: frozenset[int]
+    evals: frozenset[int]
+    checkpoints: tuple[int, ...]  # the saves inside the run (not the final one, after RUN_STOP)
+
+    def after(self, step: int) -> bool:
+        return step in self.window_ends or step in self.evals or step in self.checkpoints
+
+
+def loop_events(plan: list[BatchSlice], schedule: EvalSchedule, checkpoint_every: int, steps: int) -> LoopEvents:
+    """The run's window ends, holdout evals and checkpoints by step, as the trainer decides them: a
+    window ends at its plan's last batch, an eval follows the step whose samples the schedule names,
+    a checkpoint every ``checkpoint_every`` steps until the last step."""
+    steps = min(steps, len(plan))
+    batch = schedule.global_batch_size
+    return LoopEvents(
+        window_ends=frozenset(i for i in range(steps) if i + 1 == len(plan) or plan[i + 1].window != plan[i].window),
+        evals=frozenset(i for i in range(steps) if schedule.should_eval((i + 1) * batch)),
+        checkpoints=tuple(i for i in range(checkpoint_every - 1, steps - 1, checkpoint_every))
+        if checkpoint_every
+        else (),
+    )
+
+
+def profile_windows(events: LoopEvents, steps: int, earliest: int) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """The profiled step windows [a, b): the steady one, the latest ``PROFILE_STEPS`` steps from
+    ``earliest`` on that end before the first checkpoint (before the run's middle where it has none) with
+    nothing else after any of them or the step before; and the first checkpoint's, from the step it
+    follows (its staging copy and the first steps of its write inside), None without a checkpoint."""
+    last_start = (events.checkpoints[0] + 1 if events.checkpoints else steps // 2 + PROFILE_STEPS) - PROFILE_STEPS
+    for a in range(last_start, earliest - 1, -1):
+        if not any(events.after(s) for s in range(max(a - 1, 0), a + PROFILE_STEPS)):
+            quiet = (a, a + PROFILE_STEPS)
+            break
+    else:
+        raise SystemExit(
+            f"no {PROFILE_STEPS} steps from step {earliest} to {last_start + PROFILE_STEPS} without a checkpoint, an "
+            "eval or a window end: run more --steps, fewer --evals or a later --checkpoint-every"
+        )
+    if not events.checkpoints:
+        return quiet, None
+    first = events.checkpoints[0]
+    return quiet, (first, min(first + PROFILE_STEPS, steps))
+
+
+def window_profile(trace: Path, steps: int) -> dict | None:
+    """A profiled window's GPU busy share and its milliseconds a step (first kernel's start to the last
+    one's end, over its steps); None without a trace."""
+    spans = kernel_spans(trace)
     if not spans:
         return None
+    span_us = max(e for _, e in spans) - spans[0][0]
+    return {"busy": busy_share(spans), "ms_per_step": span_us / 1e3 / steps}
+
+
+def rates_around_checkpoint(windows: list[dict], first_save_step: int, batch: int, warmup: int) -> dict | None:
+    """The loop's samples/s over the windows wholly before the first save (from ``warmup`` samples on)
+    and over those that hold or follow it (its write runs in the background there); None where either
+    set is empty."""
+    save_samples = (first_save_step + 1) * batch
+    samples = np.array([w["samples"] for w in windows])
+    seconds = samples / np.array([w["samples_per_s"] for w in windows])
+    ends = np.cumsum(samples)
+    before = (ends <= save_samples) & (ends - samples >= warmup)
+    beside = ends > save_samples
+    if not before.any() or not beside.any():
+        return None
+    rates = {
+        name: float(samples[sel].sum() / seconds[sel].sum()) for name, sel in (("before", before), ("beside", beside))
+    }
+    return {**rates, "ratio": rates["beside"] / rates["before"]}
+
+
+def kernel_spans(trace: Path) -> list[tuple[float, float]]:
+    if not trace.exists():
+        return []
+    events = json.loads(trace.read_text()).get("traceEvents", [])
+    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e)
+
+
+def busy_share(spans: list[tuple[float, float]]) -> float:
+    """Union of the kernels' time over their span (first start to last end)."""
     busy, (start, end) = 0.0, spans[0]
     first = start
     for s, e in spans[1:]:
@@ -325,7 +413,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.preset, args.batch_size, args.steps, args.workers, args.train_days = "synthetic-tiny", 32, 160, 1, 18
-        args.backend, args.table_rows, args.bare_steps, args.checkpoint_every = "plain", 1000, 5, 20
+        args.backend, args.table_rows, args.bare_steps, args.checkpoint_every = "plain", 1000, 5, 80
         args.warmup_samples = 500
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     _, prepare_s = cli(args, "prepare", "--if-missing", "--num-train-days", str(args.train_days))
@@ -335,7 +423,16 @@ def main() -> None:
     train_samples = meta["counts"]["train_samples"]
     eval_pct = eval_cadence(train_samples, args.batch_size, args.steps, args.evals)
     run_dir = Path(args.data_path) / "bench_train_run"
-    profile = f"{args.steps // 2}-{args.steps // 2 + 5}"
+    store = open_store(store_dir(cfg.dataset))
+    offsets = np.asarray(store.window_offsets)
+    plan = plan_batches(
+        [(w, int(offsets[w + 1] - offsets[w])) for w in split_windows(store)[0]], args.batch_size, drop_last=True
+    )
+    events = loop_events(
+        plan, EvalSchedule(train_samples, args.batch_size, eval_pct), args.checkpoint_every, args.steps
+    )
+    quiet, near = profile_windows(events, args.steps, -(-args.warmup_samples // args.batch_size))
+    profile = ",".join(f"{a}-{b}" for a, b in filter(None, (quiet, near)))
     proc, run_s = cli(
         args,
         "train",
@@ -364,7 +461,9 @@ def main() -> None:
     )
     say(f"train: {run_s:.0f} s")
     report = json.loads((run_dir / "report.json").read_text())
-    checkpoints = proc.stdout.count("[dlrmv4] checkpoint step-")
+    # The saves inside the run (the final one, after RUN_STOP, is not on the run's clock).
+    checkpoints = sum(int(m.group(1)) < args.steps for m in SAVE_LINE.finditer(proc.stdout))
+    write_seconds = [float(m.group(1)) for m in WRITTEN_LINE.finditer(proc.stdout)]
     table_gib = table_rows_total(cfg) * (cfg.model.embedding_dim + 1) * 4 / 2**30  # fp32 rows + Adagrad state
     history = report["history"]
     windows = window_rates(history)
@@ -373,8 +472,14 @@ def main() -> None:
     eval_seconds = [e["eval_seconds"] for e in evals]
     eval_rate = report["eval_samples"] / float(np.median(eval_seconds)) if evals else float("nan")
     train_seconds = sum(w["samples"] / w["samples_per_s"] for w in windows)
-    a, b = profile.split("-")
-    busy = gpu_busy_share(run_dir / "traces" / f"steps-{a}-{b}.rank0.json")
+    traces = run_dir / "traces"
+    steady = window_profile(traces / f"steps-{quiet[0]}-{quiet[1]}.rank0.json", quiet[1] - quiet[0])
+    beside = window_profile(traces / f"steps-{near[0]}-{near[1]}.rank0.json", near[1] - near[0]) if near else None
+    around = (
+        rates_around_checkpoint(windows, events.checkpoints[0], args.batch_size, args.warmup_samples)
+        if events.checkpoints
+        else None
+    )
     shutil.rmtree(run_dir)
     bare = bare_step(args, device)
     say(f"bare step: {bare['samples_per_s']:,.0f} samples/s")
@@ -411,7 +516,10 @@ def main() -> None:
         "eval_seconds_total": float(sum(eval_seconds)),
         "checkpoint_seconds": history.get("checkpoint_seconds", 0.0),
         "run_seconds": history["seconds"],
-        "gpu_busy_in_profiled_steps": busy,
+        "profiled_steady": {"steps": list(quiet), **(steady or {})},
+        "profiled_checkpoint": {"steps": list(near), **(beside or {})} if near else None,
+        "loop_around_first_checkpoint": around,
+        "checkpoint_write_seconds": write_seconds,
         "matmul_peak_tflops": peak,
         "mfu_yardstick": bare["stu_tflops"] * mfu_scale / peak,
         "mfu_executed": bare["stu_tflops_executed"] * mfu_scale / peak,
@@ -446,12 +554,37 @@ def checkpoint_mode(r: dict) -> str:
     return "written in the background" if r["async_checkpoints"] else "blocking"
 
 
+def profile_rows(r: dict) -> list[str]:
+    """The profiled windows' rows: the steady step's, the first checkpoint's neighbours' against it, and
+    the loop's rate while that checkpoint is written against before it."""
+    steady, near, around = r["profiled_steady"], r["profiled_checkpoint"], r["loop_around_first_checkpoint"]
+    a, b = steady["steps"]
+    rows = [
+        f"| GPU busy in steps {a}-{b - 1} (no checkpoint, eval or window end) | "
+        + (f"{steady['busy']:.0%} |" if "busy" in steady else "- |")
+    ]
+    if near is not None and "busy" in near and "busy" in steady:
+        c, d = near["steps"]
+        rows.append(
+            f"| steps {c}-{d - 1} (the first checkpoint's staging after step {c}, its write begun): GPU busy; "
+            f"ms a step against steps {a}-{b - 1} | {near['busy']:.0%}; {near['ms_per_step']:.1f} / "
+            f"{steady['ms_per_step']:.1f} ms ({steady['ms_per_step'] / near['ms_per_step']:.2f} of the rate) |"
+        )
+    if around is not None:
+        written = r["checkpoint_write_seconds"]
+        write = f", written in {written[0]:.1f} s" if written else ""
+        rows.append(
+            f"| loop samples/s in the windows from the first checkpoint on{write}, against those before it "
+            f"(goal >= 0.90) | {around['beside']:,.0f} / {around['before']:,.0f} ({around['ratio']:.2f}) |"
+        )
+    return rows
+
+
 def table(r: dict) -> str:
     # The process's wall time: training, evals and checkpoints as the run timed them; the rest is
     # start-up (imports, tables, TorchRec's planner), compilation and autotuning, the profiler's
     # window and the report.
     other = r["run_wall_s"] - r["train_seconds"] - r["eval_seconds_total"] - r["checkpoint_seconds"]
-    busy = "-" if r["gpu_busy_in_profiled_steps"] is None else f"{r['gpu_busy_in_profiled_steps']:.0%}"
     return "\n".join(
         [
             f"`python -m dlrmv4 train` on one {r['device']} (commit {r['commit']}): preset {r['preset']}, batch "
@@ -474,7 +607,7 @@ def table(r: dict) -> str:
             f"| eval rate / training rate (goal >= 3) | {r['eval_vs_train_rate']:.2f} |",
             f"| MFU, yardstick (every layer in full) / executed FLOPs, vs measured peak | {r['mfu_yardstick']:.1%} / "
             f"{r['mfu_executed']:.1%} |",
-            f"| GPU busy in the profiled steps | {busy} |",
+            *profile_rows(r),
             f"| the command's wall seconds: training / evals / checkpoints / rest (start-up, compilation, profiler) | "
             f"{r['run_wall_s']:.0f}: {r['train_seconds']:.1f} / {r['eval_seconds_total']:.1f} / "
             f"{r['checkpoint_seconds']:.1f} / {other:.1f} |",

@@ -1,0 +1,78 @@
+"""bench_train.py's profiled windows: the steady one clear of checkpoints, evals and window ends, the
+first checkpoint's neighbours, and the loop's rate beside that checkpoint's write."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "step"))
+
+import bench_train
+
+from dlrmv4.data.loader import plan_batches
+from dlrmv4.train.schedule import EvalSchedule
+
+BATCH = 32
+
+
+def events(window_sizes, checkpoint_every, steps, eval_pct=1.0, train_samples=None):
+    plan = plan_batches(list(enumerate(window_sizes)), BATCH, drop_last=True)
+    schedule = EvalSchedule(train_samples or sum(window_sizes), BATCH, eval_pct)
+    return bench_train.loop_events(plan, schedule, checkpoint_every, steps), schedule
+
+
+def test_the_loops_events_fall_where_the_trainer_makes_them():
+    # Windows of 100, 64 and 320 samples at batch 32 (drop_last): 3, 2 and 10 batches.
+    found, schedule = events([100, 64, 320], checkpoint_every=4, steps=15, eval_pct=0.5)
+    assert found.window_ends == {2, 4, 14}
+    assert found.checkpoints == (3, 7, 11)  # not after the last step: that save follows RUN_STOP
+    assert found.evals == {p // BATCH - 1 for p in schedule.points(15 * BATCH)}
+    assert found.evals  # the schedule names at least one eval inside the run
+
+
+def test_the_steady_window_ends_before_the_first_checkpoint_and_touches_no_event():
+    found, _ = events([32 * 40, 32 * 60], checkpoint_every=30, steps=100)
+    quiet, near = bench_train.profile_windows(found, steps=100, earliest=5)
+    a, b = quiet
+    assert b - a == bench_train.PROFILE_STEPS and b <= found.checkpoints[0] + 1
+    assert not any(found.after(s) for s in range(a - 1, b))
+    assert near == (29, 29 + bench_train.PROFILE_STEPS)  # from the step the first save follows
+
+
+def test_a_window_end_inside_the_last_steps_moves_the_steady_window_earlier():
+    # A window ends after step 26, three steps before the checkpoint after step 29.
+    found, _ = events([32 * 27, 32 * 80], checkpoint_every=30, steps=100)
+    quiet, _ = bench_train.profile_windows(found, steps=100, earliest=5)
+    assert quiet[1] <= 26  # the step before the window's first is not the window end either
+    assert not any(found.after(s) for s in range(quiet[0] - 1, quiet[1]))
+
+
+def test_without_a_checkpoint_the_steady_window_is_at_the_runs_middle():
+    found, _ = events([32 * 200], checkpoint_every=0, steps=100)
+    quiet, near = bench_train.profile_windows(found, steps=100, earliest=5)
+    assert quiet == (50, 50 + bench_train.PROFILE_STEPS) and near is None
+
+
+def test_no_quiet_steps_is_one_clear_error():
+    found, _ = events([32 * 200], checkpoint_every=6, steps=100)
+    with pytest.raises(SystemExit, match="without a checkpoint, an eval or a window end"):
+        bench_train.profile_windows(found, steps=100, earliest=5)
+
+
+def test_the_loops_rate_beside_the_write_against_before_it():
+    windows = [  # samples, samples/s: a warm-up window, two steady ones, the save's and the next
+        {"samples": 320, "samples_per_s": 100.0},
+        {"samples": 640, "samples_per_s": 1_000.0},
+        {"samples": 320, "samples_per_s": 1_000.0},
+        {"samples": 640, "samples_per_s": 800.0},
+        {"samples": 320, "samples_per_s": 400.0},
+    ]
+    # The first save follows step 39 (1,280 samples: the third window's end); warm-up 320 samples.
+    around = bench_train.rates_around_checkpoint(windows, first_save_step=39, batch=BATCH, warmup=320)
+    assert around["before"] == pytest.approx(1_000.0)
+    assert around["beside"] == pytest.approx(960 / (640 / 800 + 320 / 400))
+    assert around["ratio"] == pytest.approx(around["beside"] / 1_000.0)
+    assert bench_train.rates_around_checkpoint(windows, first_save_step=200, batch=BATCH, warmup=320) is None
