@@ -56,6 +56,17 @@ def test_without_a_checkpoint_the_steady_window_is_at_the_runs_middle():
     assert quiet == (50, 50 + bench_train.PROFILE_STEPS) and near is None
 
 
+def test_the_checkpoints_window_skips_a_checkpoint_an_eval_follows():
+    # An eval follows step 149 as the first checkpoint does (a cadence's multiples meet): that window
+    # would hold the eval's kernels, so the next checkpoint's steps are profiled.
+    found = bench_train.LoopEvents(
+        window_ends=frozenset({500}), evals=frozenset({149, 302}), checkpoints=(149, 299, 449)
+    )
+    assert bench_train.profile_windows(found, steps=600, earliest=5)[1] == (449, 449 + bench_train.PROFILE_STEPS)
+    ends_after = bench_train.LoopEvents(window_ends=frozenset({451}), evals=frozenset(), checkpoints=(449,))
+    assert bench_train.profile_windows(ends_after, steps=600, earliest=5)[1] is None
+
+
 def test_no_quiet_steps_is_one_clear_error():
     found, _ = events([32 * 200], checkpoint_every=6, steps=100)
     with pytest.raises(SystemExit, match="without a checkpoint, an eval or a window end"):

@@ -239,8 +239,9 @@ def loop_events(plan: list[BatchSlice], schedule: EvalSchedule, checkpoint_every
 def profile_windows(events: LoopEvents, steps: int, earliest: int) -> tuple[tuple[int, int], tuple[int, int] | None]:
     """The profiled step windows [a, b): the steady one, the latest ``PROFILE_STEPS`` steps from
     ``earliest`` on that end before the first checkpoint (before the run's middle where it has none) with
-    nothing else after any of them or the step before; and the first checkpoint's, from the step it
-    follows (its staging copy and the first steps of its write inside), None without a checkpoint."""
+    nothing else after any of them or the step before; and a checkpoint's, from the step the save
+    follows (its staging copy and the first steps of its write inside): the first checkpoint with no
+    eval, window end or other checkpoint after any of those steps, None where there is none."""
     last_start = (events.checkpoints[0] + 1 if events.checkpoints else steps // 2 + PROFILE_STEPS) - PROFILE_STEPS
     for a in range(last_start, earliest - 1, -1):
         if not any(events.after(s) for s in range(max(a - 1, 0), a + PROFILE_STEPS)):
@@ -251,10 +252,13 @@ def profile_windows(events: LoopEvents, steps: int, earliest: int) -> tuple[tupl
             f"no {PROFILE_STEPS} steps from step {earliest} to {last_start + PROFILE_STEPS} without a checkpoint, an "
             "eval or a window end: run more --steps, fewer --evals or a later --checkpoint-every"
         )
-    if not events.checkpoints:
-        return quiet, None
-    first = events.checkpoints[0]
-    return quiet, (first, min(first + PROFILE_STEPS, steps))
+    for c in events.checkpoints:
+        after = range(c, c + PROFILE_STEPS)
+        if after[-1] < steps - 1 and not any(
+            s in events.evals or s in events.window_ends or (s != c and s in events.checkpoints) for s in after
+        ):
+            return quiet, (c, c + PROFILE_STEPS)
+    return quiet, None
 
 
 def window_profile(trace: Path, steps: int) -> dict | None:
@@ -566,9 +570,13 @@ def profile_rows(r: dict) -> list[str]:
     if near is not None and "busy" in near and "busy" in steady:
         c, d = near["steps"]
         rows.append(
-            f"| steps {c}-{d - 1} (the first checkpoint's staging after step {c}, its write begun): GPU busy; "
+            f"| steps {c}-{d - 1} (the checkpoint after step {c}: its staging copy, its write begun): GPU busy; "
             f"ms a step against steps {a}-{b - 1} | {near['busy']:.0%}; {near['ms_per_step']:.1f} / "
             f"{steady['ms_per_step']:.1f} ms ({steady['ms_per_step'] / near['ms_per_step']:.2f} of the rate) |"
+        )
+    elif r["checkpoints"]:
+        rows.append(
+            f"| a checkpoint's neighbours | not profiled: no checkpoint has {PROFILE_STEPS} steps after it clear of evals and window ends |"
         )
     if around is not None:
         written = r["checkpoint_write_seconds"]
