@@ -6,7 +6,7 @@
 - ``triton``: the portable Triton kernels (``ops/triton/attention.py``) for both;
 - ``auto``: the fastest measured on each kind where the Gluon kernels apply: the Gluon forward
   and the portable backward (the Gluon backward's ordered dQ sum is slower today:
-  docs/benchmarks.md, Attention); ``triton`` everywhere else (B200, MI300X / MI350X, fp32, other
+  docs/kernel-benchmarks.md, Attention); ``triton`` everywhere else (B200, MI300X / MI350X, fp32, other
   head dims, the interpreter, a compile for another target).
 The choice is made from the launch's ``KernelTarget`` (``ops/triton/targets.py``), so a compile for
 a GPU this machine does not have picks what that GPU would run.
