@@ -292,35 +292,34 @@ def cmd_plan(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
         raise UserError(refusal(plan))
 
 
-def cmd_check_log(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
-    import getpass
-
+def _dataset_rules(cfg: BenchmarkConfig, folder: Path) -> Path | None:
+    """The compliance checker's rules for the run's dataset, written under ``folder``: None (the
+    official closed rules) for Yambda-5B, the project's rules for any other store."""
     from dlrmv4.data.paths import store_dir
     from dlrmv4.data.store import open_store
     from dlrmv4.data.windows import sample_counts
-    from dlrmv4.mlperf.rules import (
-        RULESET,
-        check_reference_counts,
-        is_reference_dataset,
-        run_checker,
-        run_seconds,
-        write_dataset_rules,
-    )
-    from dlrmv4.train.run import run_log_path
+    from dlrmv4.mlperf.rules import check_reference_counts, is_reference_dataset, write_dataset_rules
     from dlrmv4.train.schedule import EvalSchedule
+
+    train_samples, eval_samples = sample_counts(open_store(store_dir(cfg.dataset)))
+    # Closed Yambda-5B: the official rules pin the counts; a store that gives others is refused here.
+    check_reference_counts(cfg, train_samples, eval_samples)
+    if is_reference_dataset(train_samples, eval_samples):
+        return None
+    schedule = EvalSchedule(train_samples, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
+    return write_dataset_rules(folder, cfg, train_samples, eval_samples, schedule.interval, schedule.first)
+
+
+def cmd_check_log(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    import getpass
+
+    from dlrmv4.mlperf.rules import RULESET, run_checker, run_seconds
+    from dlrmv4.train.run import run_log_path
 
     log = Path(args.log) if args.log else run_log_path(cfg)
     if not log.is_file():
         raise UserError(f"no MLPerf run log at {log} (train first, or pass --log)")
-    train_samples, eval_samples = sample_counts(open_store(store_dir(cfg.dataset)))
-    # Closed Yambda-5B: the official rules pin the counts; a store that gives others is refused here.
-    check_reference_counts(cfg, train_samples, eval_samples)
-    rules = None
-    if not is_reference_dataset(train_samples, eval_samples):
-        schedule = EvalSchedule(train_samples, cfg.loader.batch_size, cfg.train.eval_every_data_pct)
-        rules = write_dataset_rules(
-            log.parent / "mlperf_rules", cfg, train_samples, eval_samples, schedule.interval, schedule.first
-        )
+    rules = _dataset_rules(cfg, log.parent / "mlperf_rules")
     passed, output = run_checker(log, rules)
     which = "the official closed_dlrmv4 rules" if rules is None else f"the project rules for this dataset ({rules})"
     if not passed:
@@ -333,6 +332,38 @@ def cmd_check_log(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
         f"{time.strftime('%Y-%m-%d %I:%M:%S %p', time.localtime(started))}",
         flush=True,
     )
+
+
+def cmd_score(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    import tempfile
+
+    from dlrmv4.mlperf.rcp_band import RCP_DIR
+    from dlrmv4.mlperf.score import describe, score_set
+
+    folder = Path(args.folder)
+    if not folder.is_dir():
+        raise UserError(f"{folder} is not a folder of result_<i>.txt logs")
+    with tempfile.TemporaryDirectory(prefix="dlrmv4-rules-") as scratch:
+        rules = _dataset_rules(cfg, Path(scratch))
+        rcps = Path(args.rcps) if args.rcps else None
+        if rcps is None and rules is not None:  # a synthetic store: the project's RCPs for its preset
+            rcps = RCP_DIR / f"rcps_dlrmv4_{cfg.dataset.name}.json"
+            if not rcps.is_file():
+                raise UserError(f"no RCPs for {cfg.dataset.name} in {RCP_DIR}: pass --rcps FILE")
+        if rcps is not None and not rcps.is_file():
+            raise UserError(f"no RCP file at {rcps}")
+        result = score_set(folder, rules, rcps)
+    print(describe(result, folder), flush=True)
+    for note in result.notes:
+        if note.startswith(("WARNING", "CRITICAL", "ERROR", "NOTICE")):
+            _say(note)
+    failed = [f"{r.file} {r.problem}" for r in result.runs if r.problem]
+    if not result.seeds_distinct:
+        raise UserError(f"{folder}: the seed checker failed (two runs log the same seed from the same line)")
+    if not result.rcp_passed:
+        raise UserError(f"{folder}: the RCP check failed ({result.rcp_message})")
+    if result.score_minutes is None:
+        raise UserError(f"{folder}: no score, too many runs dropped: {'; '.join(failed)}")
 
 
 def cmd_merge_traces(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
@@ -365,6 +396,10 @@ COMMANDS: dict[str, tuple[Callable[[BenchmarkConfig, argparse.Namespace], None],
         "merge the per-rank profiler traces of train.profile_steps into one file per window",
     ),
     "check-log": (cmd_check_log, "run the official MLPerf compliance checker on a run's log; print RESULT"),
+    "score": (
+        cmd_score,
+        "check and score a set of runs' logs (result_<i>.txt) as MLPerf does: compliance, seeds, RCPs, olympic mean",
+    ),
     "show-config": (cmd_show_config, "print the resolved configuration as TOML"),
 }
 
@@ -415,6 +450,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "check-log":
             p.add_argument(
                 "--log", default=None, help="the run log (default: mlperf.log_file or <run_dir>/mlperf_log.txt)"
+            )
+        if name == "score":
+            p.add_argument("folder", help="the folder of the set's MLPerf logs, result_<i>.txt")
+            p.add_argument(
+                "--rcps",
+                default=None,
+                help="RCP file (default: mlperf-logging's for Yambda-5B, rcp/rcps_dlrmv4_<preset>.json for a synthetic store)",
             )
         if name in ("sample", "pipeline"):
             p.add_argument("--batches", type=int, default=3, help="batches to assemble")
