@@ -9,6 +9,10 @@
 # run in the run directory instead (the same flags, on every node or task): one process, torchrun
 # nodes and srun tasks alike.
 #
+# NEXP=N (or --runs N) runs a submission's set of N runs, each with its own seed (SEEDS=1,2,... to
+# choose them), its log as result_<i>.txt in --results-dir (default <run-dir>/results/<system>/dlrmv4),
+# then checks and scores the set (python -m dlrmv4 score); RESUME=1 continues an interrupted set.
+#
 # Submission knobs from the environment (each but the launch ones is also a flag; flags win):
 #   SEED, DATASET (a preset, e.g. yambda-5b), DATA_PATH, GLOBAL_BATCH_SIZE, LEARNING_RATE,
 #   LOG_FILE (the MLPerf log).
@@ -42,6 +46,18 @@ for value in "${gpus_per_node}" "${nnodes}"; do
 done
 source "${repo_root}/tools/ensure_env.sh"
 args=("${knobs[@]+"${knobs[@]}"}" "$@")
+
+# A set of runs (NEXP=N or --runs N; --results-dir, --system, --seeds with it): dlrmv4.run_set runs
+# this script once per run, each with its own seed, run directory and result_<i>.txt, then scores
+# the set.
+set_wanted=0
+[[ -n "${NEXP:-}" && "${NEXP}" != "1" ]] && set_wanted=1
+for arg in "$@"; do
+    case "${arg}" in --runs|--runs=*|--results-dir|--results-dir=*|--system|--system=*|--seeds|--seeds=*) set_wanted=1 ;; esac
+done
+if [[ "${set_wanted}" == "1" && -z "${DLRMV4_SET_RUN:-}" ]]; then
+    exec python -m dlrmv4.run_set --runs "${NEXP:-1}" "${args[@]+"${args[@]}"}"
+fi
 
 # Each step runs as a child that SIGTERM (a batch scheduler's time limit) and SIGINT reach: the
 # script passes either on to the step in flight and ends with its status. Job control (set -m)

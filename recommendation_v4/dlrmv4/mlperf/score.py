@@ -19,8 +19,10 @@ import contextlib
 import io
 import json
 import logging
+import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -31,6 +33,7 @@ from dlrmv4.mlperf.rules import RULESET, run_checker
 BENCHMARK = "dlrmv4"
 USAGE = "training"
 MLLOG = ":::MLLOG "
+FEWEST_RUNS = 3  # the olympic mean drops the fastest and the slowest: fewer leave nothing to average
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,11 @@ class SetScore:
 
 
 def result_files(folder: Path) -> list[Path]:
+    """The set's logs, ``result_<i>.txt`` (the checkers read every ``result_*.txt``: nothing else may match)."""
     files = sorted(Path(folder).glob("result_*.txt"), key=lambda p: (len(p.name), p.name))
+    others = [f.name for f in files if not re.fullmatch(r"result_\d+\.txt", f.name)]
+    if others:
+        raise UserError(f"{folder} holds {others[0]}: the checkers read every result_*.txt as a run's log")
     if not files:
         raise UserError(f"no result_*.txt in {folder}: a set's MLPerf logs are named result_<i>.txt")
     return files
@@ -76,6 +83,11 @@ def score_set(folder: Path, rules: Path | None, rcp_file: Path | None) -> SetSco
     from mlperf_logging.result_summarizer import result_summarizer as summarizer
 
     files = result_files(folder)
+    if len(files) < FEWEST_RUNS:
+        raise UserError(
+            f"{folder} holds {len(files)} run log(s): a score is an olympic mean (the fastest and slowest dropped), "
+            f"which needs at least {FEWEST_RUNS}"
+        )
     notes = io.StringIO()
     with tempfile.TemporaryDirectory(prefix="dlrmv4-score-") as root:
         # The compliance checker writes a report beside each log it reads: those copies stay apart from
@@ -85,7 +97,8 @@ def score_set(folder: Path, rules: Path | None, rcp_file: Path | None) -> SetSco
         checked.mkdir()
         copies = [Path(shutil.copy(f, scratch)) for f in files]
         runs = [_run_score(Path(shutil.copy(f, checked)), rules, parse_file, summarizer) for f in files]
-        with contextlib.redirect_stdout(notes), _checker_logging(notes):
+        with contextlib.redirect_stdout(notes), _checker_logging(notes), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # numpy's, inside the checkers' means
             seeds_distinct = SeedChecker(RULESET).check_seeds([str(c) for c in copies])
             with contextlib.ExitStack() as stack:
                 rcps = stack.enter_context(open(rcp_file)) if rcp_file is not None else None
