@@ -67,7 +67,7 @@ def base_run_dir(train_flags: list[str]) -> Path:
     from dlrmv4.cli import build_parser
     from dlrmv4.config_loading import config_from_args
 
-    parsed = build_parser().parse_args(["train", *[f for f in train_flags if f != "--no-progress"]])
+    parsed = build_parser().parse_args(["train", *train_flags])
     return Path(config_from_args(parsed).train.run_dir)
 
 

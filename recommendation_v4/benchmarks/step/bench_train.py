@@ -62,7 +62,7 @@ from harness import (
 
 from dlrmv4.config_loading import config_from_args
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
-from dlrmv4.data.loader import BatchSlice, make_window_loader, plan_batches
+from dlrmv4.data.loader import BatchSlice, make_window_loader
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
 from dlrmv4.data.windows import split_windows
@@ -200,13 +200,18 @@ def window_rates(history: dict) -> list[dict]:
 def loop_rates(windows: list[dict], warmup_samples: int) -> tuple[float, int, float]:
     """(samples/s of the loop over the windows that start after ``warmup_samples``, weighted by
     their samples; the samples those cover; samples/s over every window, warm-up included)."""
-    samples = np.array([w["samples"] for w in windows])
-    seconds = samples / np.array([w["samples_per_s"] for w in windows])
+    samples, seconds = window_samples_seconds(windows)
     steady = (np.cumsum(samples) - samples) >= warmup_samples
     overall = float(samples.sum() / seconds.sum())
     if not steady.any():
         return float("nan"), 0, overall
     return float(samples[steady].sum() / seconds[steady].sum()), int(samples[steady].sum()), overall
+
+
+def window_samples_seconds(windows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """Each window's samples and its training seconds (samples over its loop rate)."""
+    samples = np.array([w["samples"] for w in windows])
+    return samples, samples / np.array([w["samples_per_s"] for w in windows])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,8 +281,7 @@ def rates_around_checkpoint(windows: list[dict], first_save_step: int, batch: in
     and over those that hold or follow it (its write runs in the background there); None where either
     set is empty."""
     save_samples = (first_save_step + 1) * batch
-    samples = np.array([w["samples"] for w in windows])
-    seconds = samples / np.array([w["samples_per_s"] for w in windows])
+    samples, seconds = window_samples_seconds(windows)
     ends = np.cumsum(samples)
     before = (ends <= save_samples) & (ends - samples >= warmup)
     beside = ends > save_samples
@@ -428,10 +432,7 @@ def main() -> None:
     eval_pct = eval_cadence(train_samples, args.batch_size, args.steps, args.evals)
     run_dir = Path(args.data_path) / "bench_train_run"
     store = open_store(store_dir(cfg.dataset))
-    offsets = np.asarray(store.window_offsets)
-    plan = plan_batches(
-        [(w, int(offsets[w + 1] - offsets[w])) for w in split_windows(store)[0]], args.batch_size, drop_last=True
-    )
+    plan = make_window_loader(store, split_windows(store)[0], cfg, drop_last=True).batch_plan  # the trainer's
     events = loop_events(
         plan, EvalSchedule(train_samples, args.batch_size, eval_pct), args.checkpoint_every, args.steps
     )

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import re
 import shutil
@@ -32,7 +31,6 @@ from dlrmv4.mlperf.rules import RULESET, run_checker
 
 BENCHMARK = "dlrmv4"
 USAGE = "training"
-MLLOG = ":::MLLOG "
 FEWEST_RUNS = 3  # the olympic mean drops the fastest and the slowest: fewer leave nothing to average
 
 
@@ -134,38 +132,24 @@ def score_set(folder: Path, rules: Path | None, rcp_file: Path | None) -> SetSco
 
 
 def _run_score(log: Path, rules: Path | None, parse_file, summarizer) -> RunScore:
-    records = _records(log)
-    seeds = [int(r["value"]) for r in records if r["key"] == "seed"]
-    stop = next((r for r in records if r["key"] == "run_stop"), None)
-    evals = [r for r in records if r["key"] == "eval_accuracy"]
-    converged = stop is not None and stop.get("metadata", {}).get("status") == "success"
+    """One log's seed, samples to target and minutes, read with mlperf-logging's parser."""
+    loglines, failed = parse_file(str(log), ruleset=RULESET)
+    values = lambda key: [line.value for line in loglines if line.key == key]  # noqa: E731
+    seeds, stops, evals = values("seed"), values("run_stop"), values("eval_accuracy")
+    converged = bool(stops) and stops[0].get("metadata", {}).get("status") == "success"
     samples = int(evals[-1]["metadata"]["samples_count"]) if converged and evals else None
     passed, _ = run_checker(log, rules)
-    problem = ""
-    minutes = None
+    problem, minutes = "", None
     if not passed:
         problem = "fails the compliance checker"
     elif not converged:
         problem = "did not reach the target"
+    elif failed:
+        problem = "has lines the parser rejects"
     else:
-        loglines, failed = parse_file(str(log), ruleset=RULESET)
-        if failed:
-            problem = "has lines the parser rejects"
-        else:
-            start, end = summarizer._query_run_start_stop(loglines)
-            minutes = (end - start) / 60 / 1000
-    return RunScore(log.name, seeds[0] if seeds else None, samples, minutes, problem)
-
-
-def _records(log: Path) -> list[dict]:
-    records = []
-    for line in log.read_text().splitlines():
-        if line.startswith(MLLOG):
-            try:
-                records.append(json.loads(line[len(MLLOG) :]))
-            except json.JSONDecodeError:
-                continue  # the compliance checker names the damaged line
-    return records
+        start, end = summarizer._query_run_start_stop(loglines)
+        minutes = (end - start) / 60 / 1000
+    return RunScore(log.name, int(seeds[0]["value"]) if seeds else None, samples, minutes, problem)
 
 
 @contextlib.contextmanager
