@@ -337,7 +337,7 @@ def cmd_check_log(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
 def cmd_score(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     import tempfile
 
-    from dlrmv4.mlperf.rcp_band import RCP_DIR
+    from dlrmv4.mlperf.rcp_band import RCP_DIR, rcp_file
     from dlrmv4.mlperf.score import describe, score_set
 
     folder = Path(args.folder)
@@ -347,7 +347,7 @@ def cmd_score(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
         rules = _dataset_rules(cfg, Path(scratch))
         rcps = Path(args.rcps) if args.rcps else None
         if rcps is None and rules is not None:  # a synthetic store: the project's RCPs for its preset
-            rcps = RCP_DIR / f"rcps_dlrmv4_{cfg.dataset.name}.json"
+            rcps = rcp_file(cfg)
             if not rcps.is_file():
                 raise UserError(f"no RCPs for {cfg.dataset.name} in {RCP_DIR}: pass --rcps FILE")
         if rcps is not None and not rcps.is_file():

@@ -33,9 +33,14 @@ class RcpBand:
         return f"RCP ({self.runs} runs): {self.fastest:,}-{self.slowest:,} samples to the target"
 
 
+def rcp_file(cfg: BenchmarkConfig, rcp_dir: Path = RCP_DIR) -> Path:
+    """The project's RCP file for ``cfg``'s dataset (it may not exist)."""
+    return rcp_dir / f"rcps_dlrmv4_{cfg.dataset.name}.json"
+
+
 def rcp_band(cfg: BenchmarkConfig, rcp_dir: Path = RCP_DIR) -> RcpBand | None:
     """The band of the RCP record made at ``cfg``'s recipe, or None."""
-    path = rcp_dir / f"rcps_dlrmv4_{cfg.dataset.name}.json"
+    path = rcp_file(cfg, rcp_dir)
     if not path.is_file():
         return None
     train = cfg.train

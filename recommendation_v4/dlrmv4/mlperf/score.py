@@ -55,10 +55,6 @@ class SetScore:
     notes: list[str]  # the checkers' and summarizer's own warnings
     mlperf_logging: str
 
-    @property
-    def passed(self) -> bool:
-        return self.seeds_distinct and self.rcp_passed and self.score_minutes is not None
-
 
 def result_files(folder: Path) -> list[Path]:
     """The set's logs, ``result_<i>.txt`` (the checkers read every ``result_*.txt``: nothing else may match)."""
