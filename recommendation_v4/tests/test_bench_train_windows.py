@@ -3,6 +3,7 @@ first checkpoint's neighbours, and the loop's rate beside that checkpoint's writ
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -87,3 +88,34 @@ def test_the_loops_rate_beside_the_write_against_before_it():
     assert around["beside"] == pytest.approx(960 / (640 / 800 + 320 / 400))
     assert around["ratio"] == pytest.approx(around["beside"] / 1_000.0)
     assert bench_train.rates_around_checkpoint(windows, first_save_step=200, batch=BATCH, warmup=320) is None
+
+
+def test_a_profiled_windows_device_time_by_part_and_kernel(tmp_path):
+    # Two steps: kernels 0-10 and 12-32 us, a host-to-device copy beside them, a host op left out.
+    trace = tmp_path / "steps.json"
+    trace.write_text(
+        json.dumps(
+            {
+                "traceEvents": [
+                    {"cat": "kernel", "name": "_layer_norm_fwd", "ts": 0, "dur": 10},
+                    {"cat": "kernel", "name": "nvjet_sm90_tst_256x152", "ts": 12, "dur": 20},
+                    {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 5, "dur": 30},
+                    {"cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 40, "dur": 4},
+                    {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 3},
+                ]
+            }
+        )
+    )
+    w = bench_train.window_profile(trace, steps=2)
+    assert w["busy"] == pytest.approx(30 / 32)  # kernels only: the gap 10-12 us is idle
+    assert w["ms_per_step"] == pytest.approx(32 / 1e3 / 2)
+    assert w["parts_ms"]["GEMMs"] == pytest.approx(0.010)
+    assert w["parts_ms"]["layer norms"] == pytest.approx(0.005)
+    assert w["parts_ms"]["host-device copies"] == pytest.approx(0.015)
+    assert w["parts_ms"]["concatenations and copies"] == pytest.approx(0.002)
+    assert sum(w["parts_ms"].values()) == pytest.approx((10 + 20 + 30 + 4) / 1e3 / 2)
+    assert [k["name"] for k in w["top_kernels"]][:2] == ["Memcpy HtoD (Pinned -> Device)", "nvjet_sm90_tst_256x152"]
+    assert all(k["launches_per_step"] == 0.5 for k in w["top_kernels"])
+    table = "\n".join(bench_train.step_parts_tables({"profiled_steady": {"steps": [10, 12], **w}}))
+    assert "| layer norms | 0.01 | 31.2% |" in table and "| `_layer_norm_fwd` | layer norms |" in table
+    assert bench_train.window_profile(tmp_path / "missing.json", steps=2) is None

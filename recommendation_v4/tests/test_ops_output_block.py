@@ -165,8 +165,11 @@ def test_dropout_mask_is_a_function_of_the_seed(gen, poison):
     # The three segments draw independent decisions.
     s = m1.view(t, 3, hd).float()
     assert abs((s[:, 0] * s[:, 1]).mean().item() - (1 - p) ** 2) < 0.05
-    # So do neighbouring columns (the two 16-bit halves of one Philox number) and neighbouring rows.
+    # So do neighbouring columns (the two 16-bit halves of one Philox number), the columns that take
+    # the four numbers of one Philox call, and neighbouring rows.
     assert abs((s[:, :, 0::2] * s[:, :, 1::2]).mean().item() - (1 - p) ** 2) < 0.05
+    for word in (1, 2, 3):
+        assert abs((s[:, :, 0::8] * s[:, :, 2 * word :: 8]).mean().item() - (1 - p) ** 2) < 0.05
     assert abs((s[0::2] * s[1::2]).mean().item() - (1 - p) ** 2) < 0.05
     assert torch.equal(y1 != 0, m1 & (y1 != 0))  # zeros exactly where dropped (inputs are never 0)
     assert (y1 != 0).sum() == m1.sum()

@@ -276,7 +276,7 @@ def test_input_dropout_mask_statistics():
 @pytest.mark.parametrize("p,training", [(0.0, True), (0.5, False)])
 def test_no_dropout_draws_nothing(kernels, p, training, monkeypatch, gen):
     """Without training or at p = 0 the op is the plain encoding and draws no random numbers."""
-    monkeypatch.setattr(ref_position, "philox_randint4x", lambda *a: pytest.fail("drew a mask"))
+    monkeypatch.setattr(ref_position, "keep_decisions", lambda *a: pytest.fail("drew a mask"))
     x, offs, ts, query, pt, tt = unit_batch(9, 16)
     out = position_time_encode(
         x, offs, ts, query, 1, pt, tt, 1.0, kernels=kernels, dropout_p=p, seed=5, training=training, row_offset=3

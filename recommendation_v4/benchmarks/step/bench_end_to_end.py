@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import gc
 import itertools
-import re
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ from harness import (
     sync,
     write_results,
 )
+from kernel_parts import PART_NAMES, step_part
 from length_mix import jagged_lengths
 from model_inputs import random_table_batch
 
@@ -57,19 +57,6 @@ from dlrmv4.train.step import TrainStep
 from dlrmv4.train.trainer import build_step
 
 WARM_STEPS = 6  # the first is the cold start; all are untimed
-# Device-time categories, first match wins (kernel names of PyTorch, Triton and cuBLAS).
-CATEGORIES = [
-    ("attention", r"hstu_attention|candidate_attention"),
-    ("dense optimizer", r"adam|multi_tensor|foreach|clip|norm_kernel|l2norm"),
-    # Before GEMMs: FBGEMM's own kernels ("fbgemm_gpu::...") would match "gemm" there.
-    ("embedding lookup + update", r"adagrad|index|embedding|sort|segment|scatter|gather|radix|unique|cumsum|bucketize"),
-    ("GEMMs", r"gemm|sm90|cutlass|cublas|matmul|nvjet|xmma|splitk"),
-    (
-        "norms / elementwise",
-        r"layer_norm|layernorm|_ln_|norm|output_block|position_time|jagged|elementwise|"
-        r"vectorized|reduce|silu|swish|dropout|mul|add|copy|cat|fill|where|sigmoid|bernoulli",
-    ),
-]
 
 
 def reference_config(
@@ -208,13 +195,13 @@ def breakdown(step: TrainStep, batches, device: torch.device, top: int) -> tuple
         for i, batch in enumerate(batches):
             step(batch, 1000 + i, 0)
         sync(device)
-    totals = {name: 0.0 for name, _ in CATEGORIES} | {"other": 0.0}
+    totals = dict.fromkeys(PART_NAMES, 0.0)
     kernels = []
     for event in prof.key_averages():
         spent = event.self_device_time_total if on_gpu else event.self_cpu_time_total
         if spent <= 0 or (on_gpu and event.device_type != torch.autograd.DeviceType.CUDA):
             continue
-        category = next((c for c, pattern in CATEGORIES if re.search(pattern, event.key.lower())), "other")
+        category = step_part(event.key)
         totals[category] += spent
         kernels.append(
             {
@@ -348,7 +335,7 @@ def main() -> None:
 
 
 def _table(result: dict) -> str:
-    cats = [c for c, _ in CATEGORIES] + ["other"]
+    cats = PART_NAMES
     ids = f"Zipf({result['id_skew']:g}) ids" if result.get("id_skew") else "uniform ids"
     lines = [
         f"End-to-end training step on one {result['device']} (commit {result['commit']}; {result['table_rows']:,} "

@@ -59,6 +59,7 @@ from harness import (
     sync,
     write_results,
 )
+from kernel_parts import PART_NAMES, step_part
 
 from dlrmv4.config_loading import config_from_args
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
@@ -74,6 +75,8 @@ from dlrmv4.train.trainer import build_step
 
 WARM_STEPS = 5
 PROFILE_STEPS = 5
+TOP_KERNELS = 15
+DEVICE_EVENT_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 # The trainer's lines for a save made ("... at step N") and for a background write that ended.
 SAVE_LINE = re.compile(r"\[dlrmv4\] checkpoint step-\d{8}.* at step (\d+)")
 WRITTEN_LINE = re.compile(r"\[dlrmv4\] checkpoint step-\d{8} written \(([\d.]+) s in the background\)")
@@ -268,12 +271,25 @@ def profile_windows(events: LoopEvents, steps: int, earliest: int) -> tuple[tupl
 
 def window_profile(trace: Path, steps: int) -> dict | None:
     """A profiled window's GPU busy share and its milliseconds a step (first kernel's start to the last
-    one's end, over its steps); None without a trace."""
-    spans = kernel_spans(trace)
+    one's end, over its steps), and where its device time went: milliseconds a step by part of the
+    step, and the ``TOP_KERNELS`` kernels (or device memcpy/memset) by time; None without a trace."""
+    events = device_events(trace)
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] == "kernel")
     if not spans:
         return None
     span_us = max(e for _, e in spans) - spans[0][0]
-    return {"busy": busy_share(spans), "ms_per_step": span_us / 1e3 / steps}
+    parts = dict.fromkeys(PART_NAMES, 0.0)
+    kernels: dict[str, dict] = {}
+    for e in events:
+        part = step_part(e["name"])
+        parts[part] += e["dur"] / 1e3 / steps
+        k = kernels.setdefault(e["name"], {"name": e["name"][:120], "part": part, "ms_per_step": 0.0, "launches": 0})
+        k["ms_per_step"] += e["dur"] / 1e3 / steps
+        k["launches"] += 1
+    top = sorted(kernels.values(), key=lambda k: -k["ms_per_step"])[:TOP_KERNELS]
+    for k in top:
+        k["launches_per_step"] = k.pop("launches") / steps
+    return {"busy": busy_share(spans), "ms_per_step": span_us / 1e3 / steps, "parts_ms": parts, "top_kernels": top}
 
 
 def rates_around_checkpoint(windows: list[dict], first_save_step: int, batch: int, warmup: int) -> dict | None:
@@ -293,11 +309,13 @@ def rates_around_checkpoint(windows: list[dict], first_save_step: int, batch: in
     return {**rates, "ratio": rates["beside"] / rates["before"]}
 
 
-def kernel_spans(trace: Path) -> list[tuple[float, float]]:
+def device_events(trace: Path) -> list[dict]:
+    """The trace's device work: kernels and the device's memcpy/memset events (copies between host and
+    device included: they run on the copy engines beside the kernels)."""
     if not trace.exists():
         return []
     events = json.loads(trace.read_text()).get("traceEvents", [])
-    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e)
+    return [e for e in events if e.get("cat") in DEVICE_EVENT_KINDS and "dur" in e]
 
 
 def busy_share(spans: list[tuple[float, float]]) -> float:
@@ -589,6 +607,30 @@ def profile_rows(r: dict) -> list[str]:
     return rows
 
 
+def step_parts_tables(r: dict) -> list[str]:
+    """Where the steady window's device time went: milliseconds a step by part, then the top kernels."""
+    steady = r["profiled_steady"]
+    if "parts_ms" not in steady:
+        return []
+    a, b = steady["steps"]
+    step_ms = steady["ms_per_step"]
+    lines = [
+        "",
+        f"Where the step's device time goes, steps {a}-{b - 1} ({step_ms:.1f} ms a step, first kernel's start to "
+        f"the last one's end; GPU busy {steady['busy']:.0%}; the copy engines' work runs beside the kernels):",
+        "",
+        "| part | ms a step | of the step |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {part} | {ms:.2f} | {ms / step_ms:.1%} |" for part, ms in steady["parts_ms"].items() if ms > 0]
+    lines += ["", "| kernel | part | ms a step | launches a step |", "|---|---|---:|---:|"]
+    lines += [
+        f"| `{k['name']}` | {k['part']} | {k['ms_per_step']:.2f} | {k['launches_per_step']:g} |"
+        for k in steady["top_kernels"]
+    ]
+    return lines
+
+
 def table(r: dict) -> str:
     # The process's wall time: training, evals and checkpoints as the run timed them; the rest is
     # start-up (imports, tables, TorchRec's planner), compilation and autotuning, the profiler's
@@ -625,6 +667,7 @@ def table(r: dict) -> str:
             f"Each eval's seconds, in order: {' / '.join(f'{s:.1f}' for s in r['eval_seconds'])}. The kernels' warm-up "
             f"before RUN_START: `--warm-up {r.get('warm_up', 'auto')}`; Triton kernels compiled / autotuned after "
             f"RUN_START: {kernels_on_the_clock(r)}.",
+            *step_parts_tables(r),
         ]
     )
 

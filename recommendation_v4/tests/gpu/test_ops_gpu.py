@@ -36,7 +36,7 @@ CUDA = "cuda"
 B, C, D, MAX_HISTORY = 32, 8, 512, 4087
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 FULL_ROWS = 730_000  # one rank's slice at the reference batch size
-# Row offsets whose Philox counters (row · ceil(D / 2) or row · ceil(D / 8)) pass 2^32.
+# Row offsets whose Philox counters (3 · row · ceil(D / 8) or row · ceil(D / 8)) pass 2^32.
 HIGH_ROW = 2**25 + 12_345
 
 

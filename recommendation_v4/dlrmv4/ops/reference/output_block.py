@@ -1,9 +1,9 @@
 """PyTorch reference of the STU output block: Dropout([SiLU(u) ‖ attn ‖ SiLU(u) ⊙ LayerNorm(attn)]).
 
-The dropout mask is the Triton kernel's, drawn here with torch integer ops (``reference/philox.py``):
-row r = row_offset + local row, column c of a segment s in {0, 1, 2} (HD columns each) is kept iff
-the low (c even) or high (c odd) 16 bits of number s of ``randint4x(seed, r * ceil(HD / 2) + c // 2)``
-are >= round(p * 2^16); kept values are scaled by 1 / (1 - p).
+The dropout mask is the Triton kernel's, drawn here with torch integer ops (``reference/philox.py``'s
+``keep_decisions``): segment s in {0, 1, 2} (HD columns each) of row r = row_offset + local row is
+counter row 3r + s of the draw, kept iff its 16-bit number is >= round(p * 2^16); kept values are
+scaled by 1 / (1 - p).
 """
 
 from __future__ import annotations
@@ -12,11 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dlrmv4.ops.reference.layer_norm import compute_dtype
-from dlrmv4.ops.reference.philox import check_dropout, dropout_threshold, philox_randint4x, split16
-
-# Rows of counters drawn at once: bounds the int64 temporaries of a full-size mask (about 2^24
-# counters, 128 MiB each) without a loop per row.
-_COUNTERS_PER_CHUNK = 1 << 24
+from dlrmv4.ops.reference.philox import COUNTERS_PER_CHUNK, check_dropout, dropout_threshold, keep_decisions
 
 
 def draw_keep_mask(
@@ -29,7 +25,7 @@ def draw_keep_mask(
     if dropout_threshold(dropout_p) == 0 or t == 0 or hd == 0:
         return torch.ones((t, 3 * hd), dtype=torch.bool, device=device)
     out = torch.empty((t, 3 * hd), dtype=torch.bool, device=device)
-    step = max(1, _COUNTERS_PER_CHUNK // ((hd + 1) // 2))
+    step = max(1, COUNTERS_PER_CHUNK // (3 * ((hd + 7) // 8)))
     for r0 in range(0, t, step):
         rows = torch.arange(row_offset + r0, row_offset + min(t, r0 + step), device=device)
         out[r0 : r0 + rows.numel()] = keep_mask_of_rows(rows, hd, dropout_p, seed)
@@ -39,11 +35,11 @@ def draw_keep_mask(
 def keep_mask_of_rows(rows: torch.Tensor, hd: int, dropout_p: float, seed: int) -> torch.Tensor:
     """bool [len(rows), 3·hd]: the keep decisions of the global rows ``rows`` (int64, any order, on
     the device the mask is wanted on): what the kernel draws for those rows in a call over all rows."""
-    threshold, pairs = dropout_threshold(dropout_p), (hd + 1) // 2
+    threshold = dropout_threshold(dropout_p)
     if threshold == 0:
         return torch.ones((rows.numel(), 3 * hd), dtype=torch.bool, device=rows.device)
-    numbers = philox_randint4x(seed, rows.to(torch.int64)[:, None] * pairs + torch.arange(pairs, device=rows.device))
-    return torch.cat([split16(n)[:, :hd] for n in numbers[:3]], dim=1) >= threshold
+    segments = rows.to(torch.int64)[:, None] * 3 + torch.arange(3, device=rows.device)  # counter row 3r + s
+    return keep_decisions(seed, segments.flatten(), hd, threshold).view(rows.numel(), 3 * hd)
 
 
 def output_block(

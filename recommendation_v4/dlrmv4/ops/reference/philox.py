@@ -15,6 +15,9 @@ import operator
 import torch
 
 N_ROUNDS = 10
+# Counters drawn at once by the references' mask loops: bounds their int64 temporaries (about 2^24
+# counters, 128 MiB each) without a loop per row.
+COUNTERS_PER_CHUNK = 1 << 24
 _MASK32 = 0xFFFFFFFF
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
@@ -50,6 +53,17 @@ def split16(x: torch.Tensor) -> torch.Tensor:
     """[..., P] uint32s -> [..., 2P] 16-bit values: element 2j the low half of x[j], 2j + 1 the
     high half (the kernels' layout of two dropout decisions per 32-bit number)."""
     return torch.stack((x & 0xFFFF, x >> 16), dim=-1).flatten(-2)
+
+
+def keep_decisions(seed: int, counter_rows: torch.Tensor, d: int, threshold: int) -> torch.Tensor:
+    """bool [len(counter_rows), d]: the keep decisions of the Triton kernels' draw
+    (``triton/dropout_draw.py``) for columns 0 .. d - 1 of the int64 ``counter_rows``: column 8g + 2i
+    of row r is the low (8g + 2i + 1: the high) 16 bits of number i of ``randint4x(seed, r * ceil(d /
+    8) + g)``, kept iff >= ``threshold``."""
+    groups = (d + 7) // 8
+    counters = counter_rows[:, None] * groups + torch.arange(groups, device=counter_rows.device)
+    numbers = torch.stack(philox_randint4x(seed, counters), dim=-1)  # [R, G, 4]
+    return split16(numbers).flatten(1)[:, :d] >= threshold
 
 
 def dropout_threshold(dropout_p: float) -> int:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import torch
 
 from dlrmv4.ops.reference.layer_norm import compute_dtype
-from dlrmv4.ops.reference.philox import check_dropout, dropout_threshold, philox_randint4x, split16
-
-_COUNTERS_PER_CHUNK = 1 << 24  # bounds the int64 temporaries of a full-size mask
+from dlrmv4.ops.reference.philox import COUNTERS_PER_CHUNK, check_dropout, dropout_threshold, keep_decisions
 
 
 def positions_and_buckets(
@@ -92,10 +90,8 @@ def input_dropout_keep_mask(
     if threshold == 0 or num_rows == 0 or d == 0:
         return torch.ones((num_rows, d), dtype=torch.bool, device=device)
     out = torch.empty((num_rows, d), dtype=torch.bool, device=device)
-    step = max(1, _COUNTERS_PER_CHUNK // groups)
-    cols = torch.arange(groups, device=device)
+    step = max(1, COUNTERS_PER_CHUNK // groups)
     for r0 in range(0, num_rows, step):
         rows = torch.arange(row_offset + r0, row_offset + min(num_rows, r0 + step), device=device)
-        numbers = torch.stack(philox_randint4x(seed, rows[:, None] * groups + cols), dim=-1)  # [R, G, 4]
-        out[r0 : r0 + rows.numel()] = split16(numbers).flatten(1)[:, :d] >= threshold
+        out[r0 : r0 + rows.numel()] = keep_decisions(seed, rows, d, threshold)
     return out

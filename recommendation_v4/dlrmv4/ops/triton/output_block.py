@@ -6,12 +6,11 @@ re-reads that pre-activation (SiLU' needs it), so no activated copy of u is ever
 
 Dropout: the keep decisions are a pure function of (seed, global row, column), so a chunk of rows
 run with ``row_offset`` = its first row's index draws the rows' masks of the whole batch. Row r =
-row_offset + local row, column pair j = c // 2 of HD columns: ``randint4x(seed, r * ceil(HD / 2) +
-j)`` gives four 32-bit numbers; segment s in {0, 1, 2} takes number s, column 2j its low 16 bits
-and 2j + 1 its high 16 bits, and the element is kept iff that value is >= round(p * 2^16) (so the
-drop probability is p rounded to a multiple of 2^-16; kept elements are scaled by 1 / (1 - p)).
-Philox was most of the kernels' time (measured on an H200 at 730k x 512: forward 2.3 ms with
-dropout, 0.94 ms without), so the forward draws half as many numbers as one per element would and
+row_offset + local row: segment s in {0, 1, 2} of its HD columns is counter row 3r + s of the draw
+of ``dropout_draw.py`` (one Philox call, all four of its words, per 8 columns; an element is kept iff
+its 16-bit number is >= round(p * 2^16), so the drop probability is p rounded to a multiple of
+2^-16; kept elements are scaled by 1 / (1 - p)). Philox is the forward's cost beyond its loads and
+stores (``benchmarks/kernels/bench_ops.py`` times the block with and without dropout), so the forward
 stores the decisions, three bits a byte, for the backward, which reads them (one byte per (row,
 column)) instead of drawing again. ``keep_mask`` here and the reference's ``draw_keep_mask`` (torch
 only, ``reference/philox.py``) draw the same decisions from (seed, row_offset) alone.
@@ -24,6 +23,7 @@ import triton
 import triton.language as tl
 
 from dlrmv4.ops.reference.philox import dropout_threshold
+from dlrmv4.ops.triton.dropout_draw import keep8
 from dlrmv4.ops.triton.layer_norm import (
     normalize_rows,
     row_tile,
@@ -35,24 +35,16 @@ from dlrmv4.ops.triton.occupancy import launch_persistent
 
 
 @triton.jit
-def split16(r, threshold):
-    """Each 32-bit number of r [M, P] -> two decisions (low half, high half) -> [M, 2P], interleaved:
-    column 2j takes the low 16 bits of pair j, column 2j + 1 the high 16 bits."""
-    r = r.to(tl.uint32, bitcast=True)
-    lo = (r & 0xFFFF).to(tl.int32) >= threshold
-    hi = (r >> 16).to(tl.int32) >= threshold
-    both = tl.join(lo, hi)
-    return tl.reshape(both, (both.shape[0], 2 * both.shape[1]))
-
-
-@triton.jit
 def _keep(seed, rows, HD, threshold, BLOCK_H: tl.constexpr):
-    """Keep decisions [rows, BLOCK_H] of the three segments at global ``rows``: one Philox call per
-    two columns."""
-    pairs = tl.arange(0, BLOCK_H // 2)
-    offsets = rows.to(tl.int64)[:, None] * ((HD + 1) // 2) + pairs[None, :]
-    r0, r1, r2, _ = tl.randint4x(seed, offsets)
-    return split16(r0, threshold), split16(r1, threshold), split16(r2, threshold)
+    """Keep decisions [rows, BLOCK_H] of the three segments at global ``rows``: segment s of row r is
+    counter row 3r + s of the draw (one Philox call per 8 columns)."""
+    base = rows.to(tl.int64)[:, None] * 3
+    groups = (HD + 7) // 8
+    return (
+        keep8(seed, base, groups, 0, threshold, BLOCK_H),
+        keep8(seed, base + 1, groups, 0, threshold, BLOCK_H),
+        keep8(seed, base + 2, groups, 0, threshold, BLOCK_H),
+    )
 
 
 # Kernels take the seed, row offset, row count and trip count unspecialised: they change every step

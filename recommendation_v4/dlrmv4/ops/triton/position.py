@@ -10,12 +10,10 @@ whatever order the blocks run, so under ``torch.use_deterministic_algorithms(Tru
 writes each token's gradient and row numbers instead and torch's deterministic ``index_add_``
 (a sort, then a fixed order) sums them.
 
-Dropout (the model's input dropout, fused): row r = row_offset + local row, column group g = c // 8
-of D columns: ``randint4x(seed, r * ceil(D / 8) + g)`` gives n0..n3, column 8g + 2i takes the low
-16 bits of n_i and 8g + 2i + 1 the high 16 bits, kept iff >= round(p * 2^16), kept values scaled
-by 1 / (1 - p). One Philox call per 8 columns is cheap next to the loads, so the backward draws
-the mask again instead of the forward storing it; the tables' gradients are the masked, scaled
-gradient. ``reference/position.py`` draws the same mask in torch.
+Dropout (the model's input dropout, fused): the draw of ``dropout_draw.py`` with counter row r =
+row_offset + local row over the D columns; kept values scaled by 1 / (1 - p). One Philox call per
+8 columns is cheap next to the loads, so the backward draws the mask again instead of the forward
+storing it; the tables' gradients are the masked, scaled gradient. ``reference/position.py`` draws the same mask in torch.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import triton
 import triton.language as tl
 
 from dlrmv4.ops.reference.philox import dropout_threshold
-from dlrmv4.ops.triton.output_block import split16
+from dlrmv4.ops.triton.dropout_draw import keep8
 
 
 @triton.jit
@@ -49,17 +47,6 @@ def _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds
     # A float argument arrives in fp32 (rounded to nearest on the host, as torch rounds it).
     bucket = tl.sqrt_rn(tl.div_rn(tl.maximum(gap, 1e-6), bucket_seconds)).to(tl.int64)
     return pos.to(tl.int64), tl.minimum(tl.maximum(bucket, 0), NT - 1)
-
-
-@triton.jit
-def _keep8(seed, rows, d0, threshold, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Keep decisions [M, BLOCK_D] of columns d0 .. d0 + BLOCK_D - 1 (d0 a multiple of 8) at the
-    global rows ``rows`` (int64 [M, 1]): one Philox call per 8 columns."""
-    groups = d0 // 8 + tl.arange(0, BLOCK_D // 8)
-    n0, n1, n2, n3 = tl.randint4x(seed, rows * ((D + 7) // 8) + groups[None, :])
-    # [M, G, 2, 2] with [m, g, j, k] = n_(2j + k): flattened, 32-bit number 4g + i is n_i of group g.
-    n = tl.join(tl.join(n0, n2), tl.join(n1, n3))
-    return split16(tl.reshape(n, (n.shape[0], BLOCK_D // 2)), threshold)
 
 
 # The seed and row offset change every step (chunk), and the row, sample and search counts every batch:
@@ -110,7 +97,7 @@ def _position_time_fwd(
         tt = tl.load(TT + bucket[:, None] * s_tt + cols, mask=mask, other=0.0).to(tl.float32)
         y = x * x_scale + pt + tt
         if DROPOUT:
-            y = tl.where(_keep8(seed, r64 + row_offset, d0, threshold, D, BLOCK_D), y * drop_scale, 0.0)
+            y = tl.where(keep8(seed, r64 + row_offset, (D + 7) // 8, d0, threshold, BLOCK_D), y * drop_scale, 0.0)
         tl.store(OUT + r64 * s_out + cols, y.to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -162,7 +149,7 @@ def _position_time_bwd(
         mask = rmask[:, None] & (cols < D)
         g = tl.load(G + r64 * s_g + cols, mask=mask, other=0.0).to(tl.float32)
         if DROPOUT:  # the forward's mask, drawn again
-            g = tl.where(_keep8(seed, r64 + row_offset, d0, threshold, D, BLOCK_D), g * drop_scale, 0.0)
+            g = tl.where(keep8(seed, r64 + row_offset, (D + 7) // 8, d0, threshold, BLOCK_D), g * drop_scale, 0.0)
         tl.store(DX + r64 * s_dx + cols, (g * x_scale).to(DX.dtype.element_ty), mask=mask)
         if DETERMINISTIC:
             tl.store(G_ROWS + r64 * D + cols, g, mask=mask)
