@@ -599,10 +599,11 @@ def profile_rows(r: dict) -> list[str]:
         )
     if around is not None:
         written = r["checkpoint_write_seconds"]
-        write = f", written in {written[0]:.1f} s" if written else ""
+        write = f"; written in {written[0]:.1f} s" if written else ""
         rows.append(
-            f"| loop samples/s in the windows from the first checkpoint on{write}, against those before it "
-            f"(goal >= 0.90) | {around['beside']:,.0f} / {around['before']:,.0f} ({around['ratio']:.2f}) |"
+            "| loop samples/s in the windows from the first checkpoint on (its write in the background), against "
+            f"those before it (goal >= 0.90) | {around['beside']:,.0f} / {around['before']:,.0f} "
+            f"({around['ratio']:.2f}){write} |"
         )
     return rows
 
