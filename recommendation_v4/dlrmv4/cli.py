@@ -366,6 +366,28 @@ def cmd_score(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
         raise UserError(f"{folder}: no score, too many runs dropped: {'; '.join(failed)}")
 
 
+def nodes_of_the_job() -> int:
+    """The job's node count as the launcher (NNODES) or SLURM (SLURM_NNODES) gives it; 1 without either."""
+    for name in ("NNODES", "SLURM_NNODES"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def cmd_system_desc(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
+    from dlrmv4.mlperf.system_desc import describe, write_system_desc
+
+    if not args.name or "/" in args.name or args.name.startswith("."):
+        raise UserError(f"the system's name must be a plain file name, got {args.name!r}")
+    directory = Path(args.systems_dir) if args.systems_dir else Path(cfg.train.run_dir) / "systems"
+    report = write_system_desc(directory, args.name, args.nodes or nodes_of_the_job(), Path(cfg.train.run_dir))
+    for line in describe(report):
+        _say(line)
+    if not report.checker_passed:
+        raise UserError(f"{report.path} does not pass system_desc_checker yet: fill the fields named above")
+
+
 def cmd_merge_traces(cfg: BenchmarkConfig, args: argparse.Namespace) -> None:
     from dlrmv4.train.trace import TRACE_DIR, merge_traces
 
@@ -399,6 +421,10 @@ COMMANDS: dict[str, tuple[Callable[[BenchmarkConfig, argparse.Namespace], None],
     "score": (
         cmd_score,
         "check and score a set of runs' logs (result_<i>.txt) as MLPerf does: compliance, seeds, RCPs, olympic mean",
+    ),
+    "system-desc": (
+        cmd_system_desc,
+        "draft systems/<NAME>.json from this machine (an existing one is kept) and run system_desc_checker on it",
     ),
     "show-config": (cmd_show_config, "print the resolved configuration as TOML"),
 }
@@ -457,6 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
                 "--rcps",
                 default=None,
                 help="RCP file (default: mlperf-logging's for Yambda-5B, rcp/rcps_dlrmv4_<preset>.json for a synthetic store)",
+            )
+        if name == "system-desc":
+            p.add_argument("name", help="the system's name: the file is <systems-dir>/<name>.json")
+            p.add_argument("--systems-dir", default=None, help="where it goes (default: <run_dir>/systems)")
+            p.add_argument(
+                "--nodes", type=int, default=0, help="nodes of the system (default: NNODES, SLURM_NNODES or 1)"
             )
         if name in ("sample", "pipeline"):
             p.add_argument("--batches", type=int, default=3, help="batches to assemble")

@@ -8,8 +8,11 @@ directory ``<run-dir>/set/run_<i>``, with its own seed (``SEEDS=1,2,...`` or ``-
 from the operating system's randomness and logged by the run as MLPerf's ``seed``); its MLPerf log,
 written and checked in its run directory, is copied when the run ends as ``result_<i>.txt`` into the
 results folder (``--results-dir``, default ``<run-dir>/results/<system>/dlrmv4``, the submission
-layout, which holds nothing else; ``--system`` names it, default the host name). Before each run the page cache is dropped where this process may (root); otherwise that is said
-once. The set's seeds and folders are kept in ``<run-dir>/set/set.json``: with ``RESUME=1`` the runs
+layout, which holds nothing else; ``--system`` names it, default the host name). The system's
+description, ``systems/<system>.json`` beside ``results/`` (``python -m dlrmv4 system-desc``), is
+drafted from this machine when it is not there and checked with ``system_desc_checker`` at the
+set's start and end: the fields left to fill are named, and the set goes on. Before each run the
+page cache is dropped where this process may (root); otherwise that is said once. The set's seeds and folders are kept in ``<run-dir>/set/set.json``: with ``RESUME=1`` the runs
 whose log ends in RUN_STOP are kept, the interrupted one resumes from its newest checkpoint (or starts
 again without one), the rest start. Each run's ``RESULT`` line is kept in ``<run-dir>/set/RESULT.txt``.
 After the last run, ``python -m dlrmv4 score`` checks and scores the folder.
@@ -124,6 +127,16 @@ def run_one(command: list[str], env: dict[str, str], kept: Path) -> int:
             signal.signal(s, handler)
 
 
+def system_description(results: Path, system: str, base: Path) -> None:
+    """Draft (where missing) and check the set's system description; its report, never a stop."""
+    from dlrmv4.cli import nodes_of_the_job
+    from dlrmv4.mlperf.system_desc import describe, systems_dir, write_system_desc
+
+    report = write_system_desc(systems_dir(results, system, base), system, nodes_of_the_job(), base)
+    for line in describe(report):
+        say(line)
+
+
 def main(argv: list[str]) -> int:
     args, train_flags = parse(argv)
     base = base_run_dir(train_flags)
@@ -139,7 +152,12 @@ def main(argv: list[str]) -> int:
     else:
         system = args.system or socket.gethostname().split(".")[0]
         results = Path(args.results_dir) if args.results_dir else base / "results" / system / "dlrmv4"
-        state = {"runs": args.runs, "seeds": seeds_for(args, args.runs), "results_dir": str(results)}
+        state = {
+            "runs": args.runs,
+            "seeds": seeds_for(args, args.runs),
+            "results_dir": str(results),
+            "system": system,
+        }
         set_dir.mkdir(parents=True, exist_ok=True)
         results.mkdir(parents=True, exist_ok=True)
         stale = sorted(results.glob("result_*.txt"))
@@ -151,6 +169,8 @@ def main(argv: list[str]) -> int:
         state_file.write_text(json.dumps(state, indent=2) + "\n")
     results = Path(state["results_dir"])
     say(f"a set of {args.runs} runs, seeds {', '.join(map(str, state['seeds']))}; logs in {results}")
+    if not resume:
+        system_description(results, state["system"], base)
     cache_said = False
     for i, seed in enumerate(state["seeds"], start=1):
         result = results / f"result_{i}.txt"
@@ -177,6 +197,7 @@ def main(argv: list[str]) -> int:
             return 1
         shutil.copyfile(log, result)
     say(f"the set's {args.runs} runs are done; scoring {results}")
+    system_description(results, state.get("system") or results.parent.name, base)
     score = [sys.executable, "-m", "dlrmv4", "score", str(results), *train_flags]
     say("score: " + " ".join(shlex.quote(c) for c in score[1:]))
     return subprocess.call(score)

@@ -57,6 +57,14 @@ def test_a_set_stopped_mid_run_continues_and_is_scored(tmp_path):
     assert "RESUME=1 with the same command continues the set" in said
     assert sorted(p.name for p in results.iterdir()) == ["result_1.txt"]
     kept = (results / "result_1.txt").read_bytes()
+    # The system's description is drafted beside results/ at the set's start, its blanks named.
+    system = runs / "systems" / "box.json"
+    assert f"system description {system} (drafted from this machine)" in said
+    assert "fields for the submitter to fill: submitter, division, status" in said
+    desc = json.loads(system.read_text())
+    desc.update(submitter="Example Org", division="closed", status="Available on-premise", cooling="air")
+    desc.update({k: "N/A" for k, v in desc.items() if v == ""})
+    system.write_text(json.dumps(desc))
 
     second = subprocess.run(
         _set_command(data, runs),
@@ -82,6 +90,10 @@ def test_a_set_stopped_mid_run_continues_and_is_scored(tmp_path):
     assert [row.split("|")[2].strip() for row in rows] == ["11", "12", "13"]
     assert all(row.endswith("| ok |") for row in rows), second.stdout[-3000:]
     assert "seeds: distinct (seed checker passed)" in second.stdout
+    # The submitter's description is kept as it is and passes the checker.
+    assert f"system description {system} (kept as it was)" in said
+    assert json.loads(system.read_text()) == desc
+    assert re.search(r"system_desc_checker \(mlperf-logging [\d.]+, training 6\.1\.0\): passed", said)
     # The score command's status is the set's: 0 exactly when the RCP check passed.
     assert (second.returncode == 0) == ("RCP check (pruned RCPs): PASSED" in second.stdout), said[-3000:]
 
