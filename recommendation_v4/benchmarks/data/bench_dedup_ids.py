@@ -14,9 +14,9 @@ and the packing's time per batch with and without (one core).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
-import sys
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 

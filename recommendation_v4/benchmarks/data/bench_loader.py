@@ -25,9 +25,9 @@ import argparse
 import itertools
 import multiprocessing
 import os
+import sys
 import time
 from pathlib import Path
-import sys
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers in benchmarks/
 

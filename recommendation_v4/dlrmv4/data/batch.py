@@ -34,31 +34,47 @@ from dlrmv4.data.hashing import NUM_CONTEXTUAL
 # batch would otherwise compile a new kernel variant inside the timed run).
 REGION_ALIGNMENT = 16
 BATCH_DTYPES: dict[str, np.dtype] = {
-    "history_lengths": np.dtype(np.int32),    # [B]
-    "history_offsets": np.dtype(np.int64),    # [B+1]
-    "history_item_id": np.dtype(np.int64),    # [T]
+    "history_lengths": np.dtype(np.int32),  # [B]
+    "history_offsets": np.dtype(np.int64),  # [B+1]
+    "history_item_id": np.dtype(np.int64),  # [T]
     "history_artist_id": np.dtype(np.int64),  # [T]
-    "history_album_id": np.dtype(np.int64),   # [T]
-    "history_action": np.dtype(np.int64),     # [T] pool bit 1 listen_plus, 2 like, 4 skip
+    "history_album_id": np.dtype(np.int64),  # [T]
+    "history_action": np.dtype(np.int64),  # [T] pool bit 1 listen_plus, 2 like, 4 skip
     "history_timestamp": np.dtype(np.int64),  # [T]
-    "contextual_ids": np.dtype(np.int64),     # [B, 8] rows, hashing.CONTEXTUAL_FEATURES order
+    "contextual_ids": np.dtype(np.int64),  # [B, 8] rows, hashing.CONTEXTUAL_FEATURES order
     "candidate_item_id": np.dtype(np.int64),  # [B]
     "candidate_artist_id": np.dtype(np.int64),
     "candidate_album_id": np.dtype(np.int64),
     "candidate_timestamp": np.dtype(np.int64),
-    "query_time": np.dtype(np.int64),         # [B] last history timestamp (anchor's if empty)
-    "label": np.dtype(np.float32),            # [B] 1.0 when the anchor is listen_plus
-    "anchor_index": np.dtype(np.int64),       # [B] global train event index (tracing)
+    "query_time": np.dtype(np.int64),  # [B] last history timestamp (anchor's if empty)
+    "label": np.dtype(np.float32),  # [B] 1.0 when the anchor is listen_plus
+    "anchor_index": np.dtype(np.int64),  # [B] global train event index (tracing)
 }
-TORCH_DTYPES: dict[str, torch.dtype] = {name: torch.from_numpy(np.empty(0, dtype)).dtype
-                                         for name, dtype in BATCH_DTYPES.items()}
-PER_SAMPLE = ("history_lengths", "candidate_item_id", "candidate_artist_id", "candidate_album_id",
-              "candidate_timestamp", "query_time", "label", "anchor_index")
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: torch.from_numpy(np.empty(0, dtype)).dtype for name, dtype in BATCH_DTYPES.items()
+}
+PER_SAMPLE = (
+    "history_lengths",
+    "candidate_item_id",
+    "candidate_artist_id",
+    "candidate_album_id",
+    "candidate_timestamp",
+    "query_time",
+    "label",
+    "anchor_index",
+)
 PER_TOKEN = ("history_item_id", "history_artist_id", "history_album_id", "history_action", "history_timestamp")
 # The id fields in the sparse lookup's feature order (sparse_features.SPARSE_KEYS): history and
 # candidate per shared table, then the contextual columns.
-ID_FIELDS = ("history_item_id", "candidate_item_id", "history_artist_id", "candidate_artist_id",
-             "history_album_id", "candidate_album_id", "contextual_ids")
+ID_FIELDS = (
+    "history_item_id",
+    "candidate_item_id",
+    "history_artist_id",
+    "candidate_artist_id",
+    "history_album_id",
+    "candidate_album_id",
+    "contextual_ids",
+)
 
 
 # The history id fields, one per id the history shares with the candidate (sparse_features.SHARED_IDS).
@@ -136,8 +152,9 @@ class JaggedBatch:
         if self.history_offsets[0] != 0 or not np.array_equal(np.diff(self.history_offsets), self.history_lengths):
             raise ValueError("JaggedBatch: history_offsets are not the running sum of history_lengths")
 
-    def to_torch(self, device: torch.device | str | None = None, pin_memory: bool = False,
-                 dedup_ids: bool = False) -> TorchJaggedBatch:
+    def to_torch(
+        self, device: torch.device | str | None = None, pin_memory: bool = False, dedup_ids: bool = False
+    ) -> TorchJaggedBatch:
         """Torch twin whose tensors are views of one packed host buffer (16-byte aligned regions), so a
         worker hands a batch over in one shared-memory segment and pinning or a device copy is one
         transfer; optionally pinned, then copied to ``device`` without blocking. The id fields are
@@ -148,8 +165,10 @@ class JaggedBatch:
         ids.append(np.ascontiguousarray(self.contextual_ids.T).reshape(-1))  # column by column
         ones = np.ones(b, dtype=np.int64)
         lengths = self.history_lengths.astype(np.int64)
-        regions = {"ids": np.concatenate(ids).astype(np.int64, copy=False),
-                   "id_lengths": np.concatenate([lengths, ones] * 3 + [ones] * NUM_CONTEXTUAL)}
+        regions = {
+            "ids": np.concatenate(ids).astype(np.int64, copy=False),
+            "id_lengths": np.concatenate([lengths, ones] * 3 + [ones] * NUM_CONTEXTUAL),
+        }
         unique_counts = None
         if dedup_ids:
             uniques = {name: unique_with_inverse(getattr(self, name)) for name in HISTORY_ID_FIELDS}
@@ -170,21 +189,31 @@ class JaggedBatch:
             total += -(-arr.nbytes // REGION_ALIGNMENT) * REGION_ALIGNMENT
         packed = np.empty(total, dtype=np.uint8)
         for name, arr in regions.items():
-            packed[offsets[name]:offsets[name] + arr.nbytes] = arr.reshape(-1).view(np.uint8)
+            packed[offsets[name] : offsets[name] + arr.nbytes] = arr.reshape(-1).view(np.uint8)
         buffer = torch.from_numpy(packed)
-        views = {name: buffer[offsets[name]:offsets[name] + arr.nbytes].view(torch.from_numpy(arr[:0]).dtype)
-                 .view(arr.shape) for name, arr in regions.items()}
+        views = {
+            name: buffer[offsets[name] : offsets[name] + arr.nbytes]
+            .view(torch.from_numpy(arr[:0]).dtype)
+            .view(arr.shape)
+            for name, arr in regions.items()
+        }
         tensors = {name: views[name] for name in BATCH_DTYPES if name not in ID_FIELDS}
         start = 0
         for name, arr in zip(ID_FIELDS[:-1], ids):
-            tensors[name] = views["ids"][start:start + len(arr)]
+            tensors[name] = views["ids"][start : start + len(arr)]
             start += len(arr)
         tensors["contextual_ids"] = views["ids"][start:].view(NUM_CONTEXTUAL, b).t()
-        out = TorchJaggedBatch(**tensors, num_samples=b,
-                               max_history_length=self.max_history_length, total_tokens=self.total_tokens,
-                               host_history_lengths=regions["history_lengths"].copy(),
-                               id_lengths=views["id_lengths"], lookup_ids=views.get("lookup_ids"),
-                               history_inverse=views.get("history_inverse"), unique_counts=unique_counts)
+        out = TorchJaggedBatch(
+            **tensors,
+            num_samples=b,
+            max_history_length=self.max_history_length,
+            total_tokens=self.total_tokens,
+            host_history_lengths=regions["history_lengths"].copy(),
+            id_lengths=views["id_lengths"],
+            lookup_ids=views.get("lookup_ids"),
+            history_inverse=views.get("history_inverse"),
+            unique_counts=unique_counts,
+        )
         if pin_memory:
             out = out.pin_memory()
         return out.to(device) if device is not None else out
@@ -235,9 +264,14 @@ class TorchJaggedBatch:
         lengths = self.host_history_lengths[start:stop]
         fields = {name: getattr(self, name)[h0:h1] for name in PER_TOKEN}
         fields |= {name: getattr(self, name)[start:stop] for name in PER_SAMPLE + ("contextual_ids",)}
-        fields["history_offsets"] = self.history_offsets[start:stop + 1] - h0
-        return TorchJaggedBatch(**fields, num_samples=stop - start, max_history_length=int(lengths.max()),
-                                total_tokens=h1 - h0, host_history_lengths=lengths)
+        fields["history_offsets"] = self.history_offsets[start : stop + 1] - h0
+        return TorchJaggedBatch(
+            **fields,
+            num_samples=stop - start,
+            max_history_length=int(lengths.max()),
+            total_tokens=h1 - h0,
+            host_history_lengths=lengths,
+        )
 
     def _tensor_fields(self) -> tuple[str, ...]:
         optional = ("id_lengths", "lookup_ids", "history_inverse")
@@ -257,8 +291,11 @@ class TorchJaggedBatch:
     def _on(self, buffer: torch.Tensor) -> TorchJaggedBatch:
         """The same field views over ``buffer`` (a copy of the packed buffer)."""
         storage = buffer.untyped_storage()
-        return self._map(lambda t: torch.empty(0, dtype=t.dtype, device=buffer.device).set_(
-            storage, t.storage_offset(), t.shape, t.stride()))
+        return self._map(
+            lambda t: torch.empty(0, dtype=t.dtype, device=buffer.device).set_(
+                storage, t.storage_offset(), t.shape, t.stride()
+            )
+        )
 
     def pin_memory(self) -> TorchJaggedBatch:
         """Page-locked copy (one buffer when packed); the DataLoader's pin thread calls this by name."""

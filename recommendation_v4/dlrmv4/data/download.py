@@ -54,16 +54,20 @@ def validate_revision(rev: str) -> str:
         return rev.lower()
     if not _REF.fullmatch(rev) or ".." in rev or rev.endswith((".", ".lock")):
         raise UserError(f"config field dataset.hub_revision={rev!r} is not a branch, tag or 40-hex commit")
-    print(f"warning: dataset.hub_revision={rev!r} is a branch or tag, not pinned: results may not be "
-          "reproducible (pass a 40-hex commit with --hub-revision)", file=sys.stderr)
+    print(
+        f"warning: dataset.hub_revision={rev!r} is a branch or tag, not pinned: results may not be "
+        "reproducible (pass a 40-hex commit with --hub-revision)",
+        file=sys.stderr,
+    )
     return rev
 
 
 def download_yambda(ds: DatasetConfig, *, progress: bool = True) -> tuple[RawFiles, str]:
     """Fetch the three raw files of ``ds.size``; return their snapshot paths and the resolved commit sha."""
     if ds.size not in YAMBDA_SIZES:
-        raise UserError(f"config field dataset.size={ds.size!r} is not a Yambda size; "
-                        f"choose one of {', '.join(YAMBDA_SIZES)}")
+        raise UserError(
+            f"config field dataset.size={ds.size!r} is not a Yambda size; choose one of {', '.join(YAMBDA_SIZES)}"
+        )
     revision = validate_revision(ds.hub_revision)
     # Absolute, as hf_hub_download makes it: the returned paths and the snapshot folder then agree.
     cache = hub_cache_dir(ds).expanduser().resolve()
@@ -76,16 +80,25 @@ def download_yambda(ds: DatasetConfig, *, progress: bool = True) -> tuple[RawFil
     snapshots = cache / repo_folder_name(repo_id=ds.hub_repo_id, repo_type=REPO_TYPE) / "snapshots"
     commits = sorted({p.relative_to(snapshots).parts[0] for p in paths})
     if len(commits) != 1:
-        raise UserError(f"revision {revision!r} of {ds.hub_repo_id} moved during the download (commits "
-                        f"{', '.join(commits)}); pin one with --hub-revision and re-run")
+        raise UserError(
+            f"revision {revision!r} of {ds.hub_repo_id} moved during the download (commits "
+            f"{', '.join(commits)}); pin one with --hub-revision and re-run"
+        )
     return RawFiles(multi_event=paths[0], artist_mapping=paths[1], album_mapping=paths[2]), commits[0]
 
 
-def _download_file(repo_id: str, revision: str, filename: str, cache: Path, tqdm_class: type | None,
-                   progress: bool) -> str:
+def _download_file(
+    repo_id: str, revision: str, filename: str, cache: Path, tqdm_class: type | None, progress: bool
+) -> str:
     def download() -> str:
-        return hf_hub_download(repo_id=repo_id, filename=filename, repo_type=REPO_TYPE, revision=revision,
-                               cache_dir=cache, tqdm_class=tqdm_class)
+        return hf_hub_download(
+            repo_id=repo_id,
+            filename=filename,
+            repo_type=REPO_TYPE,
+            revision=revision,
+            cache_dir=cache,
+            tqdm_class=tqdm_class,
+        )
 
     try:
         # Offline, or a pinned commit already cached: the hub answers from the cache without a request.
@@ -103,8 +116,10 @@ def _download_file(repo_id: str, revision: str, filename: str, cache: Path, tqdm
                 raise
             return cached
         if meta.commit_hash is None or meta.etag is None:
-            raise UserError(f"{filename}: {constants.ENDPOINT} did not answer like a Hugging Face Hub (no "
-                            "X-Repo-Commit/ETag header); check HF_ENDPOINT and your proxy settings")
+            raise UserError(
+                f"{filename}: {constants.ENDPOINT} did not answer like a Hugging Face Hub (no "
+                "X-Repo-Commit/ETag header); check HF_ENDPOINT and your proxy settings"
+            )
         storage = cache / repo_folder_name(repo_id=repo_id, repo_type=REPO_TYPE)
         if meta.size is not None and meta.size <= constants.MAX_HTTP_DOWNLOAD_SIZE:
             _fetch_blob(url, filename, meta, storage, cache, tqdm_class, progress)
@@ -143,8 +158,9 @@ def _cached(repo_id: str, revision: str, filename: str, cache: Path) -> str | No
     return found if isinstance(found, str) else None
 
 
-def _fetch_blob(url: str, filename: str, meta: HfFileMetadata, storage: Path, cache: Path, tqdm_class: type | None,
-                progress: bool) -> None:
+def _fetch_blob(
+    url: str, filename: str, meta: HfFileMetadata, storage: Path, cache: Path, tqdm_class: type | None, progress: bool
+) -> None:
     """Bring ``blobs/<etag>`` into the cache, continuing the ``.incomplete`` file an earlier run left."""
     assert meta.etag is not None and meta.size is not None  # the caller checked both
     blob = storage / "blobs" / meta.etag
@@ -162,13 +178,22 @@ def _fetch_blob(url: str, filename: str, meta: HfFileMetadata, storage: Path, ca
             have = 0
         free = shutil.disk_usage(blob.parent).free
         if free < meta.size - have:
-            raise UserError(f"{filename}: needs {(meta.size - have) / 1e9:.2f} GB more but {blob.parent} has "
-                            f"{free / 1e9:.2f} GB free; free some space or point --data-path at a larger disk")
+            raise UserError(
+                f"{filename}: needs {(meta.size - have) / 1e9:.2f} GB more but {blob.parent} has "
+                f"{free / 1e9:.2f} GB free; free some space or point --data-path at a larger disk"
+            )
         # Like the hub: the token goes to the hub host only, never to a CDN it redirects to.
         same_host = urlsplit(meta.location).netloc == urlsplit(url).netloc
         with open(partial, "ab") as f:
-            http_get(meta.location, f, resume_size=have, headers=build_hf_headers(token=None if same_host else False),
-                     expected_size=meta.size, displayed_filename=filename, tqdm_class=tqdm_class)
+            http_get(
+                meta.location,
+                f,
+                resume_size=have,
+                headers=build_hf_headers(token=None if same_host else False),
+                expected_size=meta.size,
+                displayed_filename=filename,
+                tqdm_class=tqdm_class,
+            )
         if _SHA256.fullmatch(meta.etag):  # LFS blobs are named by their sha256: check the resumed bytes
             if progress:
                 print(f"verifying sha256 of {filename}", file=sys.stderr)
@@ -176,8 +201,10 @@ def _fetch_blob(url: str, filename: str, meta: HfFileMetadata, storage: Path, ca
                 digest = sha_fileobj(f).hex()
             if digest != meta.etag:
                 partial.unlink()
-                raise UserError(f"{filename}: downloaded bytes do not match the hub's sha256 {meta.etag}; "
-                                "the partial file was removed, re-run to download it again")
+                raise UserError(
+                    f"{filename}: downloaded bytes do not match the hub's sha256 {meta.etag}; "
+                    "the partial file was removed, re-run to download it again"
+                )
         os.replace(partial, blob)
 
 
@@ -188,38 +215,56 @@ def _one_line(exc: BaseException) -> str:
 def _explain(exc: BaseException, repo_id: str, revision: str, filename: str, cache: Path) -> str:
     """One line that says what failed for ``filename`` and what to do."""
     if isinstance(exc, GatedRepoError):
-        return (f"{filename}: dataset {repo_id} is gated; accept its terms on the Hub and log in "
-                "(hf auth login or HF_TOKEN)")
+        return (
+            f"{filename}: dataset {repo_id} is gated; accept its terms on the Hub and log in "
+            "(hf auth login or HF_TOKEN)"
+        )
     if isinstance(exc, RepositoryNotFoundError):
-        return (f"{filename}: dataset repo {repo_id!r} not found or not accessible; check dataset.hub_repo_id "
-                "(--hub-repo-id) and your token")
+        return (
+            f"{filename}: dataset repo {repo_id!r} not found or not accessible; check dataset.hub_repo_id "
+            "(--hub-repo-id) and your token"
+        )
     if isinstance(exc, RevisionNotFoundError):
-        return (f"{filename}: revision {revision!r} not found in dataset {repo_id}; check dataset.hub_revision "
-                "(--hub-revision)")
+        return (
+            f"{filename}: revision {revision!r} not found in dataset {repo_id}; check dataset.hub_revision "
+            "(--hub-revision)"
+        )
     if isinstance(exc, RemoteEntryNotFoundError):
-        return (f"{filename} not found in dataset {repo_id} at revision {revision!r}; check dataset.size and "
-                "dataset.hub_revision")
+        return (
+            f"{filename} not found in dataset {repo_id} at revision {revision!r}; check dataset.size and "
+            "dataset.hub_revision"
+        )
     if isinstance(exc, LocalEntryNotFoundError):
         if not constants.is_offline_mode():
-            return (f"{filename}: the hub could not be reached and the file is not in the local hub cache "
-                    f"{cache}; check the network and re-run")
+            return (
+                f"{filename}: the hub could not be reached and the file is not in the local hub cache "
+                f"{cache}; check the network and re-run"
+            )
         storage = cache / repo_folder_name(repo_id=repo_id, repo_type=REPO_TYPE)
         known = (storage / ("snapshots" if _COMMIT.fullmatch(revision) else "refs") / revision).exists()
         what = f"{filename} at revision {revision!r}" if known else f"revision {revision!r} (for {filename})"
-        return (f"{what} of dataset {repo_id} is not in the local hub cache {cache}; run with network access "
-                "(HF_HUB_OFFLINE is set) or copy the cache")
+        return (
+            f"{what} of dataset {repo_id} is not in the local hub cache {cache}; run with network access "
+            "(HF_HUB_OFFLINE is set) or copy the cache"
+        )
     if isinstance(exc, HfHubHTTPError):
         status = exc.response.status_code if exc.response is not None else "error"
         return f"{filename}: the hub answered HTTP {status}; re-run later, the download resumes where it stopped"
     if isinstance(exc, httpx2.TransportError):
-        return (f"{filename}: network failure talking to {constants.ENDPOINT} ({type(exc).__name__}: "
-                f"{_one_line(exc)}); check the connection (HF_ENDPOINT, proxy) and re-run, the download resumes")
+        return (
+            f"{filename}: network failure talking to {constants.ENDPOINT} ({type(exc).__name__}: "
+            f"{_one_line(exc)}); check the connection (HF_ENDPOINT, proxy) and re-run, the download resumes"
+        )
     if isinstance(exc, HFValidationError):
         return f"config field dataset.hub_repo_id={repo_id!r} is not a valid repo id: {_one_line(exc)}"
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return (f"{filename}: disk full under {cache}; free some space or point --data-path at a larger disk, "
-                "then re-run to resume")
+        return (
+            f"{filename}: disk full under {cache}; free some space or point --data-path at a larger disk, "
+            "then re-run to resume"
+        )
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return (f"{filename}: cannot write {exc.filename or cache} ({exc.strerror}); fix the permissions or "
-                "point --data-path elsewhere")
+        return (
+            f"{filename}: cannot write {exc.filename or cache} ({exc.strerror}); fix the permissions or "
+            "point --data-path elsewhere"
+        )
     return f"{filename}: download failed ({_one_line(exc)}); re-run to resume"

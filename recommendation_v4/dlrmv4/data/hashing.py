@@ -77,7 +77,7 @@ def hash_rows(keys: np.ndarray, rows: int) -> np.ndarray:
     # Contiguous little-endian int64, viewed as bytes: slice i is exactly struct.pack("<kq", *keys[i]).
     packed = np.ascontiguousarray(keys, dtype="<i8").view(np.uint8).reshape(-1).data
     digest = _xxh64_intdigest()
-    hashes = np.array([digest(packed[s:s + width], XXH_SEED) for s in range(0, n * width, width)], dtype=np.uint64)
+    hashes = np.array([digest(packed[s : s + width], XXH_SEED) for s in range(0, n * width, width)], dtype=np.uint64)
     return (hashes % np.uint64(rows)).astype(np.int64)
 
 
@@ -92,16 +92,31 @@ def check_uids(uid: np.ndarray, uid_rows: int) -> None:
     lo, hi = int(uid.min()), int(uid.max())
     if lo < 0 or hi >= uid_rows:
         bad = lo if lo < 0 else hi
-        raise UserError(f"uid {bad} does not fit the uid table of {uid_rows:,} rows (the raw uid is its row); "
-                        "set sampler.uid_rows above the data's largest uid")
+        raise UserError(
+            f"uid {bad} does not fit the uid table of {uid_rows:,} rows (the raw uid is its row); "
+            "set sampler.uid_rows above the data's largest uid"
+        )
 
 
-def contextual_ids(uid: np.ndarray, item: np.ndarray, artist: np.ndarray, album: np.ndarray,
-                   timestamp: np.ndarray, is_organic: np.ndarray, cfg: SamplerConfig) -> np.ndarray:
+def contextual_ids(
+    uid: np.ndarray,
+    item: np.ndarray,
+    artist: np.ndarray,
+    album: np.ndarray,
+    timestamp: np.ndarray,
+    is_organic: np.ndarray,
+    cfg: SamplerConfig,
+) -> np.ndarray:
     """int64 [B, 8] table rows of the anchors' contextual features (``CONTEXTUAL_FEATURES`` order)."""
     rows = table_rows(cfg)
-    keys = {"uid": _int64(uid), "item": _int64(item), "artist": _int64(artist), "album": _int64(album),
-            "hour": hour_of_day(timestamp), "is_organic": _int64(is_organic)}
+    keys = {
+        "uid": _int64(uid),
+        "item": _int64(item),
+        "artist": _int64(artist),
+        "album": _int64(album),
+        "hour": hour_of_day(timestamp),
+        "is_organic": _int64(is_organic),
+    }
     check_uids(keys["uid"], rows[0])
     out = np.empty((len(keys["uid"]), NUM_CONTEXTUAL), dtype=np.int64)
     out[:, 0] = keys["uid"]

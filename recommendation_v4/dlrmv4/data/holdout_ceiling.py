@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from dlrmv4.config import PreprocessConfig
 from dlrmv4.data.rank_auc import rank_auc
@@ -29,8 +28,10 @@ from dlrmv4.errors import UserError
 def ceiling_unavailable(cfg: PreprocessConfig) -> str | None:
     """Why the generator's probabilities do not score this store's labels, or None when they do."""
     if cfg.listen_threshold_pct != TRUTH_THRESHOLD_PCT:
-        return (f"the generator's probabilities are of played_ratio_pct >= {TRUTH_THRESHOLD_PCT}, the store's labels "
-                f"of >= {cfg.listen_threshold_pct}")
+        return (
+            f"the generator's probabilities are of played_ratio_pct >= {TRUTH_THRESHOLD_PCT}, the store's labels "
+            f"of >= {cfg.listen_threshold_pct}"
+        )
     return None
 
 
@@ -54,8 +55,10 @@ def holdout_truth(store: Store, events: Path, truth: Path, cfg: PreprocessConfig
         keep = (ts >= split["train_start"]) & (ts < split["train_end"])
         if drop_null:
             listen = pc.equal(table.column("event_type").cast(pa.string()), EVENT_TYPES[LISTEN])
-            keep &= ~(listen.to_numpy(zero_copy_only=False) & table.column("played_ratio_pct").is_null().to_numpy(
-                zero_copy_only=False))
+            keep &= ~(
+                listen.to_numpy(zero_copy_only=False)
+                & table.column("played_ratio_pct").is_null().to_numpy(zero_copy_only=False)
+            )
         rows = np.flatnonzero(keep)
         upto = int(np.searchsorted(anchors, base + len(rows)))
         if upto > done:
@@ -74,8 +77,10 @@ def holdout_truth(store: Store, events: Path, truth: Path, cfg: PreprocessConfig
         and np.array_equal(raw_ts, np.asarray(store.train.timestamp[anchors]))
     )
     if not lined_up:
-        raise UserError(f"{truth} does not line up with the store's train events (regenerate the synthetic data "
-                        "and preprocess it again)")
+        raise UserError(
+            f"{truth} does not line up with the store's train events (regenerate the synthetic data "
+            "and preprocess it again)"
+        )
     return found
 
 

@@ -39,6 +39,7 @@ from dlrmv4.errors import UserError
 
 class BatchSlice(NamedTuple):
     """Batch = anchors ``order[start:stop]`` of ``window`` (``order`` = the window's anchors, maybe shuffled)."""
+
     window: int
     start: int
     stop: int
@@ -77,8 +78,9 @@ def balanced_shares(tokens: np.ndarray, world_size: int) -> list[np.ndarray]:
     return [np.flatnonzero(owner == r) for r in range(world_size)]
 
 
-def rank_share(part: BatchSlice, rank: int, world_size: int, slicing: str = "strided",
-               tokens: np.ndarray | None = None) -> np.ndarray:
+def rank_share(
+    part: BatchSlice, rank: int, world_size: int, slicing: str = "strided", tokens: np.ndarray | None = None
+) -> np.ndarray:
     """Positions (into the window's order) of rank ``rank``'s samples of a batch: ``strided``
     takes samples r, r + W, r + 2W, ... (the reference's), ``contiguous`` an equal consecutive
     slice, ``balanced`` the ``balanced_shares`` of the batch's per-sample ``tokens``; either way the
@@ -87,8 +89,7 @@ def rank_share(part: BatchSlice, rank: int, world_size: int, slicing: str = "str
         return np.arange(part.start + rank, part.stop, world_size, dtype=np.int64)
     if slicing == "contiguous":
         n = part.stop - part.start
-        return np.arange(part.start + n * rank // world_size, part.start + n * (rank + 1) // world_size,
-                         dtype=np.int64)
+        return np.arange(part.start + n * rank // world_size, part.start + n * (rank + 1) // world_size, dtype=np.int64)
     if slicing == "balanced":
         if world_size == 1:
             return np.arange(part.start, part.stop, dtype=np.int64)
@@ -127,10 +128,23 @@ class WindowDataset(IterableDataset):
     method; each worker opens the store (memory maps) and packs the per-item table once.
     """
 
-    def __init__(self, store: Store, windows: Sequence[int], cfg: SamplerConfig, *, batch_size: int,
-                 shuffle: bool = False, seed: int = 0, drop_last: bool = False, start_batch: int = 0,
-                 rank: int = 0, world_size: int = 1, order: str = "index", slicing: str = "strided",
-                 dedup_ids: bool = False) -> None:
+    def __init__(
+        self,
+        store: Store,
+        windows: Sequence[int],
+        cfg: SamplerConfig,
+        *,
+        batch_size: int,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        start_batch: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        order: str = "index",
+        slicing: str = "strided",
+        dedup_ids: bool = False,
+    ) -> None:
         super().__init__()
         windows = [int(w) for w in windows]
         bad = [w for w in windows if not 0 <= w < store.num_windows]
@@ -156,7 +170,7 @@ class WindowDataset(IterableDataset):
     def __iter__(self) -> Iterator[TorchJaggedBatch]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        mine = self.plan[self.start_batch + worker::num_workers]
+        mine = self.plan[self.start_batch + worker :: num_workers]
         if not mine:
             return
         store = open_store(self.store_path)
@@ -164,11 +178,10 @@ class WindowDataset(IterableDataset):
         order_window, order = -1, np.zeros(0, dtype=np.int64)
         for part in mine:
             if part.window != order_window:
-                order_window, order = part.window, window_order(store, part.window, self.order, self.shuffle,
-                                                                 self.seed)
+                order_window, order = part.window, window_order(store, part.window, self.order, self.shuffle, self.seed)
             tokens = None
             if self.slicing == "balanced" and self.world_size > 1:  # the whole batch's lengths decide the shares
-                tokens = history_lengths(store, order[part.start:part.stop], self.cfg)
+                tokens = history_lengths(store, order[part.start : part.stop], self.cfg)
             share = rank_share(part, self.rank, self.world_size, self.slicing, tokens)
             if not len(share):  # a tail batch smaller than the world: this rank scores a stand-in, ignored
                 share = np.array([part.start], dtype=np.int64)
@@ -294,10 +307,18 @@ def _worker_message(message: str) -> str:
     return last.split(": ", 1)[1] if ": " in last else last
 
 
-def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfig, start_batch: int = 0,
-                       drop_last: bool = False, rank: int = 0, world_size: int = 1,
-                       worker_start: str | None = None, dedup_ids: bool = False,
-                       persistent_workers: bool = False) -> WindowLoader:
+def make_window_loader(
+    store: Store,
+    windows: Sequence[int],
+    cfg: BenchmarkConfig,
+    start_batch: int = 0,
+    drop_last: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+    worker_start: str | None = None,
+    dedup_ids: bool = False,
+    persistent_workers: bool = False,
+) -> WindowLoader:
     """A DataLoader over ``windows`` (in the given order) that starts at batch ``start_batch`` (resume)
     and yields rank ``rank``'s slice of every batch. ``worker_start``: how its worker processes start
     (a multiprocessing start method; None: the platform's, fork on Linux). A process holding pinned
@@ -307,16 +328,32 @@ def make_window_loader(store: Store, windows: Sequence[int], cfg: BenchmarkConfi
     ``persistent_workers``: the workers outlive an iteration, so a loader iterated again (the
     holdout, scored at every eval) starts no new processes. The workers end with the process that
     makes the loader, however it ends (``_end_with_owner``)."""
-    dataset = WindowDataset(store, windows, cfg.sampler, batch_size=cfg.loader.batch_size,
-                            shuffle=cfg.loader.shuffle_within_window, seed=cfg.seed, drop_last=drop_last,
-                            start_batch=start_batch, rank=rank, world_size=world_size,
-                            order=cfg.loader.window_order, slicing=cfg.loader.rank_slicing, dedup_ids=dedup_ids)
+    dataset = WindowDataset(
+        store,
+        windows,
+        cfg.sampler,
+        batch_size=cfg.loader.batch_size,
+        shuffle=cfg.loader.shuffle_within_window,
+        seed=cfg.seed,
+        drop_last=drop_last,
+        start_batch=start_batch,
+        rank=rank,
+        world_size=world_size,
+        order=cfg.loader.window_order,
+        slicing=cfg.loader.rank_slicing,
+        dedup_ids=dedup_ids,
+    )
     workers = cfg.loader.num_workers
     # An own generator: creating an iterator draws a worker base seed, which must not consume the
     # global torch RNG (dropout draws from it, and a resumed run must see the same stream).
-    return WindowLoader(dataset, batch_size=None, num_workers=workers, generator=torch.Generator().manual_seed(cfg.seed),
-                      prefetch_factor=cfg.loader.prefetch_batches if workers else None,
-                      pin_memory=torch.cuda.is_available(),
-                      multiprocessing_context=worker_start if workers else None,
-                      worker_init_fn=functools.partial(_end_with_owner, os.getpid()) if workers else None,
-                      persistent_workers=persistent_workers and workers > 0)
+    return WindowLoader(
+        dataset,
+        batch_size=None,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(cfg.seed),
+        prefetch_factor=cfg.loader.prefetch_batches if workers else None,
+        pin_memory=torch.cuda.is_available(),
+        multiprocessing_context=worker_start if workers else None,
+        worker_init_fn=functools.partial(_end_with_owner, os.getpid()) if workers else None,
+        persistent_workers=persistent_workers and workers > 0,
+    )

@@ -53,4 +53,3 @@ class PrepareLock:
         if self._fd is not None:
             release(self._fd)
             self._fd = None
-

@@ -94,8 +94,12 @@ class SplitBounds:
     def from_config(t_end: int, cfg: PreprocessConfig) -> "SplitBounds":
         test_start = t_end - cfg.test_span_seconds
         train_end = test_start - cfg.split_gap_seconds
-        return SplitBounds(t_end=t_end, test_start=test_start, train_end=train_end,
-                           train_start=train_end - cfg.num_train_days * cfg.window_seconds)
+        return SplitBounds(
+            t_end=t_end,
+            test_start=test_start,
+            train_end=train_end,
+            train_start=train_end - cfg.num_train_days * cfg.window_seconds,
+        )
 
 
 @dataclass
@@ -128,8 +132,10 @@ class _SplitWriter:
 
     def __init__(self, root: Path, split: str, capacity: int) -> None:
         self.root, self.split = root, split
-        self.columns = {name: st.ArrayAppender(root / split / f"{name}.npy", dtype, capacity)
-                        for name, dtype in st.EVENT_COLUMNS.items()}
+        self.columns = {
+            name: st.ArrayAppender(root / split / f"{name}.npy", dtype, capacity)
+            for name, dtype in st.EVENT_COLUMNS.items()
+        }
         self.user_ids: list[np.ndarray] = []
         self.user_counts: list[np.ndarray] = []
         self.size = 0
@@ -159,6 +165,7 @@ class _SplitWriter:
 @dataclass(frozen=True)
 class WindowLayout:
     """The windows of the anchors: t_min = the earliest anchor's timestamp, N windows of ``seconds``."""
+
     t_min: int | None
     t_last: int | None
     num_windows: int
@@ -207,8 +214,10 @@ class _AnchorBuckets:
     def _day(self, d: int) -> tuple[np.ndarray, np.ndarray]:
         if not 0 <= d < self.num_days or self.counts[d] == 0:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        return (np.fromfile(self.dir / f"{d}.idx", dtype=np.int64),
-                np.fromfile(self.dir / f"{d}.ts", dtype=np.uint32).astype(np.int64))
+        return (
+            np.fromfile(self.dir / f"{d}.idx", dtype=np.int64),
+            np.fromfile(self.dir / f"{d}.ts", dtype=np.uint32).astype(np.int64),
+        )
 
     def finish(self, root: Path) -> tuple[WindowLayout, np.ndarray]:
         layout = WindowLayout.of(self.t_min, self.t_last, self.width)
@@ -237,9 +246,16 @@ class _AnchorBuckets:
         return layout, offsets
 
 
-def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessConfig, *,
-               resolved_revision: str | None = None, progress: bool = True,
-               truth: Path | None = None) -> dict[str, Any]:
+def preprocess(
+    raw: RawFiles,
+    out_dir: Path,
+    ds: DatasetConfig,
+    cfg: PreprocessConfig,
+    *,
+    resolved_revision: str | None = None,
+    progress: bool = True,
+    truth: Path | None = None,
+) -> dict[str, Any]:
     """Build the store at ``out_dir`` atomically; returns its meta.json content. ``truth``: the synthetic
     generator's listen_plus probabilities, which give the holdout's ceiling (holdout_quality.py)."""
     started = time.perf_counter()
@@ -252,7 +268,10 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
     check_free_space(out_dir.parent, num_rows * STORE_BYTES_PER_ROW_AT_MOST, f"preprocessing {num_rows:,} events")
     artist_items, artist_ids = read_item_table(raw.artist_mapping, "artist_id")
     album_items, album_ids = read_item_table(raw.album_mapping, "album_id")
-    mapped = {raw.artist_mapping: int(artist_items.max(initial=-1)), raw.album_mapping: int(album_items.max(initial=-1))}
+    mapped = {
+        raw.artist_mapping: int(artist_items.max(initial=-1)),
+        raw.album_mapping: int(album_items.max(initial=-1)),
+    }
     check_items_mapped(raw, column_max(raw.multi_event, pf, "item_id"), mapped)
     bounds = SplitBounds.from_config(resolve_t_end(raw.multi_event, pf, cfg), cfg)
 
@@ -260,26 +279,49 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
     with write_errors_in_one_line(out_dir), atomic_directory(out_dir) as tmp:
         meta = _stream(pf, raw.multi_event, tmp, num_rows, bounds, cfg, progress)
         append_seconds, workers = meta.pop("_append_seconds"), meta.pop("_workers")
-        num_items = max(meta.pop("_num_items"), int(artist_items.max(initial=-1)) + 1,
-                        int(album_items.max(initial=-1)) + 1)
+        num_items = max(
+            meta.pop("_num_items"), int(artist_items.max(initial=-1)) + 1, int(album_items.max(initial=-1)) + 1
+        )
         popularity = np.zeros(num_items, np.int64)
         pop = meta.pop("_popularity")
-        popularity[:len(pop)] = pop
+        popularity[: len(pop)] = pop
         st.save_array(tmp / "items" / "artist_id.npy", item_table(artist_items, artist_ids, num_items))
         st.save_array(tmp / "items" / "album_id.npy", item_table(album_items, album_ids, num_items))
         st.save_array(tmp / "items" / "popularity.npy", popularity)
         meta["counts"]["num_items"] = num_items
-        meta["dataset"] = {"source": ds.source, "size": ds.size, "hub_repo_id": ds.hub_repo_id,
-                           "hub_revision": ds.hub_revision, "resolved_revision": resolved_revision,
-                           "synthetic_seed": ds.synthetic_seed if ds.source == "synthetic" else None}
+        meta["dataset"] = {
+            "source": ds.source,
+            "size": ds.size,
+            "hub_repo_id": ds.hub_repo_id,
+            "hub_revision": ds.hub_revision,
+            "resolved_revision": resolved_revision,
+            "synthetic_seed": ds.synthetic_seed if ds.source == "synthetic" else None,
+        }
         meta["schema_version"] = st.STORE_SCHEMA_VERSION
-        meta["constants"] = {k: getattr(cfg, k) for k in (
-            "last_timestamp", "test_span_seconds", "split_gap_seconds", "num_train_days", "window_seconds",
-            "session_gap_seconds", "listen_threshold_pct", "min_history", "null_ratio_policy")}
+        meta["constants"] = {
+            k: getattr(cfg, k)
+            for k in (
+                "last_timestamp",
+                "test_span_seconds",
+                "split_gap_seconds",
+                "num_train_days",
+                "window_seconds",
+                "session_gap_seconds",
+                "listen_threshold_pct",
+                "min_history",
+                "null_ratio_policy",
+            )
+        }
         layout: WindowLayout = meta.pop("_layout")
-        meta["split"] = {"t_end": bounds.t_end, "test_start": bounds.test_start, "train_end": bounds.train_end,
-                         "train_start": bounds.train_start, "t_min": layout.t_min, "t_last": layout.t_last,
-                         "num_windows": layout.num_windows}
+        meta["split"] = {
+            "t_end": bounds.t_end,
+            "test_start": bounds.test_start,
+            "train_end": bounds.train_end,
+            "train_start": bounds.train_start,
+            "t_min": layout.t_min,
+            "t_last": layout.t_last,
+            "num_windows": layout.num_windows,
+        }
         write_json(tmp / st.META_FILE, meta)
         quality_started = time.perf_counter()
         meta["quality"] = holdout_quality(st.open_store(tmp), cfg, raw.multi_event, truth, cfg.workers)
@@ -295,6 +337,7 @@ def preprocess(raw: RawFiles, out_dir: Path, ds: DatasetConfig, cfg: PreprocessC
 @dataclass
 class _ChunkResult:
     """One chunk's users, split, labelled and counted: what the parent appends in file order."""
+
     train_users: np.ndarray
     train_counts: np.ndarray
     train_cols: dict[str, np.ndarray]
@@ -310,8 +353,9 @@ class _ChunkResult:
     rows: int  # raw rows read
 
 
-def _process_chunk(df: pl.DataFrame, row_base: int, path: Path, bounds: SplitBounds,
-                   cfg: PreprocessConfig) -> _ChunkResult:
+def _process_chunk(
+    df: pl.DataFrame, row_base: int, path: Path, bounds: SplitBounds, cfg: PreprocessConfig
+) -> _ChunkResult:
     counts = _Counts()
     n_raw = df.height
     code = decode_event_types(df, path, row_base)
@@ -320,8 +364,10 @@ def _process_chunk(df: pl.DataFrame, row_base: int, path: Path, bounds: SplitBou
     counts.null_ratio_listens = int(np.count_nonzero(null_listen))
     if null_listen.any() and cfg.null_ratio_policy == "error":
         row = row_base + int(np.flatnonzero(null_listen)[0])
-        raise UserError(f"{path}: listen with null played_ratio_pct at row {row} "
-                        "(--null-ratio-policy skip keeps such listens as skips, drop drops them)")
+        raise UserError(
+            f"{path}: listen with null played_ratio_pct at row {row} "
+            "(--null-ratio-policy skip keeps such listens as skips, drop drops them)"
+        )
     if null_listen.any() and cfg.null_ratio_policy == "drop":
         keep = ~null_listen
         counts.dropped_null_ratio_listens = int(null_listen.sum())
@@ -337,8 +383,9 @@ def _process_chunk(df: pl.DataFrame, row_base: int, path: Path, bounds: SplitBou
 
     is_listen = code == LISTEN
     plus = ratio >= cfg.listen_threshold_pct
-    action = np.where(is_listen & plus, ACTION_LISTEN_PLUS,
-                      np.where(is_listen, ACTION_SKIP, np.where(code == LIKE, ACTION_LIKE, 0))).astype(np.uint8)
+    action = np.where(
+        is_listen & plus, ACTION_LISTEN_PLUS, np.where(is_listen, ACTION_SKIP, np.where(code == LIKE, ACTION_LIKE, 0))
+    ).astype(np.uint8)
 
     in_train = (ts >= bounds.train_start) & (ts < bounds.train_end)
     in_test = (ts >= bounds.test_start) & (ts < bounds.t_end)
@@ -346,8 +393,13 @@ def _process_chunk(df: pl.DataFrame, row_base: int, path: Path, bounds: SplitBou
     counts.dropped_in_gap = int(np.count_nonzero((ts >= bounds.train_end) & (ts < bounds.test_start)))
     counts.dropped_at_or_after_end = int(np.count_nonzero(ts >= bounds.t_end))
 
-    cols = {"item_id": item, "timestamp": ts.astype(np.uint32), "event_code": code, "action": action,
-            "is_organic": organic}
+    cols = {
+        "item_id": item,
+        "timestamp": ts.astype(np.uint32),
+        "event_code": code,
+        "action": action,
+        "is_organic": organic,
+    }
     tr_uid = uid[in_train]
     tr_starts = user_starts(tr_uid)
     tr_users = tr_uid[tr_starts[:-1]]
@@ -373,12 +425,26 @@ def _process_chunk(df: pl.DataFrame, row_base: int, path: Path, bounds: SplitBou
     te_starts = user_starts(te_uid)
     te_cols = {k: v[seen] for k, v in cols.items()}
     te_cols["session_id"] = session_numbers(te_starts, ts[seen], cfg.session_gap_seconds)
-    return _ChunkResult(tr_users, np.diff(tr_starts), tr_cols, anchor_pos, tr_ts[anchor_pos], te_uid[te_starts[:-1]],
-                        np.diff(te_starts), te_cols, counts, items, item_counts.astype(np.int64), max_item, n_raw)
+    return _ChunkResult(
+        tr_users,
+        np.diff(tr_starts),
+        tr_cols,
+        anchor_pos,
+        tr_ts[anchor_pos],
+        te_uid[te_starts[:-1]],
+        np.diff(te_starts),
+        te_cols,
+        counts,
+        items,
+        item_counts.astype(np.int64),
+        max_item,
+        n_raw,
+    )
 
 
-def _chunk_result(chunk: Chunk, path: Path, bounds: SplitBounds, cfg: PreprocessConfig,
-                  pf: pq.ParquetFile | None = None) -> _ChunkResult:
+def _chunk_result(
+    chunk: Chunk, path: Path, bounds: SplitBounds, cfg: PreprocessConfig, pf: pq.ParquetFile | None = None
+) -> _ChunkResult:
     """Read, check and process one chunk (in a worker process, or in this one with its open file)."""
     df, row_base = owned_rows(pf if pf is not None else _worker_file(path), path, chunk)
     return _process_chunk(df, row_base, path, bounds, cfg)
@@ -400,8 +466,9 @@ def _start_worker(parent: int) -> None:
     pa.set_io_thread_count(1)
 
 
-def _results_in_order(pf: pq.ParquetFile, path: Path, chunks: list[Chunk], bounds: SplitBounds,
-                      cfg: PreprocessConfig, workers: int) -> Generator[_ChunkResult, None, None]:
+def _results_in_order(
+    pf: pq.ParquetFile, path: Path, chunks: list[Chunk], bounds: SplitBounds, cfg: PreprocessConfig, workers: int
+) -> Generator[_ChunkResult, None, None]:
     """Every chunk's result in file order, processed by ``workers`` processes (this one for 1), at
     most two chunks per worker ahead of the writer."""
     if workers <= 1 or len(chunks) <= 1:
@@ -414,7 +481,9 @@ def _results_in_order(pf: pq.ParquetFile, path: Path, chunks: list[Chunk], bound
     os.environ["POLARS_MAX_THREADS"] = "1"
     try:
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(os.getpid(),)) as pool:
+        with ProcessPoolExecutor(
+            workers, mp_context=context, initializer=_start_worker, initargs=(os.getpid(),)
+        ) as pool:
             work = functools.partial(_chunk_result, path=path, bounds=bounds, cfg=cfg)
             yield from in_order(pool, work, chunks, 2 * workers)
     finally:
@@ -424,8 +493,15 @@ def _results_in_order(pf: pq.ParquetFile, path: Path, chunks: list[Chunk], bound
             os.environ["POLARS_MAX_THREADS"] = polars_threads
 
 
-def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: SplitBounds,
-            cfg: PreprocessConfig, progress: bool) -> dict[str, Any]:
+def _stream(
+    pf: pq.ParquetFile,
+    path: Path,
+    root: Path,
+    num_rows: int,
+    bounds: SplitBounds,
+    cfg: PreprocessConfig,
+    progress: bool,
+) -> dict[str, Any]:
     train = _SplitWriter(root, "train", num_rows)
     test = _SplitWriter(root, "test", num_rows)
     anchors = _AnchorBuckets(root, bounds.train_start, cfg.window_seconds, cfg.num_train_days)
@@ -434,8 +510,10 @@ def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: S
     max_item = -1
     chunks = plan_chunks(pf, cfg.rows_per_chunk)
     workers = cfg.workers or usable_cores()
-    with tqdm(total=num_rows, unit="ev", unit_scale=True, desc="preprocess", disable=not progress) as bar, \
-            contextlib.closing(_results_in_order(pf, path, chunks, bounds, cfg, workers)) as results:
+    with (
+        tqdm(total=num_rows, unit="ev", unit_scale=True, desc="preprocess", disable=not progress) as bar,
+        contextlib.closing(_results_in_order(pf, path, chunks, bounds, cfg, workers)) as results,
+    ):
         append_seconds = 0.0  # the parent's own work: with many workers, the rate it caps
         for r in results:
             appending = time.perf_counter()
@@ -454,24 +532,31 @@ def _stream(pf: pq.ParquetFile, path: Path, root: Path, num_rows: int, bounds: S
     train_users, train_events = train.finish()
     test_users, test_events = test.finish()
     if train_events == 0:
-        raise UserError(f"{path}: no events fall in the train span [{bounds.train_start}, {bounds.train_end}); "
-                        "check last_timestamp / num_train_days against the data's timestamps")
+        raise UserError(
+            f"{path}: no events fall in the train span [{bounds.train_start}, {bounds.train_end}); "
+            "check last_timestamp / num_train_days against the data's timestamps"
+        )
     layout, window_offsets = anchors.finish(root)
     per_window = np.diff(window_offsets)
     return {
-        "counts": {"raw_events": counts.raw_events, "train_events": train_events, "test_events": test_events,
-                   "train_users": train_users, "test_users": test_users,
-                   "null_ratio_listens": counts.null_ratio_listens,
-                   "dropped_null_ratio_listens": counts.dropped_null_ratio_listens,
-                   "dropped_before_train_start": counts.dropped_before_train_start,
-                   "dropped_in_gap": counts.dropped_in_gap,
-                   "dropped_at_or_after_end": counts.dropped_at_or_after_end,
-                   "dropped_test_unseen_user": counts.dropped_test_unseen_user,
-                   "anchors": int(window_offsets[-1]),
-                   "anchors_per_window": per_window.tolist(),
-                   # What the MLPerf log states: windows 0..N-2 train, window N-1 is the holdout.
-                   "train_samples": int(per_window[:-1].sum()),
-                   "eval_samples": int(per_window[-1]) if len(per_window) else 0},
+        "counts": {
+            "raw_events": counts.raw_events,
+            "train_events": train_events,
+            "test_events": test_events,
+            "train_users": train_users,
+            "test_users": test_users,
+            "null_ratio_listens": counts.null_ratio_listens,
+            "dropped_null_ratio_listens": counts.dropped_null_ratio_listens,
+            "dropped_before_train_start": counts.dropped_before_train_start,
+            "dropped_in_gap": counts.dropped_in_gap,
+            "dropped_at_or_after_end": counts.dropped_at_or_after_end,
+            "dropped_test_unseen_user": counts.dropped_test_unseen_user,
+            "anchors": int(window_offsets[-1]),
+            "anchors_per_window": per_window.tolist(),
+            # What the MLPerf log states: windows 0..N-2 train, window N-1 is the holdout.
+            "train_samples": int(per_window[:-1].sum()),
+            "eval_samples": int(per_window[-1]) if len(per_window) else 0,
+        },
         "event_type_counts": counts.event_types,
         "_num_items": max_item + 1,
         "_append_seconds": append_seconds,

@@ -25,8 +25,10 @@ def decode_event_types(df: pl.DataFrame, path: Path, row_base: int) -> np.ndarra
     known = names.is_in(list(EVENT_TYPES))
     if not bool(known.all()):
         bad_row = int(np.flatnonzero(~known.to_numpy())[0])
-        raise UserError(f"{path}: unknown event_type {names[bad_row]!r} at row {row_base + bad_row} "
-                        f"(expected one of {', '.join(EVENT_TYPES)})")
+        raise UserError(
+            f"{path}: unknown event_type {names[bad_row]!r} at row {row_base + bad_row} "
+            f"(expected one of {', '.join(EVENT_TYPES)})"
+        )
     return names.replace_strict(EVENT_CODE, return_dtype=pl.UInt8).to_numpy()
 
 
@@ -44,8 +46,10 @@ def check_order(uid: np.ndarray, ts: np.ndarray, prev: tuple[int, int] | None, p
     bad = (du < 0) | ((du == 0) & (dt < 0))
     if bad.any():
         row = int(np.flatnonzero(bad)[0]) + 1
-        raise UserError(f"{path}: rows are not sorted by (uid, timestamp) at row {row_base + row} "
-                        f"(uid {u[row - 1]}->{u[row]}, timestamp {t[row - 1]}->{t[row]})")
+        raise UserError(
+            f"{path}: rows are not sorted by (uid, timestamp) at row {row_base + row} "
+            f"(uid {u[row - 1]}->{u[row]}, timestamp {t[row - 1]}->{t[row]})"
+        )
 
 
 def user_starts(uid: np.ndarray) -> np.ndarray:
@@ -132,6 +136,7 @@ def item_table(items: np.ndarray, ids: np.ndarray, num_items: int) -> np.ndarray
 class Chunk:
     """Row groups [first, stop) of the raw file, starting at file row ``row_base``. It owns the users
     whose first row lies in them, whole: their rows that run on into the next groups too."""
+
     first: int
     stop: int
     row_base: int

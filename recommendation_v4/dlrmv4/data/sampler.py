@@ -72,14 +72,15 @@ def last_of_pool(window: np.ndarray, bit: int, k: int) -> np.ndarray:
         return np.flatnonzero(mask)
     tail = min(n, n * k // count * 6 // 5 + 64)
     while True:
-        local = np.flatnonzero(mask[n - tail:])
+        local = np.flatnonzero(mask[n - tail :])
         if len(local) >= k:
             return local[-k:] + (n - tail)
         tail = min(n, 2 * tail)
 
 
-def history_positions(action: np.ndarray, lo: np.ndarray, hi: np.ndarray,
-                      per_pool: int) -> tuple[np.ndarray, np.ndarray]:
+def history_positions(
+    action: np.ndarray, lo: np.ndarray, hi: np.ndarray, per_pool: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Global event positions of every sample's history (concatenated, time order) and their counts.
 
     Sample b scans ``action[lo[b]:hi[b]]``. Each pool's positions are sorted, so the merged
@@ -89,8 +90,7 @@ def history_positions(action: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     counts = np.empty(len(lo), dtype=np.int64)
     for b, (start, stop) in enumerate(zip(lo.tolist(), hi.tolist())):
         window = action[start:stop]
-        local = np.sort(np.concatenate([last_of_pool(window, bit, per_pool) for bit in ACTION_BITS]),
-                        kind="stable")
+        local = np.sort(np.concatenate([last_of_pool(window, bit, per_pool) for bit in ACTION_BITS]), kind="stable")
         counts[b] = len(local)
         parts.append(local)
     local_all = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
@@ -136,8 +136,9 @@ def history_lengths(store: Store, anchor_indices: np.ndarray, cfg: SamplerConfig
     return lengths
 
 
-def build_batch(store: Store, anchor_indices: np.ndarray, cfg: SamplerConfig,
-                item_sides: np.ndarray | None = None) -> JaggedBatch:
+def build_batch(
+    store: Store, anchor_indices: np.ndarray, cfg: SamplerConfig, item_sides: np.ndarray | None = None
+) -> JaggedBatch:
     """The jagged batch of the given anchors (global train event indices), in the given order.
 
     ``item_sides`` (from ``pack_item_sides(store)``) is optional and only makes it faster.
@@ -146,8 +147,9 @@ def build_batch(store: Store, anchor_indices: np.ndarray, cfg: SamplerConfig,
     num_events = int(np.asarray(train.user_offsets)[-1])
     anchors = np.array(anchor_indices, dtype=np.int64).reshape(-1)  # a copy: callers pass mmap slices
     if anchors.size and (anchors.min() < 0 or anchors.max() >= num_events):
-        raise ValueError(f"anchor indices must lie in [0, {num_events}), got "
-                         f"[{int(anchors.min())}, {int(anchors.max())}]")
+        raise ValueError(
+            f"anchor indices must lie in [0, {num_events}), got [{int(anchors.min())}, {int(anchors.max())}]"
+        )
     user, lo = scan_ranges(store, anchors, cfg.scan_window)
     positions, lengths = history_positions(np.asarray(train.action), lo, anchors, cfg.per_pool_length)
 

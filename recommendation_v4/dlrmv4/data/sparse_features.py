@@ -73,7 +73,11 @@ def sparse_features(batch: TorchJaggedBatch):
 def lookup_size(batch: TorchJaggedBatch) -> int:
     """How many ids ``sparse_features(batch)`` asks the lookup for (host sizes, no device read)."""
     b = batch.num_samples
-    history = sum(batch.unique_counts) if batch.lookup_ids is not None and batch.unique_counts else len(HISTORY_KEYS) * batch.total_tokens
+    history = (
+        sum(batch.unique_counts)
+        if batch.lookup_ids is not None and batch.unique_counts
+        else len(HISTORY_KEYS) * batch.total_tokens
+    )
     return history + (len(SPARSE_KEYS) - len(HISTORY_KEYS)) * b
 
 

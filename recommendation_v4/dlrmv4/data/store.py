@@ -68,6 +68,7 @@ SPLITS = ("train", "test")
 @dataclass(frozen=True)
 class EventSplit:
     """One split's CSR arrays (memory-mapped)."""
+
     user_offsets: np.ndarray
     user_ids: np.ndarray
     item_id: np.ndarray
@@ -105,7 +106,7 @@ class Store:
     def window_anchors(self, window: int) -> np.ndarray:
         if not 0 <= window < self.num_windows:
             raise IndexError(f"window {window} outside [0, {self.num_windows})")
-        return self.anchor_event_index[self.window_offsets[window]:self.window_offsets[window + 1]]
+        return self.anchor_event_index[self.window_offsets[window] : self.window_offsets[window + 1]]
 
     @property
     def window_start_ts(self) -> int:
@@ -119,8 +120,10 @@ class Store:
 
 
 def split_files(split: str) -> dict[str, np.dtype]:
-    files: dict[str, np.dtype] = {f"{split}/user_offsets.npy": np.dtype(np.int64),
-                                  f"{split}/user_ids.npy": np.dtype(np.uint32)}
+    files: dict[str, np.dtype] = {
+        f"{split}/user_offsets.npy": np.dtype(np.int64),
+        f"{split}/user_ids.npy": np.dtype(np.uint32),
+    }
     files.update({f"{split}/{name}.npy": dtype for name, dtype in EVENT_COLUMNS.items()})
     return files
 
@@ -160,9 +163,11 @@ def read_meta(path: Path) -> dict[str, Any]:
     version = meta.get("schema_version")
     if version != STORE_SCHEMA_VERSION:
         made_by = "an older" if isinstance(version, int) and version < STORE_SCHEMA_VERSION else "another"
-        raise UserError(f"{meta_path}: store schema version {version} was written by {made_by} preprocessing, this "
-                        f"code reads version {STORE_SCHEMA_VERSION}; re-run the preprocessing (python -m dlrmv4 "
-                        "prepare with the same dataset flags, or download_dataset.sh)")
+        raise UserError(
+            f"{meta_path}: store schema version {version} was written by {made_by} preprocessing, this "
+            f"code reads version {STORE_SCHEMA_VERSION}; re-run the preprocessing (python -m dlrmv4 "
+            "prepare with the same dataset flags, or download_dataset.sh)"
+        )
     return meta
 
 
@@ -173,17 +178,27 @@ def open_store(path: Path | str) -> Store:
     arrays = {rel: _load(path, rel, dtype) for rel, dtype in files.items()}
 
     def split(name: str) -> EventSplit:
-        return EventSplit(user_offsets=arrays[f"{name}/user_offsets.npy"], user_ids=arrays[f"{name}/user_ids.npy"],
-                          **{c: arrays[f"{name}/{c}.npy"] for c in EVENT_COLUMNS})
+        return EventSplit(
+            user_offsets=arrays[f"{name}/user_offsets.npy"],
+            user_ids=arrays[f"{name}/user_ids.npy"],
+            **{c: arrays[f"{name}/{c}.npy"] for c in EVENT_COLUMNS},
+        )
 
-    return Store(path=path, meta=meta, train=split("train"), test=split("test"),
-                 artist_id=arrays["items/artist_id.npy"], album_id=arrays["items/album_id.npy"],
-                 popularity=arrays["items/popularity.npy"],
-                 anchor_event_index=arrays["anchors/event_index.npy"],
-                 window_offsets=arrays["anchors/window_offsets.npy"])
+    return Store(
+        path=path,
+        meta=meta,
+        train=split("train"),
+        test=split("test"),
+        artist_id=arrays["items/artist_id.npy"],
+        album_id=arrays["items/album_id.npy"],
+        popularity=arrays["items/popularity.npy"],
+        anchor_event_index=arrays["anchors/event_index.npy"],
+        window_offsets=arrays["anchors/window_offsets.npy"],
+    )
 
 
 # ---------------------------------------------------------------- writing
+
 
 class ArrayAppender:
     """Writes a 1-D ``.npy`` by appending blocks; ``close`` fixes its length with ``shrink_npy``.
@@ -197,8 +212,8 @@ class ArrayAppender:
         self.path, self.dtype, self.size = path, np.dtype(dtype), 0
         self._fh = open(path, "wb")
         np.lib.format.write_array_header_1_0(
-            self._fh, {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False,
-                       "shape": (capacity,)})
+            self._fh, {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": (capacity,)}
+        )
 
     def append(self, block: np.ndarray) -> None:
         self._fh.write(np.ascontiguousarray(block, dtype=self.dtype).tobytes())
@@ -278,8 +293,7 @@ def shrink_npy(path: Path, length: int) -> None:
         data_start = fh.tell()
         if len(shape) != 1 or length > shape[0]:
             raise ValueError(f"{path}: cannot shrink shape {shape} to {length}")
-        header = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": fortran,
-                       "shape": (length,)})
+        header = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": fortran, "shape": (length,)})
         room = data_start - 10  # magic (6) + version (2) + header length (2)
         body = header.encode("latin1")
         if len(body) + 1 > room:

@@ -79,17 +79,29 @@ class SyntheticSpec:
 SPECS: dict[str, SyntheticSpec] = {
     "tiny": SyntheticSpec(users=300, items=20_000, artists=1_000, albums=4_000, mean_listens=650, days=20),
     "small": SyntheticSpec(users=1_000, items=50_000, artists=2_500, albums=10_000, mean_listens=1_000, days=40),
-    "medium": SyntheticSpec(users=2_500, items=200_000, artists=10_000, albums=40_000, mean_listens=2_000,
-                            days=100),
-    "50m": SyntheticSpec(users=10_000, items=934_057, artists=50_000, albums=200_000, mean_listens=4_750,
-                         days=300),
+    "medium": SyntheticSpec(users=2_500, items=200_000, artists=10_000, albums=40_000, mean_listens=2_000, days=100),
+    "50m": SyntheticSpec(users=10_000, items=934_057, artists=50_000, albums=200_000, mean_listens=4_750, days=300),
     # Yambda-5B's users, catalog and span at a fifth of its events (the data path at scale).
-    "1b": SyntheticSpec(users=1_000_000, items=9_390_624, artists=1_293_395, albums=3_367_692, mean_listens=1_000,
-                        days=300, uid_rows=1_000_001),
+    "1b": SyntheticSpec(
+        users=1_000_000,
+        items=9_390_624,
+        artists=1_293_395,
+        albums=3_367_692,
+        mean_listens=1_000,
+        days=300,
+        uid_rows=1_000_001,
+    ),
     # Yambda-5B's size whole: its users, catalog, span and about 4.79 B events (4.65 B listens; more
     # rows than a 32-bit index holds). 4,665 listens a user on average give 4.65 B listens at the default seed.
-    "5b": SyntheticSpec(users=1_000_000, items=9_390_624, artists=1_293_395, albums=3_367_692, mean_listens=4_665,
-                        days=300, uid_rows=1_000_001),
+    "5b": SyntheticSpec(
+        users=1_000_000,
+        items=9_390_624,
+        artists=1_293_395,
+        albums=3_367_692,
+        mean_listens=4_665,
+        days=300,
+        uid_rows=1_000_001,
+    ),
 }
 assert tuple(SPECS) == SYNTHETIC_SIZES
 
@@ -130,8 +142,25 @@ _P_FULL, _P_REPLAY = 0.55, 0.08  # of listen_plus: exactly 100 %, or a replay 10
 
 # Per-listen uniform columns, one row each in the (N_COLS, n) matrix a user draws.
 # New columns go last: a user's earlier columns then keep their values.
-(_C_CHOICE, _C_PICK_A, _C_PICK_B, _C_ORGANIC, _C_PLUS, _C_RATIO_A, _C_RATIO_B, _C_FEEDBACK,
- _C_FEEDBACK_BIN, _C_UNDO, _C_UNDO_DELAY, _C_BREAK, _C_INTRA, _C_INTER, _C_TIE, _C_NULL_RATIO, _N_COLS) = range(17)
+(
+    _C_CHOICE,
+    _C_PICK_A,
+    _C_PICK_B,
+    _C_ORGANIC,
+    _C_PLUS,
+    _C_RATIO_A,
+    _C_RATIO_B,
+    _C_FEEDBACK,
+    _C_FEEDBACK_BIN,
+    _C_UNDO,
+    _C_UNDO_DELAY,
+    _C_BREAK,
+    _C_INTRA,
+    _C_INTER,
+    _C_TIE,
+    _C_NULL_RATIO,
+    _N_COLS,
+) = range(17)
 
 
 TRUTH_FILE = "listen_plus_probability.parquet"
@@ -154,14 +183,14 @@ def spec_for(size: str) -> SyntheticSpec:
 
 @dataclass(frozen=True)
 class _Catalog:
-    item_artist: np.ndarray    # int64 per item
-    item_album: np.ndarray     # int64 per item
-    cum_pop: np.ndarray        # cumulative item popularity (sums to 1)
-    by_artist: np.ndarray      # item ids ordered by artist
+    item_artist: np.ndarray  # int64 per item
+    item_album: np.ndarray  # int64 per item
+    cum_pop: np.ndarray  # cumulative item popularity (sums to 1)
+    by_artist: np.ndarray  # item ids ordered by artist
     cum_pop_by_artist: np.ndarray
-    artist_lo: np.ndarray      # per artist: cumulative popularity before its first item
+    artist_lo: np.ndarray  # per artist: cumulative popularity before its first item
     artist_hi: np.ndarray
-    artist_first: np.ndarray   # per artist: first/last index into by_artist
+    artist_first: np.ndarray  # per artist: first/last index into by_artist
     artist_last: np.ndarray
     cum_artist_pref: np.ndarray  # how likely an artist is to be someone's favourite
     quality: np.ndarray
@@ -194,16 +223,30 @@ def _catalog(spec: SyntheticSpec, seed: int) -> _Catalog:
     cum_pref = np.cumsum(pref / pref.sum())
     quality = rng.normal(0.0, _QUALITY_SD, n_items)
     track_length = np.clip(rng.lognormal(np.log(200.0), 0.35, n_items), 30, 900).astype(np.uint32)
-    keep = [np.flatnonzero((rng.random(n_items) >= _UNMAPPED_FRACTION) | (np.arange(n_items) == 0))
-            for _ in range(2)]
+    keep = [np.flatnonzero((rng.random(n_items) >= _UNMAPPED_FRACTION) | (np.arange(n_items) == 0)) for _ in range(2)]
     artist_map = _with_last_item(_mapping_rows(rng, item_artist, keep[0], n_artists), item_artist)
     album_map = _with_last_item(_mapping_rows(rng, item_album, keep[1], n_albums), item_album)
-    return _Catalog(item_artist, item_album, np.cumsum(pop), by_artist, cum_by_artist, artist_lo, artist_hi,
-                    artist_first, artist_last, cum_pref, quality, track_length, artist_map, album_map)
+    return _Catalog(
+        item_artist,
+        item_album,
+        np.cumsum(pop),
+        by_artist,
+        cum_by_artist,
+        artist_lo,
+        artist_hi,
+        artist_first,
+        artist_last,
+        cum_pref,
+        quality,
+        track_length,
+        artist_map,
+        album_map,
+    )
 
 
-def _mapping_rows(rng: np.random.Generator, item_ids: np.ndarray, kept: np.ndarray,
-                  n_ids: int) -> tuple[np.ndarray, np.ndarray]:
+def _mapping_rows(
+    rng: np.random.Generator, item_ids: np.ndarray, kept: np.ndarray, n_ids: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(ids, items) of one mapping file in file order: the kept items ascending, one row each, except a
     few items that first get two rows with other ids, one smaller and one larger in random order.
 
@@ -245,14 +288,14 @@ def _sample(cum: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 @dataclass
 class _UserDraws:
-    n: np.ndarray          # listens per user
-    affine: np.ndarray     # (users, _MAX_AFFINE) artist ids, -1 where unused
+    n: np.ndarray  # listens per user
+    affine: np.ndarray  # (users, _MAX_AFFINE) artist ids, -1 where unused
     cum_weight: np.ndarray  # (users, _MAX_AFFINE) cumulative Dirichlet weights, 2.0 past the last used
     explore: np.ndarray
     bias: np.ndarray
     start_frac: np.ndarray
     tail_weight: np.ndarray
-    u: np.ndarray          # (_N_COLS, total listens)
+    u: np.ndarray  # (_N_COLS, total listens)
 
 
 def _user_rng(seed: int, index: int) -> np.random.Generator:
@@ -261,7 +304,7 @@ def _user_rng(seed: int, index: int) -> np.random.Generator:
 
 def _listen_count(rng: np.random.Generator, max_listens: int, mean_listens: int) -> int:
     """A user's listens: the first draw of the user's stream (lognormal, heavy-tailed, clipped)."""
-    mu = np.log(mean_listens) - _LISTENS_SIGMA ** 2 / 2
+    mu = np.log(mean_listens) - _LISTENS_SIGMA**2 / 2
     return int(np.clip(rng.lognormal(mu, _LISTENS_SIGMA), _MIN_LISTENS, max_listens))
 
 
@@ -284,7 +327,7 @@ def _draw_users(users: range, seed: int, cat: _Catalog, max_listens: int, mean_l
         n[j] = _listen_count(rng, max_listens, mean_listens)
         k = int(rng.integers(1, _MAX_AFFINE + 1))
         affine[j, :k] = _sample(cat.cum_artist_pref, rng.random(k))
-        cum_weight[j, :k - 1] = np.cumsum(rng.dirichlet(np.ones(k)))[:-1]
+        cum_weight[j, : k - 1] = np.cumsum(rng.dirichlet(np.ones(k)))[:-1]
         explore[j] = rng.beta(2.0, 5.0)
         bias[j] = rng.normal(0.0, _USER_BIAS_SD)
         start_frac[j] = 0.0 if index == 0 else rng.random() ** 2  # user 0 starts the dataset at t = 0
@@ -329,8 +372,16 @@ def _launch_time(ts: np.ndarray, ramp: int) -> np.ndarray:
     return np.where(ts < ramp, ts * _RAMP_STRETCH, ts + ramp * (_RAMP_STRETCH - 1))
 
 
-def _block_events(users: range, uid_of: np.ndarray, seed: int, cat: _Catalog, span_bins: int, ramp: int,
-                  max_listens: int, mean_listens: int) -> dict[str, np.ndarray]:
+def _block_events(
+    users: range,
+    uid_of: np.ndarray,
+    seed: int,
+    cat: _Catalog,
+    span_bins: int,
+    ramp: int,
+    max_listens: int,
+    mean_listens: int,
+) -> dict[str, np.ndarray]:
     """Events of the users ``users`` (indices) as numpy columns (``_as_table`` makes the parquet
     table); ``span_bins`` is the virtual span (the ramp compressed)."""
     d = _draw_users(users, seed, cat, max_listens, mean_listens)
@@ -357,14 +408,23 @@ def _block_events(users: range, uid_of: np.ndarray, seed: int, cat: _Catalog, sp
     # Outcome of the listen.
     affine = (d.affine[user] == cat.item_artist[item][:, None]).any(axis=1)
     organic = u[_C_ORGANIC] < np.where(popular, _P_ORGANIC_POPULAR, _P_ORGANIC_CHOSEN)
-    logit = (_PLUS_BASE + _PLUS_AFFINE * affine + _PLUS_REPEAT * repeat + _PLUS_ORGANIC * organic
-             + cat.quality[item] + d.bias[user])
+    logit = (
+        _PLUS_BASE
+        + _PLUS_AFFINE * affine
+        + _PLUS_REPEAT * repeat
+        + _PLUS_ORGANIC * organic
+        + cat.quality[item]
+        + d.bias[user]
+    )
     p_plus = 1.0 / (1.0 + np.exp(-logit))
     plus = u[_C_PLUS] < p_plus
     ra, rb = u[_C_RATIO_A], u[_C_RATIO_B]
-    ratio = np.where(ra < _P_REPLAY, 101 + (199 * rb ** 2).astype(np.int64),
-                     np.where(ra < _P_REPLAY + _P_FULL, 100, 50 + (50 * rb).astype(np.int64)))
-    ratio = np.where(plus, ratio, np.minimum(49, (50 * ra ** 1.5).astype(np.int64)))
+    ratio = np.where(
+        ra < _P_REPLAY,
+        101 + (199 * rb**2).astype(np.int64),
+        np.where(ra < _P_REPLAY + _P_FULL, 100, 50 + (50 * rb).astype(np.int64)),
+    )
+    ratio = np.where(plus, ratio, np.minimum(49, (50 * ra**1.5).astype(np.int64)))
 
     # Time: sessions of 5-60 s steps (a few 0: ties); the user's slack is spread over the session gaps,
     # in virtual time that the launch ramp then stretches.
@@ -396,8 +456,9 @@ def _block_events(users: range, uid_of: np.ndarray, seed: int, cat: _Catalog, sp
 
     listen_idx = np.arange(total)
     src_idx = np.concatenate([listen_idx, fb_idx, undo_idx])  # the listen each row is about
-    etype = np.concatenate([np.full(total, LISTEN), np.where(like[fb_idx], LIKE, DISLIKE),
-                            np.where(like[undo_idx], UNLIKE, UNDISLIKE)])
+    etype = np.concatenate(
+        [np.full(total, LISTEN), np.where(like[fb_idx], LIKE, DISLIKE), np.where(like[undo_idx], UNLIKE, UNDISLIKE)]
+    )
     row_ts = np.concatenate([ts, fb_ts, undo_ts])
     # Ties at one timestamp keep generation order: a listen, then its like, then an undo.
     gen = np.concatenate([4 * listen_idx, 4 * fb_idx + 1, 4 * undo_at + 2])
@@ -421,15 +482,18 @@ def _block_events(users: range, uid_of: np.ndarray, seed: int, cat: _Catalog, sp
 
 
 def _as_table(c: dict[str, np.ndarray]) -> pa.Table:
-    return pa.Table.from_arrays([
-        pa.array(c["uid"]),
-        pa.array(c["item_id"]),
-        pa.array(c["timestamp"]),
-        pa.array(c["is_organic"]),
-        pa.DictionaryArray.from_arrays(pa.array(c["event_type"]), pa.array(EVENT_TYPES, pa.string())),
-        pa.array(c["played_ratio_pct"], mask=c["ratio_null"]),
-        pa.array(c["track_length_seconds"], mask=c["length_null"]),
-    ], schema=MULTI_EVENT_SCHEMA)
+    return pa.Table.from_arrays(
+        [
+            pa.array(c["uid"]),
+            pa.array(c["item_id"]),
+            pa.array(c["timestamp"]),
+            pa.array(c["is_organic"]),
+            pa.DictionaryArray.from_arrays(pa.array(c["event_type"]), pa.array(EVENT_TYPES, pa.string())),
+            pa.array(c["played_ratio_pct"], mask=c["ratio_null"]),
+            pa.array(c["track_length_seconds"], mask=c["length_null"]),
+        ],
+        schema=MULTI_EVENT_SCHEMA,
+    )
 
 
 # A worker process's generation arguments, set once when it starts (``_start_worker``): forked, it
@@ -459,15 +523,19 @@ def _blocks_in_order(blocks: list[range], args: tuple, workers: int) -> Generato
         return
     # fork: the workers share the catalog's pages with this process instead of rebuilding them.
     context = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                             initargs=(args, os.getpid())) as pool:
+    with ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_start_worker, initargs=(args, os.getpid())
+    ) as pool:
         yield from in_order(pool, _worker_block, blocks, 2 * workers)
 
 
 def _write_mapping(path: Path, id_name: str, ids: np.ndarray, items: np.ndarray) -> None:
-    table = pa.table({id_name: pa.array(ids.astype(np.uint32)), "item_id": pa.array(items.astype(np.uint32))},
-                     schema=pa.schema([pa.field(id_name, pa.uint32(), nullable=False),
-                                       pa.field("item_id", pa.uint32(), nullable=False)]))
+    table = pa.table(
+        {id_name: pa.array(ids.astype(np.uint32)), "item_id": pa.array(items.astype(np.uint32))},
+        schema=pa.schema(
+            [pa.field(id_name, pa.uint32(), nullable=False), pa.field("item_id", pa.uint32(), nullable=False)]
+        ),
+    )
     write_atomically(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
 
 
@@ -479,8 +547,10 @@ def _write_events(tmp: Path, tmp_truth: Path, blocks, bar: tqdm) -> None:
     """The events and, row for row in the same row groups, their truth."""
     pending: list[tuple[pa.Table, pa.Table]] = []
     buffered = 0
-    with pq.ParquetWriter(tmp, MULTI_EVENT_SCHEMA, compression="zstd") as writer, \
-            pq.ParquetWriter(tmp_truth, TRUTH_SCHEMA, compression="zstd") as truth_writer:
+    with (
+        pq.ParquetWriter(tmp, MULTI_EVENT_SCHEMA, compression="zstd") as writer,
+        pq.ParquetWriter(tmp_truth, TRUTH_SCHEMA, compression="zstd") as truth_writer,
+    ):
 
         def write(events: pa.Table, truth: pa.Table) -> None:
             writer.write_table(events, row_group_size=ROW_GROUP_ROWS)
@@ -516,8 +586,15 @@ def _generation_args(spec: SyntheticSpec, seed: int, days: int) -> tuple:
     """What ``_block_events`` takes besides the users: (uids, seed, catalog, span, ramp, listen cap, mean listens)."""
     span_bins = _virtual_span_bins(days)
     ramp = ramp_bins(days * 86_400 // TIMESTAMP_BIN_SECONDS)
-    return (user_ids(spec, seed), seed, _catalog(spec, seed), span_bins, ramp, _max_listens(span_bins),
-            spec.mean_listens)
+    return (
+        user_ids(spec, seed),
+        seed,
+        _catalog(spec, seed),
+        span_bins,
+        ramp,
+        _max_listens(span_bins),
+        spec.mean_listens,
+    )
 
 
 def users_events(size: str, seed: int, users: range) -> dict[str, np.ndarray]:
@@ -529,8 +606,9 @@ def users_events(size: str, seed: int, users: range) -> dict[str, np.ndarray]:
     return _block_events(users, *_generation_args(spec, seed, spec.days))
 
 
-def generate(root: Path, size: str, seed: int, *, num_days: int | None = None, progress: bool = True,
-             workers: int = 0) -> RawFiles:
+def generate(
+    root: Path, size: str, seed: int, *, num_days: int | None = None, progress: bool = True, workers: int = 0
+) -> RawFiles:
     """Write the synthetic raw files for ``size`` under ``root`` (hub layout) and return their paths;
     ``workers`` processes make the events (0: one per usable core; the files are the same for any)."""
     spec = spec_for(size)
@@ -540,8 +618,11 @@ def generate(root: Path, size: str, seed: int, *, num_days: int | None = None, p
     files = RawFiles.under(Path(root), size)
     for path in (files.multi_event.parent, files.artist_mapping.parent, files.album_mapping.parent):
         check_writable(path, "synthetic data directory")
-    check_free_space(files.multi_event.parent, spec.users * spec.mean_listens * _RAW_BYTES_PER_LISTEN_AT_MOST,
-                     f"generating synthetic {size} (about {spec.users * spec.mean_listens:,} listens)")
+    check_free_space(
+        files.multi_event.parent,
+        spec.users * spec.mean_listens * _RAW_BYTES_PER_LISTEN_AT_MOST,
+        f"generating synthetic {size} (about {spec.users * spec.mean_listens:,} listens)",
+    )
     # A stale events file must not pair with freshly written mappings if this run fails.
     files.multi_event.unlink(missing_ok=True)
     truth = truth_path(files)
@@ -553,11 +634,16 @@ def generate(root: Path, size: str, seed: int, *, num_days: int | None = None, p
     step = max(1, BLOCK_LISTENS // spec.mean_listens)
     users = [range(s, min(s + step, spec.users)) for s in range(0, spec.users, step)]
     # closing: a failed write stops the workers at once.
-    with contextlib.closing(_blocks_in_order(users, args, workers or usable_cores())) as blocks, tqdm(
-        total=len(users), desc=f"synthetic {size}", unit="block", disable=not progress
-    ) as bar:
+    with (
+        contextlib.closing(_blocks_in_order(users, args, workers or usable_cores())) as blocks,
+        tqdm(total=len(users), desc=f"synthetic {size}", unit="block", disable=not progress) as bar,
+    ):
         # Both files get their names only once both are whole (a crash between the two renames leaves
         # the events without their truth: the store then records no ceiling, and says why).
-        write_atomically(truth, lambda tmp_truth: write_atomically(
-            files.multi_event, lambda tmp: _write_events(tmp, tmp_truth, blocks, bar)))
+        write_atomically(
+            truth,
+            lambda tmp_truth: write_atomically(
+                files.multi_event, lambda tmp: _write_events(tmp, tmp_truth, blocks, bar)
+            ),
+        )
     return files

@@ -61,8 +61,9 @@ def _check_split(
 
     def check(start: int) -> list[str]:
         found: list[str] = []
-        _check_events(name, split, user_starts, start, min(int(off[-1]), start + EVENTS_PER_CHECK), lo, hi,
-                      session_gap, found)
+        _check_events(
+            name, split, user_starts, start, min(int(off[-1]), start + EVENTS_PER_CHECK), lo, hi, session_gap, found
+        )
         return found
 
     for found in parallel_map(check, range(0, int(off[-1]), EVENTS_PER_CHECK), workers):
@@ -71,8 +72,17 @@ def _check_split(
             return
 
 
-def _check_events(name: str, split: st.EventSplit, user_starts: np.ndarray, start: int, stop: int, lo: int,
-                  hi: int, session_gap: int, problems: list[str]) -> None:
+def _check_events(
+    name: str,
+    split: st.EventSplit,
+    user_starts: np.ndarray,
+    start: int,
+    stop: int,
+    lo: int,
+    hi: int,
+    session_gap: int,
+    problems: list[str],
+) -> None:
     """The per-event invariants of events [start, stop) of ``split``, appended to ``problems``."""
     ts = np.asarray(split.timestamp[start:stop]).astype(np.int64)
     code = np.asarray(split.event_code[start:stop])
@@ -81,10 +91,15 @@ def _check_events(name: str, split: st.EventSplit, user_starts: np.ndarray, star
         problems.append(f"{name}: timestamps outside [{lo}, {hi}) in events {start}..{stop}")
     if code.max() >= len(EVENT_TYPES):
         problems.append(f"{name}: event_code >= {len(EVENT_TYPES)} in events {start}..{stop}")
-    bad_action = np.where(code == LISTEN, (action != ACTION_LISTEN_PLUS) & (action != ACTION_SKIP),
-                          np.where(code == LIKE, action != ACTION_LIKE, action != 0))
+    bad_action = np.where(
+        code == LISTEN,
+        (action != ACTION_LISTEN_PLUS) & (action != ACTION_SKIP),
+        np.where(code == LIKE, action != ACTION_LIKE, action != 0),
+    )
     if bad_action.any():
-        problems.append(f"{name}: action bit disagrees with event_code at event {start + np.flatnonzero(bad_action)[0]}")
+        problems.append(
+            f"{name}: action bit disagrees with event_code at event {start + np.flatnonzero(bad_action)[0]}"
+        )
     # Time order inside each user: a decrease is allowed only where a new user starts.
     drops = np.flatnonzero(np.diff(ts) < 0) + start + 1
     if len(drops) and not np.all(np.isin(drops, user_starts)):
@@ -94,8 +109,9 @@ def _check_events(name: str, split: st.EventSplit, user_starts: np.ndarray, star
         problems.append(f"{name}: session_id does not follow the {session_gap} s gap rule at event {bad_session}")
 
 
-def _session_breaks(split: st.EventSplit, user_starts: np.ndarray, start: int, stop: int, ts: np.ndarray,
-                    gap: int) -> int | None:
+def _session_breaks(
+    split: st.EventSplit, user_starts: np.ndarray, start: int, stop: int, ts: np.ndarray, gap: int
+) -> int | None:
     """First event of [start, stop) whose session_id is not 0 at a user's start, else the previous
     event's plus (gap to it > ``gap``); None when all agree."""
     session = np.asarray(split.session_id[start:stop]).astype(np.int64)
@@ -118,11 +134,16 @@ def check_invariants(store: st.Store, workers: int = 0) -> list[str]:
     _check_split("test", store.test, split["test_start"], split["t_end"], gap, problems, workers)
     counts = meta["counts"]
     per_window = np.diff(np.asarray(store.window_offsets))
-    for key, value in (("train_events", store.train.num_events), ("test_events", store.test.num_events),
-                       ("train_users", store.train.num_users), ("test_users", store.test.num_users),
-                       ("anchors", len(store.anchor_event_index)), ("num_items", len(store.artist_id)),
-                       ("train_samples", int(per_window[:-1].sum())),
-                       ("eval_samples", int(per_window[-1]) if len(per_window) else 0)):
+    for key, value in (
+        ("train_events", store.train.num_events),
+        ("test_events", store.test.num_events),
+        ("train_users", store.train.num_users),
+        ("test_users", store.test.num_users),
+        ("anchors", len(store.anchor_event_index)),
+        ("num_items", len(store.artist_id)),
+        ("train_samples", int(per_window[:-1].sum())),
+        ("eval_samples", int(per_window[-1]) if len(per_window) else 0),
+    ):
         if counts.get(key) != value:
             problems.append(f"meta.json counts.{key}={counts.get(key)} but the arrays hold {value}")
     if not np.all(np.isin(store.test.user_ids, store.train.user_ids)):
@@ -147,8 +168,10 @@ def _check_anchors(store: st.Store, workers: int) -> list[str]:
     user_offsets = np.asarray(store.train.user_offsets)
     expected = _count_anchor_candidates(store.train, min_history, workers)
     if expected != len(store.anchor_event_index):
-        return [f"anchors: {len(store.anchor_event_index)} stored but {expected} listens have at least "
-                f"{min_history} earlier events"]
+        return [
+            f"anchors: {len(store.anchor_event_index)} stored but {expected} listens have at least "
+            f"{min_history} earlier events"
+        ]
 
     def check(w: int) -> tuple[str | None, int | None, int | None]:
         """(the window's problem, or None; its earliest and latest anchor time, None when empty)."""
@@ -177,8 +200,9 @@ def _check_anchors(store: st.Store, workers: int) -> list[str]:
     lasts = [last for _, _, last in windows if last is not None]
     t_min, t_last = (min(firsts), max(lasts)) if firsts else (None, None)
     if (split["t_min"], split["t_last"]) != (t_min, t_last):
-        return [f"meta.json split t_min/t_last = {split['t_min']}/{split['t_last']} but the anchors span "
-                f"{t_min}/{t_last}"]
+        return [
+            f"meta.json split t_min/t_last = {split['t_min']}/{split['t_last']} but the anchors span {t_min}/{t_last}"
+        ]
     spanned = 0 if t_min is None or t_last is None else (t_last - t_min) // width + 1
     if store.num_windows != spanned:
         return [f"anchors: {store.num_windows} windows but the anchors span {spanned}"]
@@ -209,15 +233,18 @@ def read_reference_md5s(path: Path, dataset_name: str) -> dict[str, str]:
             continue
         md5, _, rel = line.partition("  ")
         if rel.startswith(prefix):
-            sums[rel[len(prefix):]] = md5
+            sums[rel[len(prefix) :]] = md5
     return sums
 
 
 def check_reference_md5s(store_path: Path, reference: dict[str, str]) -> list[str]:
     """The store's own md5 list must equal the published one for its dataset."""
     own = st.read_md5s(store_path)
-    problems = [f"{store_path / rel}: md5 {own.get(rel, 'missing')} differs from the published {md5}"
-                for rel, md5 in sorted(reference.items()) if own.get(rel) != md5]
+    problems = [
+        f"{store_path / rel}: md5 {own.get(rel, 'missing')} differs from the published {md5}"
+        for rel, md5 in sorted(reference.items())
+        if own.get(rel) != md5
+    ]
     problems += [f"{store_path / rel}: not in the published sums" for rel in sorted(set(own) - set(reference))]
     return problems
 

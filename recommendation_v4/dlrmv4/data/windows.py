@@ -11,8 +11,10 @@ from dlrmv4.errors import UserError
 def split_windows(store: Store) -> tuple[list[int], int]:
     """Train windows (all but the last) and the holdout window (the last: a partial day on Yambda)."""
     if store.num_windows < 2:
-        raise UserError(f"the store at {store.path} has {store.num_windows} window(s) of anchors; training needs at "
-                        "least two (train windows and the holdout): use more data or a smaller --min-history")
+        raise UserError(
+            f"the store at {store.path} has {store.num_windows} window(s) of anchors; training needs at "
+            "least two (train windows and the holdout): use more data or a smaller --min-history"
+        )
     return list(range(store.num_windows - 1)), store.num_windows - 1
 
 

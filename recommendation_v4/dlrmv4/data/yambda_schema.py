@@ -27,18 +27,27 @@ ACTION_BITS = (ACTION_LISTEN_PLUS, ACTION_LIKE, ACTION_SKIP)
 
 TIMESTAMP_BIN_SECONDS = 5
 
-MULTI_EVENT_COLUMNS = ("uid", "item_id", "timestamp", "is_organic", "event_type",
-                       "played_ratio_pct", "track_length_seconds")
+MULTI_EVENT_COLUMNS = (
+    "uid",
+    "item_id",
+    "timestamp",
+    "is_organic",
+    "event_type",
+    "played_ratio_pct",
+    "track_length_seconds",
+)
 # Exact dtypes the generator writes and the real data has.
-MULTI_EVENT_SCHEMA = pa.schema([
-    pa.field("uid", pa.uint32(), nullable=False),
-    pa.field("item_id", pa.uint32(), nullable=False),
-    pa.field("timestamp", pa.uint32(), nullable=False),
-    pa.field("is_organic", pa.uint8(), nullable=False),
-    pa.field("event_type", pa.dictionary(pa.int8(), pa.string()), nullable=False),
-    pa.field("played_ratio_pct", pa.uint16(), nullable=True),
-    pa.field("track_length_seconds", pa.uint32(), nullable=True),
-])
+MULTI_EVENT_SCHEMA = pa.schema(
+    [
+        pa.field("uid", pa.uint32(), nullable=False),
+        pa.field("item_id", pa.uint32(), nullable=False),
+        pa.field("timestamp", pa.uint32(), nullable=False),
+        pa.field("is_organic", pa.uint8(), nullable=False),
+        pa.field("event_type", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+        pa.field("played_ratio_pct", pa.uint16(), nullable=True),
+        pa.field("track_length_seconds", pa.uint32(), nullable=True),
+    ]
+)
 INTEGER_COLUMNS = ("uid", "item_id", "timestamp", "is_organic", "played_ratio_pct", "track_length_seconds")
 
 
@@ -50,9 +59,11 @@ class RawFiles:
 
     @staticmethod
     def under(root: Path, size: str) -> "RawFiles":
-        return RawFiles(multi_event=root / "flat" / size / "multi_event.parquet",
-                        artist_mapping=root / "artist_item_mapping.parquet",
-                        album_mapping=root / "album_item_mapping.parquet")
+        return RawFiles(
+            multi_event=root / "flat" / size / "multi_event.parquet",
+            artist_mapping=root / "artist_item_mapping.parquet",
+            album_mapping=root / "album_item_mapping.parquet",
+        )
 
     @staticmethod
     def hub_names(size: str) -> tuple[str, str, str]:
@@ -90,8 +101,9 @@ def check_multi_event_schema(path: Path, schema: pa.Schema) -> None:
     for col in INTEGER_COLUMNS:
         t = schema.field(col).type
         if not pa.types.is_integer(t):
-            raise UserError(f"{path}: column {col!r} has dtype {t}, expected an integer type "
-                            f"({MULTI_EVENT_SCHEMA.field(col).type})")
+            raise UserError(
+                f"{path}: column {col!r} has dtype {t}, expected an integer type ({MULTI_EVENT_SCHEMA.field(col).type})"
+            )
     t = schema.field("event_type").type
     if not _is_string_like(t):
         raise UserError(f"{path}: column 'event_type' has dtype {t}, expected utf8, categorical or enum")
