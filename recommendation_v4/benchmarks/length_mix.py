@@ -2,7 +2,7 @@
 
 - ``full``: every sample at ``max_len`` (4,096 at the reference shape).
 - ``jagged``: like the real data at the reference shape: most histories far from full because the
-  like pool under-fills (SPEC §3: ~2.8k tokens on average, at most 4,095): 2,740 + 1,355 * Beta(0.3, 3.5),
+  like pool under-fills (docs/data.md: ~2.8k tokens on average, at most 4,095): 2,740 + 1,355 * Beta(0.3, 3.5),
   mean about 2,850, range 2,740-4,095 (scaled to ``max_len``).
 - ``half``: every sample at ``max_len // 2`` (the L = 2,048 case).
 """

@@ -1,5 +1,5 @@
-"""One sample at a time with plain Python loops, straight from the spec: the sampler (SPEC §3) and
-the contextual crosses (SPEC §9), with no numpy and none of the code they check.
+"""One sample at a time with plain Python loops, straight from the rules: the sampler (docs/data.md) and
+the contextual crosses (docs/data.md), with no numpy and none of the code they check.
 
 The tests hold ``dlrmv4.data.sampler`` and ``dlrmv4.data.hashing`` to these; the sampler benchmark
 times ``build_batch`` against ``reference_sample``.
@@ -21,7 +21,7 @@ def py_cross(keys, rows: int) -> int:
 
 
 def py_contextual(uid: int, item: int, artist: int, album: int, ts: int, organic: int, cfg: SamplerConfig) -> list[int]:
-    """SPEC §9 written out with Python integers and struct (no numpy, no code under test)."""
+    """The reference's crosses (docs/data.md) written out with Python integers and struct (no numpy, no code under test)."""
     hour = (ts // 3600) % 24
     crosses = [
         ((uid, artist), cfg.user_artist_rows),
@@ -36,7 +36,7 @@ def py_contextual(uid: int, item: int, artist: int, album: int, ts: int, organic
 
 
 def reference_sample(store, g: int, cfg: SamplerConfig) -> dict:
-    """One sample, written with loops straight from the spec."""
+    """One sample, written with loops straight from the rules (docs/data.md)."""
     offsets = [int(x) for x in store.train.user_offsets]
     u = 0
     while offsets[u + 1] <= g:

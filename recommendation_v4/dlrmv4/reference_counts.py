@@ -4,6 +4,6 @@ once, below every layer that reads them (the eval schedule, the compliance rules
 REFERENCE_TRAIN_SAMPLES = 2_290_835_423
 REFERENCE_EVAL_SAMPLES = 2_058_204
 REFERENCE_MAX_SEQ_LEN = 4_096
-# Yambda-5B's item, artist and album counts (the base tables' rows, SPEC §9): what the memory plan
+# Yambda-5B's item, artist and album counts (the base tables' rows, docs/data.md): what the memory plan
 # sizes the tables by before a store is prepared.
 YAMBDA_5B_TABLE_COUNTS = (9_390_624, 1_293_395, 3_367_692)

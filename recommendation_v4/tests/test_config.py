@@ -31,7 +31,7 @@ def test_reference_preset_carries_spec_numbers():
     cfg = load_config("yambda-5b")
     assert cfg.dataset.source == "yambda" and cfg.dataset.size == "5b"
     p = cfg.preprocess
-    # last_timestamp 0: the split ends at the data's largest timestamp, exclusive (SPEC §9).
+    # last_timestamp 0: the split ends at the data's largest timestamp, exclusive (docs/data.md).
     assert (p.last_timestamp, p.test_span_seconds, p.split_gap_seconds, p.num_train_days) == (0, 86_400, 1_800, 300)
     assert p.null_ratio_policy == "skip" and cfg.sampler.uid_rows == 1_000_001
     assert cfg.dataset.hub_revision == "dd6f3a19eef5866e346c3270e098baa641a44948"

@@ -10,7 +10,7 @@ from dlrmv4.config import SamplerConfig
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, CROSSES, contextual_ids, hash_rows, table_rows
 from dlrmv4.errors import UserError
 
-# (keys, rows, row): the reference's xxhash_cross with salt/seed 0 (SPEC §9).
+# (keys, rows, row): the reference's xxhash_cross with salt/seed 0 (docs/data.md).
 GOLDEN = [
     ((1, 2), 1000, 524),
     ((1, 2), 2**30, 1_056_167_084),

@@ -318,7 +318,7 @@ def test_chunk_efficiency_follows_the_measured_curve():
 
 def test_per_token_constants_and_the_measured_override(monkeypatch):
     shape = ActivationShape.from_config(load_config("yambda-5b").model)
-    # D 512, 4 heads of 128, bf16, dropout on (SPEC §5).
+    # D 512, 4 heads of 128, bf16, dropout on (docs/model.md).
     assert stu_kept_bytes_per_token(shape, "none") == 1024 + 1024 + 4096 + 1024 + 3072 + 512 + 16
     assert stu_kept_bytes_per_token(shape, "cheap") == 1024 + 1024 + 8  # x, attn, the input norm's statistics
     assert stu_kept_bytes_per_token(shape, "layer") == 1024

@@ -1,4 +1,4 @@
-"""Position/time encoding: the reference's indices against a per-token loop from SPEC §5.4, and
+"""Position/time encoding: the reference's indices against a per-token loop of its rules (docs/model.md), and
 the Triton kernel (interpreted) against the reference in float64, elementwise (a wrong table row
 for a single token must fail). The fused input dropout: the reference's mask
 (``input_dropout_keep_mask``) is the kernel's in the forward and the backward, a chunk of sequences

@@ -1,4 +1,4 @@
-"""Preprocessing against a plain-Python reference of SPEC §2, chunking, and event_type encodings."""
+"""Preprocessing against a plain-Python reference of docs/data.md, chunking, and event_type encodings."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _mapping_last_row(path: Path, id_column: str) -> dict[int, int]:
 
 
 def _reference(ev: RawEvents, cfg) -> dict:
-    """SPEC §2 with the reference's rules (§9), written the slow, obvious way, one user at a time."""
+    """Preprocessing by the reference's rules (docs/data.md), written the slow, obvious way, one user at a time."""
     p = cfg.preprocess
     t_end = p.last_timestamp or int(max(ev.timestamp))  # exclusive: the last timestamp's own events drop
     test_start = t_end - p.test_span_seconds

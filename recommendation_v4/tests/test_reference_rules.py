@@ -1,4 +1,4 @@
-"""The MLPerf reference's preprocessing rules (SPEC §9) on a hand-built raw file.
+"""The MLPerf reference's preprocessing rules (docs/data.md) on a hand-built raw file.
 
 Every expected value below is worked out by hand from the events listed in ``EVENTS`` (the
 comments show the arithmetic), not computed by the code under test. Constants: window and test

@@ -1,4 +1,4 @@
-"""The fast sampler against a plain-Python reference of SPEC §3, on random stores."""
+"""The fast sampler against a plain-Python reference of docs/data.md, on random stores."""
 
 from __future__ import annotations
 

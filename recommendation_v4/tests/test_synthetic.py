@@ -192,7 +192,7 @@ def test_uids_in_the_data_are_sparse_up_to_the_edge(events):
 
 
 def _earliest_anchor(events: dict[str, np.ndarray], preset: str) -> tuple[int, int, int]:
-    """(train start, earliest anchor, events before the train start) by the reference's rules (SPEC §2, §9)."""
+    """(train start, earliest anchor, events before the train start) by the reference's rules (docs/data.md)."""
     pre = load_config(preset).preprocess
     uid, ts, et = events["uid"].astype(np.int64), events["timestamp"].astype(np.int64), events["event_type"]
     train_end = int(ts.max()) - pre.test_span_seconds - pre.split_gap_seconds

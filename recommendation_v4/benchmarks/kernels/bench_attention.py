@@ -6,7 +6,7 @@ same process, plus the cold start.
 Shape: B=32, H=4, d=128 (q/k and v), bf16, one candidate per sequence, the three length mixes of
 ``length_mix.py``: all 4,096; jagged like the real data (2,740 + 1,355 * Beta(0.3, 3.5): mean ~2,850,
 range 2,740-4,095, N = the batch's longest); all 2,048.
-FLOPs on the real lengths: fwd = sum_b 2 * (L_b^2 / 2) * H * 2d; fwd+bwd = 3.5 x fwd (the SPEC's
+FLOPs on the real lengths: fwd = sum_b 2 * (L_b^2 / 2) * H * 2d; fwd+bwd = 3.5 x fwd (the reference's
 yardstick, whatever the kernels really do). cuDNN (torch SDPA, SDPBackend.CUDNN_ATTENTION, causal,
 bf16): the batch padded to the mix's longest sequence, its FLOPs counted over the causal triangle of
 that padded length (the work it does); "gluon / cuDNN" is the ratio of the two rates. Prints a

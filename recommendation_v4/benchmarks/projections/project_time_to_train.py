@@ -68,7 +68,7 @@ from dlrmv4.reference_counts import REFERENCE_EVAL_SAMPLES, REFERENCE_TRAIN_SAMP
 from dlrmv4.train.schedule import EvalSchedule
 
 GLOBAL_BATCH = 8_192
-SAMPLES_TO_TARGET = 69_300_000  # the reference's mean convergence point (SPEC)
+SAMPLES_TO_TARGET = 69_300_000  # the reference's mean convergence point (docs/mlperf.md)
 REFERENCE_MINUTES = 2 * 60 + 39  # 8 MI350X
 EVAL_EVERY = 0.001
 TABLE_GIB = 559.0

@@ -1,4 +1,4 @@
-"""The whole training step on one GPU at the reference model: samples/s, MFU (SPEC §5 yardstick)
+"""The whole training step on one GPU at the reference model: samples/s, MFU (the reference's yardstick, docs/model.md)
 against the datasheet and the matmul peak measured in the same run, peak memory, the step's memory
 per token, cold start, and a profiler breakdown of the device time (attention, GEMMs,
 norms/elementwise, embedding lookup + update, dense optimizer, other).

@@ -1,4 +1,4 @@
-"""Download the raw Yambda files (SPEC §1) into a huggingface_hub cache, resumably.
+"""Download the raw Yambda files (docs/data.md) into a huggingface_hub cache, resumably.
 
 huggingface_hub 2.4.0 writes each blob to a process-unique ``blobs/<etag>.<uuid8>.incomplete`` that it
 deletes on any failure (``file_download._download_to_tmp_and_move``), so an interrupted run starts a

@@ -1,4 +1,4 @@
-"""The 8 contextual features of an anchor: the uid and 7 hashed crosses (SPEC §3, §9).
+"""The 8 contextual features of an anchor: the uid and 7 hashed crosses (docs/data.md).
 
 The reference's definition (``datasets/utils.py`` ``xxhash_cross`` of the MLPerf reference)::
 

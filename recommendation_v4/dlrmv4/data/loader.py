@@ -1,4 +1,4 @@
-"""Streaming loader: jagged batches of one or more windows, in strict time order (SPEC §4).
+"""Streaming loader: jagged batches of one or more windows, in strict time order (docs/training.md).
 
 A window's anchors are cut into consecutive batches, in the store's order (ascending event index:
 user-major, the reference's) or, with ``loader.window_order = "time"``, in time order (ties by

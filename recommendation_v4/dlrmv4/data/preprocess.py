@@ -1,4 +1,4 @@
-"""Raw Yambda parquet -> the processed store (SPEC §2, with the reference's rules of SPEC §9), in one
+"""Raw Yambda parquet -> the processed store (docs/data.md: the reference's rules), in one
 streaming pass with bounded memory.
 
 The raw file is sorted by (uid, timestamp), so it is read in chunks of ``rows_per_chunk`` rows

@@ -1,4 +1,4 @@
-"""Samples (SPEC §3): one anchor -> a 3-pool causal history, its candidate and contextual features.
+"""Samples (docs/data.md): one anchor -> a 3-pool causal history, its candidate and contextual features.
 
 For an anchor at global train event index g of user u (CSR row u: events
 ``user_offsets[u]:user_offsets[u + 1]``), the history is gathered from the causal window

@@ -1,4 +1,4 @@
-"""The raw Yambda schema (SPEC §1): file layout, columns, dtypes, event codes, and its checks.
+"""The raw Yambda schema (docs/data.md): file layout, columns, dtypes, event codes, and its checks.
 
 Raw files live as the hub lays them out, under one root:
 ``flat/<size>/multi_event.parquet``, ``artist_item_mapping.parquet``, ``album_item_mapping.parquet``.

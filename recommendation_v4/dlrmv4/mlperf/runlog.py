@@ -1,4 +1,4 @@
-"""The MLPerf run log (SPEC §7): ``:::MLLOG`` lines written through ``mlperf_logging.mllog``.
+"""The MLPerf run log (docs/mlperf.md): ``:::MLLOG`` lines written through ``mlperf_logging.mllog``.
 
 Resume-aware: a cold start truncates the file; every checkpoint records the log's length in lines
 (and bytes) and the sha256 of those bytes, and a resumed run checks them and cuts the file back to
@@ -169,7 +169,7 @@ class RunLog:
             if self._handler.error is not None:  # mllog may have swallowed it
                 raise self._handler.error
 
-    # -- the benchmark's events, in SPEC §7 order ---------------------------------------
+    # -- the benchmark's events, in docs/mlperf.md's order ---------------------------------------
     def init_start(self) -> None:
         self.event(C.CACHE_CLEAR, True)
         self.start(C.INIT_START)

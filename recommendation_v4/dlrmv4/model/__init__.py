@@ -1,1 +1,1 @@
-"""The DLRM-v3 HSTU model (SPEC §5)."""
+"""The DLRM-v3 HSTU model (docs/model.md)."""

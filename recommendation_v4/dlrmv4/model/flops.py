@@ -1,4 +1,4 @@
-"""FLOP counts for MFU (SPEC §5): the reference's yardstick for the STU layers, and the rest of the
+"""FLOP counts for MFU (docs/model.md): the reference's yardstick for the STU layers, and the rest of the
 model's matmuls, per sample (dense at one length) or exactly on a batch's real lengths.
 
 Per STU layer, fwd+bwd, S tokens:  UVQK 2·S·D·4·H·d·3 + attention 2·(S²/2)·H·2d·3.5 + output

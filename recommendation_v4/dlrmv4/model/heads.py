@@ -1,4 +1,4 @@
-"""After the sequence model (SPEC §5.6-5.8): postprocessor, item tower, logit head.
+"""After the sequence model (docs/model.md): postprocessor, item tower, logit head.
 
 The postprocessor's Linear runs in the sequence dtype (bf16 by default, as the reference's under its
 autocast) on the candidate position's output and the time features rounded to that dtype; its layer

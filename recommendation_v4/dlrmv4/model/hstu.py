@@ -1,4 +1,4 @@
-"""DlrmHSTU: the whole model of SPEC §5, from a batch's embeddings to logits and the loss.
+"""DlrmHSTU: the whole model (docs/model.md), from a batch's embeddings to logits and the loss.
 
 Mixed precision: the preprocessor, the STU stack and the postprocessor's Linear run under autocast
 in ``ModelConfig.sequence_dtype`` (bf16 by default); the postprocessor's layer norm, the item tower,

@@ -46,7 +46,7 @@ class SwishLayerNorm(LayerNorm):
 
 
 class Tower(nn.Sequential):
-    """Linear(in -> hidden) -> SwishLayerNorm -> Linear(hidden -> out) -> LayerNorm: every MLP of SPEC §5.
+    """Linear(in -> hidden) -> SwishLayerNorm -> Linear(hidden -> out) -> LayerNorm: every MLP of the model (docs/model.md)
 
     ``tower(a, b, ...)`` takes its input in column blocks, as if ``torch.cat([a, b, ...], -1)``: the
     first Linear multiplies each block by its slice of the weight and accumulates in the GEMM

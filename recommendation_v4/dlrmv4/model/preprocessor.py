@@ -1,4 +1,4 @@
-"""Token features of the sequence (SPEC §5.2-5.4): history/candidate tokens, contextual tokens,
+"""Token features of the sequence (docs/model.md): history/candidate tokens, contextual tokens,
 the jagged sequence [8 contextual | history | candidate], and the position/time encoding."""
 
 from __future__ import annotations

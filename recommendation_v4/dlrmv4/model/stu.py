@@ -1,4 +1,4 @@
-"""The STU layer (SPEC §5.5) and the stack of them, on jagged sequences.
+"""The STU layer (docs/model.md) and the stack of them, on jagged sequences.
 
     n = LayerNorm(x);  [u | v | q | k] = n W_uvqk + b;  u = SiLU(u)
     attn = HSTU attention(q, k, v)     SiLU(alpha q k^T) / N, causal and target-aware, no softmax

@@ -28,7 +28,7 @@ FP32 = 4
 # ``benchmarks/step/bench_end_to_end.py --recompute none cheap layer`` (its "kept KiB/token" column:
 # saved-tensor hooks over one training forward, the tables' rows and the weights left out) at that
 # exact shape, dtype and mode; results/end_to_end_recompute.md names the GPU and the commit.
-_REFERENCE = (512, 4, 128, 128, 3, 512, 256, 2, True)  # SPEC §5's model in bf16 with dropout
+_REFERENCE = (512, 4, 128, 128, 3, 512, 256, 2, True)  # the reference model (docs/model.md) in bf16 with dropout
 MEASURED_BYTES_PER_TOKEN: dict[tuple, float] = {
     (*_REFERENCE, "none"): 37.71 * 1024,
     (*_REFERENCE, "cheap"): 12.17 * 1024,

@@ -1,4 +1,4 @@
-"""Dense optimizer, learning-rate warm-up, gradient clipping and divergence detection (SPEC §6).
+"""Dense optimizer, learning-rate warm-up, gradient clipping and divergence detection (docs/training.md).
 
 Nothing here reads a device value back to the host inside the training step: the learning rate
 is a Python float computed from the step count, the clipping norm stays a device tensor, and
@@ -92,7 +92,7 @@ class WarmupSchedule:
         return peak * step / self.warmup_steps
 
     def apply(self, step: int, dense_opt: torch.optim.Optimizer, set_sparse_lr: Callable[[float], None]) -> float:
-        """Set the learning rates of step ``step`` on both optimizers (one rate, SPEC §6, unless
+        """Set the learning rates of step ``step`` on both optimizers (one rate, docs/training.md, unless
         ``sparse_learning_rate`` gives the tables their own); returns the dense one.
 
         Called every step, also past the warm-up, so a resumed run and a fresh one set the same

@@ -1,4 +1,4 @@
-"""When to evaluate: the eval grid of SPEC §4, generalised to any dataset and batch size.
+"""When to evaluate: the reference's eval grid (docs/training.md), generalised to any dataset and batch size.
 
 The MLPerf checker (``closed_dlrmv4.yaml`` of training 6.1.0) requires every eval's
 ``samples_count`` to be a multiple of ``eval_interval`` and the first one to equal

@@ -1,4 +1,4 @@
-"""The streaming loop (SPEC §4): train windows in strict time order, evaluate at the eval cadence
+"""The streaming loop (docs/training.md): train windows in strict time order, evaluate at the eval cadence
 on the fixed holdout window (or on window T+1 after window T), stop at the first eval that reaches
 the target, checkpoint on the configured cadences and resume from the newest complete checkpoint.
 

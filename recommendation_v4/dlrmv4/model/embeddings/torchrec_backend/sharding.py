@@ -35,7 +35,7 @@ SHARDING_TYPES = ("row_wise", "column_wise", "table_wise")
 PLACEMENTS = {"hbm": "fused", "uvm": "fused_uvm", "uvm_caching": "fused_uvm_caching"}
 # Share of each rank's memory the planner keeps free of tables when no cap is configured.
 DENSE_RESERVATION = 0.25
-# The reference's sharding (SPEC §10); the memory plan assumes it for tables the config leaves open.
+# The reference's sharding (docs/model.md); the memory plan assumes it for tables the config leaves open.
 DEFAULT_SHARDING = "row_wise"
 
 
