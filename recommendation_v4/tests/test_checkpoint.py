@@ -19,7 +19,7 @@ from dlrmv4.checkpoint import chain
 from dlrmv4.checkpoint import writer as checkpoint_writer
 from dlrmv4.checkpoint.cadence import CheckpointCadence
 from dlrmv4.checkpoint.loading import load_checkpoint, load_small_state
-from dlrmv4.checkpoint.newest import latest_checkpoint, resume_point
+from dlrmv4.checkpoint.newest import resume_point
 from dlrmv4.checkpoint.rng import capture_rng_state, restore_rng_state
 from dlrmv4.checkpoint.state import CheckpointPosition, ModelAndOptimizers
 from dlrmv4.checkpoint.writer import CheckpointWriter, save_checkpoint
@@ -116,7 +116,7 @@ def test_resume_is_bit_exact(tmp_path, deterministic):
     net, opts, gen = _build(123)
     _train(net, opts, gen, 1)
     net, opts, gen = _build(99)
-    path = latest_checkpoint(tmp_path)
+    path = resume_point(tmp_path)
     assert path is not None and path.name == "step-00000003"
     position, loaded = load_checkpoint(path, {"train": ModelAndOptimizers(net, opts), "rng": None})
     assert position == _position(3)
@@ -242,7 +242,7 @@ def test_damaged_newest_is_skipped(tmp_path, capsys, damage):
     newest = save_checkpoint(tmp_path, _position(2), {"model": net}, keep_last=3)
     damage(newest)
     capsys.readouterr()
-    path = latest_checkpoint(tmp_path)
+    path = resume_point(tmp_path)
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "warning" in lines[0] and "step-00000002" in lines[0]
     assert path is not None and path.name == "step-00000001"
@@ -253,7 +253,6 @@ def test_damaged_newest_is_skipped(tmp_path, capsys, damage):
 
 
 def test_no_checkpoint(tmp_path):
-    assert latest_checkpoint(tmp_path) is None
     assert resume_point(tmp_path) is None
 
 
@@ -314,7 +313,7 @@ def test_async_checkpoint_holds_the_state_of_its_save(tmp_path, monkeypatch):
         net.weight.fill_(99.0)
     counters["seen"].append(3)
     gate.set()
-    assert writer.wait() == path and latest_checkpoint(tmp_path / "async") == path
+    assert writer.wait() == path and resume_point(tmp_path / "async") == path
     writer.close()
     blocking = CheckpointWriter(tmp_path / "blocking", 2, Cluster.single(torch.device("cpu")), asynchronous=False)
     restored = torch.nn.Linear(64, 32)
@@ -324,7 +323,7 @@ def test_async_checkpoint_holds_the_state_of_its_save(tmp_path, monkeypatch):
     blocking.save(_position(1), {"model": restored, "counters": {"seen": [1, 2]}}, rank_state={"rng": 7})
     for run in ("async", "blocking"):
         fresh = torch.nn.Linear(64, 32)
-        position, state = load_checkpoint(latest_checkpoint(tmp_path / run), {"model": fresh})
+        position, state = load_checkpoint(resume_point(tmp_path / run), {"model": fresh})
         assert position == _position(1) and state["counters"] == {"seen": [1, 2]}, run
         assert state["rank_states"] == [{"rng": 7}], run
         for k, v in fresh.state_dict().items():
@@ -440,7 +439,7 @@ def test_rank_0_failing_its_own_part_of_a_save_ends_every_rank_with_its_line(tmp
             == f"CheckpointWriteError: cannot write {tmp_path / 'checkpoints' / 'step-00000001'}: No space left on device"
         ), out + err[-3000:]
         assert float(seconds) < 15
-    assert latest_checkpoint(tmp_path) is None
+    assert resume_point(tmp_path) is None
 
 
 # Writes ~24 MB checkpoints in a loop, each tensor filled with its step, until it is killed.
@@ -479,7 +478,7 @@ def test_kill_during_write_never_leaves_a_partial_checkpoint(tmp_path, mode):
         root = run_dir / "checkpoints"
         temp_dirs_seen += root.is_dir() and any(p.name.startswith(".") for p in root.iterdir())
 
-        path = latest_checkpoint(run_dir)
+        path = resume_point(run_dir)
         if path is not None:
             net = torch.nn.ModuleList(torch.nn.Linear(1000, 2000) for _ in range(3))
             position, state = load_checkpoint(path, {"model": net})
@@ -487,7 +486,7 @@ def test_kill_during_write_never_leaves_a_partial_checkpoint(tmp_path, mode):
             assert all(bool((p == position.step).all()) for p in net.parameters()), where
 
         save_checkpoint(run_dir, CheckpointPosition(10_000, 0, 0), {"model": torch.nn.Linear(2, 2)}, keep_last=2)
-        assert latest_checkpoint(run_dir).name == "step-00010000", where
+        assert resume_point(run_dir).name == "step-00010000", where
         assert not [p.name for p in root.iterdir() if p.name.startswith(".")], where
     # The writes take most of the child's time: some kill must have landed inside one.
     assert temp_dirs_seen > 0, f"no kill landed during a write (seed {seed})"
@@ -608,7 +607,7 @@ def test_a_stop_inside_the_tensor_write_comes_out_as_itself(tmp_path, monkeypatc
     monkeypatch.setattr(FileSystemWriter, "write_data", stopped)
     with pytest.raises(Stopped):
         save_checkpoint(tmp_path, _position(1), {"model": torch.nn.Linear(2, 2)}, keep_last=2)
-    assert latest_checkpoint(tmp_path) is None
+    assert resume_point(tmp_path) is None
 
 
 def test_a_read_failure_of_a_checkpoint_is_one_line(tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ from dlrmv4.checkpoint import writer as checkpoint_writer
 from dlrmv4.checkpoint.chain import checkpoint_chain
 from dlrmv4.checkpoint.layout import CHAIN_FILE, MARKER
 from dlrmv4.checkpoint.loading import load_checkpoint
-from dlrmv4.checkpoint.newest import latest_checkpoint, resume_point
+from dlrmv4.checkpoint.newest import resume_point
 from dlrmv4.checkpoint.state import CheckpointPosition
 from dlrmv4.checkpoint.table_deltas import ENTRY, ChangedRows, TableRowsDelta, apply_delta
 from dlrmv4.checkpoint.tables import TableState
@@ -104,7 +104,7 @@ def test_a_chain_applied_over_its_whole_checkpoint_gives_the_tables_back(tmp_pat
         _update(tables, "artist", [step], generator)
         delta = TableRowsDelta(tracker.take(tables), rank=0)
         parent = save_checkpoint(tmp_path, _position(step), {ENTRY: delta}, keep_last=5, parent=parent)
-    newest = latest_checkpoint(tmp_path)
+    newest = resume_point(tmp_path)
     assert [p.name for p in checkpoint_chain(newest)] == [f"step-0000000{s}" for s in (1, 2, 3, 4)]
     assert json.loads((newest / CHAIN_FILE).read_text())["parent"] == "step-00000003"
 
@@ -176,7 +176,7 @@ def test_deltas_of_different_sizes_go_through_the_asynchronous_writer(tmp_path, 
         parent = writer.wait()
     writer.close()
     restored, fresh = Tables({"item": 300, "artist": 40}, seed=9), torch.nn.Linear(4, 3)
-    whole, *deltas = checkpoint_chain(latest_checkpoint(tmp_path))
+    whole, *deltas = checkpoint_chain(resume_point(tmp_path))
     load_checkpoint(whole, {"sparse": TableState(restored)})
     assert [apply_delta(d, restored, restored.cluster) for d in deltas] == [3, 6, 1]
     load_checkpoint(deltas[-1], {"model": fresh})

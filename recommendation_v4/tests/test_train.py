@@ -119,9 +119,9 @@ def _final_tables(run_dir: Path) -> dict:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     from dlrmv4.checkpoint.chain import checkpoint_chain
-    from dlrmv4.checkpoint.newest import latest_checkpoint
+    from dlrmv4.checkpoint.newest import resume_point
 
-    whole, *deltas = checkpoint_chain(latest_checkpoint(run_dir))
+    whole, *deltas = checkpoint_chain(resume_point(run_dir))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's one-process warning
         tables = _load_state_dict_from_keys("sparse", checkpoint_id=whole)["sparse"]["tables"]

@@ -44,7 +44,7 @@ def _ancestry(ckpt: Path) -> list[Path]:
 
 def checkpoint_chain(ckpt: str | os.PathLike) -> list[Path]:
     """The checkpoints a resume from ``ckpt`` loads, oldest (the whole one) first. Check the chain with
-    ``resume_point`` or ``latest_checkpoint`` first."""
+    ``resume_point`` first."""
     return list(reversed(_ancestry(Path(ckpt))))
 
 

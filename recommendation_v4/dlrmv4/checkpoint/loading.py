@@ -34,7 +34,7 @@ def load_checkpoint(
     Stateful entries of ``state_template`` (modules, ``ModelAndOptimizers``) are restored in place
     through DCP and returned as the same objects (resharded to this cluster); the other entries are
     returned as saved (the template's values for them are ignored), with ``rank_states`` the list
-    of every saving rank's own state. Call ``latest_checkpoint`` first to pick a sound one.
+    of every saving rank's own state. Call ``resume_point`` first to pick a sound one.
     """
     path = Path(path)
     tensor_state, _ = split_state(state_template)

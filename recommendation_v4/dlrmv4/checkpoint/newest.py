@@ -1,4 +1,4 @@
-"""The newest checkpoint a run can trust: ``latest_checkpoint`` and the run's ``resume_point``."""
+"""The newest checkpoint a run can trust: the run's ``resume_point``."""
 
 from __future__ import annotations
 
@@ -9,20 +9,6 @@ from pathlib import Path
 from dlrmv4.checkpoint.chain import chain_problem
 from dlrmv4.checkpoint.layout import checkpoints_dir, step_dirs
 from dlrmv4.errors import UserError
-
-
-def latest_checkpoint(run_dir: str | os.PathLike, verify_hashes: bool = True, warn: bool = True) -> Path | None:
-    """The newest checkpoint that matches its marker; each newer one that does not is skipped, with
-    one warning line on stderr when ``warn``. ``verify_hashes=False`` checks sizes only (fast on huge
-    tables)."""
-    checked: dict[Path, str | None] = {}
-    for ckpt in reversed(step_dirs(checkpoints_dir(run_dir))):
-        problem = chain_problem(ckpt, verify_hashes, checked)
-        if problem is None:
-            return ckpt
-        if warn:
-            print(f"[dlrmv4] warning: skipping checkpoint {ckpt}: {problem}", file=sys.stderr)
-    return None
 
 
 def resume_point(run_dir: str | os.PathLike) -> Path | None:

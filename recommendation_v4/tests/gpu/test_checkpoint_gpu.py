@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from dlrmv4.checkpoint.loading import load_checkpoint
-from dlrmv4.checkpoint.newest import latest_checkpoint
+from dlrmv4.checkpoint.newest import resume_point
 from dlrmv4.checkpoint.state import CheckpointPosition
 from dlrmv4.checkpoint.writer import CheckpointWriter
 from dlrmv4.distributed import Cluster
@@ -30,7 +30,7 @@ def test_the_staging_copy_made_ahead_is_the_one_every_save_uses(tmp_path):
         assert {name: t.data_ptr() for name, t in now.items()} == staged
     writer.close()
     fresh = torch.nn.Linear(1024, 512).cuda()
-    position, _ = load_checkpoint(latest_checkpoint(tmp_path), {"model": fresh})
+    position, _ = load_checkpoint(resume_point(tmp_path), {"model": fresh})
     assert position.step == 2 and torch.equal(fresh.weight, net.weight)
 
 
