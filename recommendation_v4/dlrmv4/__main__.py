@@ -1,4 +1,4 @@
 from dlrmv4.cli import main
-from dlrmv4.distributed import exit_process
+from dlrmv4.distributed.liveness import exit_process
 
 exit_process(main())

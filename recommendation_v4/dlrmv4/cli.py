@@ -15,7 +15,7 @@ from typing import Callable, NoReturn
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.config_loading import add_config_arguments, config_from_args, list_presets, to_toml
-from dlrmv4.distributed import RankLostError
+from dlrmv4.distributed.liveness import RankLostError
 from dlrmv4.errors import ERROR_PREFIX, UserError, report_failure, under_launcher
 from dlrmv4.files import remove_dead_temps
 from dlrmv4.slurm_tasks import adopt_slurm_tasks

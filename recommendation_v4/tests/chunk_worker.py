@@ -15,7 +15,7 @@ from step_setup import gloo_rank
 from test_chunked_step import LENGTHS, config, dense_grads
 from torch.nn.parallel import DistributedDataParallel
 
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.model.embeddings import make_embeddings, table_specs
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.optim import FiniteMonitor

@@ -18,7 +18,7 @@ from store_factory import random_store
 from dlrmv4.config import BenchmarkConfig, LoaderConfig, SamplerConfig
 from dlrmv4.data.loader import make_window_loader
 from dlrmv4.data.store import open_store
-from dlrmv4.distributed import exit_process
+from dlrmv4.distributed.liveness import exit_process
 from dlrmv4.errors import UserError, report_failure
 
 CONFIG = BenchmarkConfig(

@@ -15,7 +15,7 @@ from dlrmv4.config_loading import load_config
 from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES
 from dlrmv4.data.loader import BatchSlice, rank_share
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.chunks import chunk_bounds
 

@@ -24,7 +24,7 @@ from dlrmv4.checkpoint.rng import capture_rng_state, restore_rng_state
 from dlrmv4.checkpoint.state import CheckpointPosition, ModelAndOptimizers
 from dlrmv4.checkpoint.writer import CheckpointWriter, save_checkpoint
 from dlrmv4.config import TrainConfig
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.errors import UserError
 
 
@@ -381,7 +381,7 @@ _WRITER_GROUP_TIMEOUT = textwrap.dedent("""
     import os, sys, torch
     from dlrmv4.checkpoint.writer import CheckpointWriter
     from dlrmv4.config import DistributedConfig
-    from dlrmv4.distributed import start_cluster
+    from dlrmv4.distributed.process_start import start_cluster
     cluster = start_cluster(DistributedConfig(timeout_seconds=5.0))
     for asynchronous in (True, False):
         writer = CheckpointWriter(sys.argv[1], 2, cluster, asynchronous)
@@ -397,7 +397,7 @@ def test_the_writers_collectives_wait_as_long_as_a_checkpoints_bytes_take(tmp_pa
     """A save's collectives wait while the slowest rank writes its files and rank 0 hashes them all
     (a node's whole checkpoint of the real job: about 600 GB on one disk): the writer's own group waits
     the checkpoint I/O bound, not the run's collective timeout (5 s here) nor torch's default."""
-    from dlrmv4.distributed import CHECKPOINT_IO_TIMEOUT_SECONDS
+    from dlrmv4.distributed.cluster import CHECKPOINT_IO_TIMEOUT_SECONDS
 
     outputs = _two_ranks(_WRITER_GROUP_TIMEOUT, tmp_path)
     for status, out, err in outputs:
@@ -411,7 +411,7 @@ _RANK_0_FILES_FAIL = textwrap.dedent("""
     from dlrmv4.checkpoint import writer
     from dlrmv4.checkpoint.state import CheckpointPosition
     from dlrmv4.config import DistributedConfig
-    from dlrmv4.distributed import start_cluster
+    from dlrmv4.distributed.process_start import start_cluster
     cluster = start_cluster(DistributedConfig(timeout_seconds=30.0))
     if cluster.rank == 0:
         def full_disk(*args, **kwargs):
@@ -447,7 +447,7 @@ _WRITER = textwrap.dedent("""
     import sys, torch
     from dlrmv4.checkpoint.state import CheckpointPosition
     from dlrmv4.checkpoint.writer import CheckpointWriter
-    from dlrmv4.distributed import Cluster
+    from dlrmv4.distributed.cluster import Cluster
     net = torch.nn.ModuleList(torch.nn.Linear(1000, 2000) for _ in range(3))
     writer = CheckpointWriter(sys.argv[1], 2, Cluster.single(torch.device("cpu")), sys.argv[2] == "async")
     print("ready", flush=True)
@@ -558,7 +558,7 @@ _SECONDS_CADENCE = textwrap.dedent("""
     import os, sys, torch
     from dlrmv4.config import DistributedConfig
     from dlrmv4.config_loading import load_config
-    from dlrmv4.distributed import start_cluster
+    from dlrmv4.distributed.process_start import start_cluster
     from dlrmv4.train.checkpointer import Checkpointer
     from dlrmv4.train.history import RunHistory
     cluster = start_cluster(DistributedConfig(timeout_seconds=10.0))
@@ -694,7 +694,7 @@ _CUT_SAVE = textwrap.dedent("""
     from dlrmv4.checkpoint import dcp_io
     from dlrmv4.checkpoint.state import CheckpointPosition
     from dlrmv4.checkpoint.writer import CheckpointWriter, save_checkpoint
-    from dlrmv4.distributed import Cluster
+    from dlrmv4.distributed.cluster import Cluster
     from dlrmv4.errors import UserError
     dcp_io.io_threads = lambda: 2
     run_dir, mode = sys.argv[1], sys.argv[2]

@@ -186,7 +186,7 @@ def test_a_rank_that_loses_a_silent_peer_while_the_launcher_stops_the_job_stays_
     import threading
 
     from dlrmv4 import cli
-    from dlrmv4.distributed import RankLostError
+    from dlrmv4.distributed.liveness import RankLostError
     from dlrmv4.errors import LAUNCHER_ENV
 
     lost = RankLostError("rank 1 of 2: a collective of the training step failed, another rank exited", False)
@@ -210,7 +210,7 @@ def test_a_sigterm_whose_exception_was_lost_still_ends_the_rank_as_stopped():
     ``Terminated`` was lost (seen under load on two ranks). The rank still ends as stopped, with or
     without a launcher, at once; a peer that said why is still reported."""
     from dlrmv4 import cli
-    from dlrmv4.distributed import RankLostError
+    from dlrmv4.distributed.liveness import RankLostError
 
     sigterm = cli.TerminationSignal()
     with pytest.raises(cli.Terminated):

@@ -26,7 +26,7 @@ from dlrmv4.checkpoint.state import CheckpointPosition
 from dlrmv4.checkpoint.table_deltas import ENTRY, ChangedRows, TableRowsDelta, apply_delta
 from dlrmv4.checkpoint.tables import TableState
 from dlrmv4.checkpoint.writer import CheckpointWriter, save_checkpoint
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.errors import UserError
 
 DIM = 8

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlrmv4 import distributed
+from dlrmv4.distributed import process_start
 from dlrmv4.errors import UserError
 
 
@@ -27,32 +27,32 @@ def gpus(monkeypatch):
 
 def test_a_process_that_sees_the_whole_node_takes_its_local_rank(gpus):
     chosen = gpus(8)
-    assert distributed._device(3, 8) == torch.device("cuda", 3) and chosen == [3]
+    assert process_start._device(3, 8) == torch.device("cuda", 3) and chosen == [3]
 
 
 def test_a_process_bound_to_one_gpu_takes_it(gpus):
     chosen = gpus(1)
-    assert distributed._device(5, 8) == torch.device("cuda", 0) and chosen == [0]
+    assert process_start._device(5, 8) == torch.device("cuda", 0) and chosen == [0]
 
 
 def test_too_few_gpus_for_the_node_is_refused(gpus):
     chosen = gpus(2)
     with pytest.raises(UserError, match="8 processes on this node but 2 visible GPUs: one GPU per process"):
-        distributed._device(5, 8)
+        process_start._device(5, 8)
     assert chosen == []
 
 
 def test_no_gpu_is_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert distributed._device(1, 2) == torch.device("cpu")
+    assert process_start._device(1, 2) == torch.device("cpu")
 
 
 def test_layouts():
-    assert distributed.layout_problem([(2, "GPU-a"), (2, "GPU-b"), (2, "GPU-a2"), (2, "GPU-b2")]) is None
-    assert distributed.layout_problem([(2, ""), (2, "")]) is None  # gloo ranks on the CPU
-    shared = distributed.layout_problem([(4, "GPU-a"), (4, "GPU-b"), (4, "GPU-c"), (4, "GPU-b")])
+    assert process_start.layout_problem([(2, "GPU-a"), (2, "GPU-b"), (2, "GPU-a2"), (2, "GPU-b2")]) is None
+    assert process_start.layout_problem([(2, ""), (2, "")]) is None  # gloo ranks on the CPU
+    shared = process_start.layout_problem([(4, "GPU-a"), (4, "GPU-b"), (4, "GPU-c"), (4, "GPU-b")])
     assert shared is not None and shared.startswith("ranks 1 and 3 run on the same GPU (GPU-b): one GPU per process")
-    counts = distributed.layout_problem([(2, "GPU-a"), (2, "GPU-b"), (1, "GPU-c")])
+    counts = process_start.layout_problem([(2, "GPU-a"), (2, "GPU-b"), (1, "GPU-c")])
     assert counts is not None and counts.startswith(
         "the nodes run different numbers of processes: rank 0's node 2, rank 2's node 1"
     )

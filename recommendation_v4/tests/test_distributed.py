@@ -393,13 +393,14 @@ def test_run_and_time_launches_torchrun_with_gpus_per_node(data_path, tmp_path):
 BLOCKED_RANK = """
 import sys, time
 from dlrmv4.config import DistributedConfig
-from dlrmv4.distributed import start_cluster
+from dlrmv4.distributed.liveness import post_failure_and_linger, watch_failures
+from dlrmv4.distributed.process_start import start_cluster
 cluster = start_cluster(DistributedConfig(timeout_seconds=120.0))
 cluster.barrier()
 if cluster.rank == 1:
-    cluster.post_failure_and_linger("rank 1 of 2 ran out of device memory: CUDA out of memory (posted by the test)")
+    post_failure_and_linger(cluster, "rank 1 of 2 ran out of device memory: CUDA out of memory (posted by the test)")
     sys.exit(1)
-watch = cluster.watch_failures()
+watch = watch_failures(cluster)
 time.sleep(100)  # stands in for a collective blocked on the device, which no Python exception ends
 print("the watch did not end the blocked rank")
 """

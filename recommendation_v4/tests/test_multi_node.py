@@ -326,6 +326,58 @@ def test_sigterm_to_the_node_that_holds_the_store_ends_the_other_in_one_line(dat
     )
 
 
+def _stop_one_node_mid_run(data_path, tmp_path, first: int) -> tuple[list[subprocess.Popen], str]:
+    """Two nodes, node ``first`` started (and waiting for its peer) before the other, so that it holds
+    global rank 0 and, under this torch, its launcher the ranks' store; once training is under way,
+    SIGTERM to node 1. The other node's stderr, which must end within 30 s."""
+    flags = run_flags(data_path, tmp_path / "run", **{"train.checkpoint_every_steps": 2})
+    port = free_port()
+    nodes: list[subprocess.Popen] = [None, None]  # type: ignore[list-item]
+    try:
+        nodes[first] = _node(first, port, flags)
+        _until(nodes[first], "waiting for 2 nodes")
+        nodes[1 - first] = _node(1 - first, port, flags)
+        deadline = time.time() + 300
+        while not list((tmp_path / "run" / "checkpoints").glob("step-*/COMPLETE")):  # training is under way
+            assert time.time() < deadline and all(node.poll() is None for node in nodes)
+            time.sleep(0.05)
+        os.killpg(nodes[1].pid, signal.SIGTERM)
+        stopped = time.time()
+        err, ended = _ended(nodes[0], 120)
+        _ended(nodes[1], 120)
+    finally:
+        for node in nodes:
+            if node is not None and node.poll() is None:
+                _kill_node(node)
+    assert nodes[0].returncode == 1 and ended - stopped < 30, err[-3000:]
+    return nodes, err
+
+
+def test_the_node_that_holds_the_rendezvous_store_names_the_node_that_left(data_path, tmp_path):
+    """Node 1 joins first and takes global rank 0 (its launcher holds the ranks' store); SIGTERM to it:
+    node 0, whose rendezvous store is alive, names the node of rank 0 and its store, with no timeout
+    (nothing timed out) and no word cut short."""
+    _, err = _stop_one_node_mid_run(data_path, tmp_path, first=1)
+    line = _one_clean_line(err)
+    assert line.startswith(
+        "[dlrmv4] error: rank 1 of 2: a collective of the training step failed, the node of rank 0 stopped or "
+        "failed (its launcher held the ranks' store, gone with it)"
+    ), line
+    assert "timeout" not in line and "rendezvous store is gone" not in line, line
+    assert len(line.split(": ", 3)[-1]) <= 200 or line.endswith(" ..."), line
+
+
+def test_a_rank_that_left_is_named_without_a_timeout(data_path, tmp_path):
+    """SIGTERM to node 1, which holds rank 1 only: node 0 names rank 1 and says its connection closed,
+    not the collective timeout (nothing waited for it)."""
+    _, err = _stop_one_node_mid_run(data_path, tmp_path, first=0)
+    line = _one_clean_line(err)
+    assert (
+        line.startswith("[dlrmv4] error: rank 0 of 2: ") and "stopped answering: rank 1 (its connection closed)" in line
+    ), line
+    assert "timeout" not in line, line
+
+
 def test_a_rendezvous_port_held_by_another_program_is_named_on_every_node(
     data_path, tmp_path, port_held_by_a_web_server
 ):

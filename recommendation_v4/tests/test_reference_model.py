@@ -17,7 +17,7 @@ from test_model import SMALL
 
 from dlrmv4.config import ModelConfig
 from dlrmv4.config_loading import load_config
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.model.embeddings import init_rows, make_embeddings, table_specs
 from dlrmv4.model.embeddings.wire import through_wire
 from dlrmv4.model.heads import time_features

@@ -1,4 +1,4 @@
-"""What answers at a rendezvous port (dlrmv4/distributed.py: probe_port), over real sockets: torch's
+"""What answers at a rendezvous port (dlrmv4/distributed/rendezvous_port.py: probe_port), over real sockets: torch's
 own c10d store, another program that answers, one that never does, and nothing at all; and the
 launcher's reading of torchrun's --rdzv-conf."""
 
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from dlrmv4.distributed import port_held_line, port_is_free, probe_port, wait_for_store
+from dlrmv4.distributed.rendezvous_port import port_held_line, port_is_free, probe_port, wait_for_store
 from dlrmv4.launch import conf_value, hosts_the_store, join_timeout, with_join_timeout
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dlrmv4.config_loading import load_config
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.train.history import EvalRecord
 from dlrmv4.train.optim import WarmupSchedule
 from dlrmv4.train.tensorboard_scalars import EVENT_FILES, TENSORBOARD_DIR, TensorBoardScalars

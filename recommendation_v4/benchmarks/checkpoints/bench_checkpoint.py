@@ -31,7 +31,7 @@ from harness import RESULTS, command_line, device_facts, device_label, write_res
 
 from dlrmv4.checkpoint.state import CheckpointPosition, ModelAndOptimizers
 from dlrmv4.checkpoint.writer import CheckpointWriter
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 
 GIB = 1 << 30
 

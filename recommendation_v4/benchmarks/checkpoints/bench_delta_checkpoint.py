@@ -27,7 +27,7 @@ from harness import command_line, device_facts, device_label, write_results
 from dlrmv4.checkpoint.state import CheckpointPosition
 from dlrmv4.checkpoint.table_deltas import ENTRY, ChangedRows, TableRowsDelta, delta_bytes
 from dlrmv4.checkpoint.writer import save_checkpoint
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 
 GIB = 1 << 30
 DIM = 512  # the real job's rows

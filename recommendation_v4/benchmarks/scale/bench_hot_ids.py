@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from harness import RESULTS, command_line, device_name, git_commit, sync, write_results
 
-from dlrmv4.distributed import exit_process
+from dlrmv4.distributed.liveness import exit_process
 
 
 def config(args: argparse.Namespace, qcomm: str, world: int):
@@ -68,7 +68,7 @@ def worker(args: argparse.Namespace) -> None:
     from model_inputs import random_table_batch
 
     from dlrmv4.config import DistributedConfig
-    from dlrmv4.distributed import start_cluster
+    from dlrmv4.distributed.process_start import start_cluster
     from dlrmv4.model.embeddings import make_embeddings, table_specs
     from dlrmv4.plan.explain import refusal
     from dlrmv4.plan.machine import plan_for_run

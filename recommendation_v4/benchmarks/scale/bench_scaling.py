@@ -39,7 +39,7 @@ from harness import RESULTS, command_line, cpu_model, device_name, save_labelled
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.config_loading import add_config_arguments, config_from_args
-from dlrmv4.distributed import exit_process
+from dlrmv4.distributed.liveness import exit_process
 
 
 def _replace(cfg: BenchmarkConfig, overrides: dict) -> BenchmarkConfig:
@@ -83,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
     from dlrmv4.data.loader import make_window_loader
     from dlrmv4.data.paths import store_dir
     from dlrmv4.data.store import open_store
-    from dlrmv4.distributed import start_cluster
+    from dlrmv4.distributed.process_start import start_cluster
     from dlrmv4.model.embeddings import store_table_counts
     from dlrmv4.plan.explain import refusal
     from dlrmv4.plan.machine import plan_for_run

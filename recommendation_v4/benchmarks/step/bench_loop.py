@@ -34,7 +34,7 @@ from dlrmv4.config_loading import add_config_arguments, config_from_args
 from dlrmv4.data.loader import make_window_loader
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import open_store
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.train.run import seed_everything, start_run
 from dlrmv4.train.trainer import Trainer, build_trainer
 

@@ -16,7 +16,7 @@ from dlrmv4.checkpoint.layout import PICKLE_FILE, POSITION_FILE
 from dlrmv4.checkpoint.state import CheckpointPosition, split_state
 from dlrmv4.checkpoint.table_deltas import apply_delta
 from dlrmv4.checkpoint.tables import SparseEmbeddings
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.files import read_errors_in_one_line
 
 

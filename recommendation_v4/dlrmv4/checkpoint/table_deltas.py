@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from dlrmv4.checkpoint.dcp_io import dcp_load
 from dlrmv4.checkpoint.state import HostCopy
 from dlrmv4.checkpoint.tables import SparseEmbeddings
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.files import read_errors_in_one_line
 

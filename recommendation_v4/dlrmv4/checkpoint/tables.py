@@ -13,7 +13,7 @@ from typing import Any, Protocol, Sequence
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.errors import UserError
 
 

@@ -37,7 +37,8 @@ from dlrmv4.checkpoint.layout import (
     write_synced,
 )
 from dlrmv4.checkpoint.state import CheckpointPosition, HostCopy, split_state
-from dlrmv4.distributed import Cluster, lost_rank_error
+from dlrmv4.distributed.cluster import Cluster
+from dlrmv4.distributed.liveness import lost_rank_error, silent_ranks
 from dlrmv4.errors import UserError
 from dlrmv4.files import atomic_directory, remove_dead_temps, write_errors_in_one_line, write_failure
 
@@ -272,7 +273,7 @@ class CheckpointWriter:
             try:
                 return pending.result(timeout=self._peers.timeout_seconds)
             except FutureTimeout:
-                if self._peers.silent_ranks() != []:  # a silent rank, or the store gone with its holder
+                if silent_ranks(self._peers) != []:  # a silent rank, or the store gone with its holder
                     waited = TimeoutError(f"the write had not ended after {self._peers.timeout_seconds:g} s")
                     raise lost_rank_error(self._peers, "a checkpoint write", waited) from None
 

@@ -13,7 +13,7 @@ import torch
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.paths import store_dir
 from dlrmv4.data.store import META_FILE, open_store
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings import resolve_backend, store_table_counts
 from dlrmv4.plan.costs import GIB

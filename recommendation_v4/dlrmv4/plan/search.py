@@ -9,7 +9,7 @@ import importlib.util
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, NUM_CONTEXTUAL
-from dlrmv4.distributed import check_batch_splits
+from dlrmv4.distributed.cluster import check_batch_splits
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings.backend import choose_backend, needs_process_group
 from dlrmv4.model.embeddings.tables import TABLE_NAMES

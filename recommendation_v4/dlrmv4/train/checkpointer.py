@@ -24,7 +24,7 @@ from dlrmv4.checkpoint.table_deltas import (
 )
 from dlrmv4.checkpoint.writer import CheckpointWriter
 from dlrmv4.config import BenchmarkConfig
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.history import RunHistory

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.loader import WindowDataset, make_window_loader, share_size
 from dlrmv4.data.store import Store
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.mlperf.runlog import RunLog
 from dlrmv4.model.hstu import DlrmHSTU
 from dlrmv4.train.chunks import chunk_bounds, chunked_logits

@@ -20,14 +20,15 @@ from dlrmv4.data.store import open_store
 from dlrmv4.data.store_settings import check_store_settings
 from dlrmv4.data.verify import check_verified
 from dlrmv4.data.windows import sample_counts
-from dlrmv4.distributed import (
-    Cluster,
+from dlrmv4.distributed.cluster import Cluster, is_comm_failure
+from dlrmv4.distributed.liveness import (
     RankLostError,
-    is_comm_failure,
     lost_rank_error,
     own_failure_line,
-    start_cluster,
+    post_failure_and_linger,
+    watch_failures,
 )
+from dlrmv4.distributed.process_start import start_cluster
 from dlrmv4.errors import UserError, leave_for_launcher
 from dlrmv4.files import check_writable
 from dlrmv4.mlperf.rcp_band import rcp_band
@@ -108,7 +109,7 @@ def run_training(
     alone logs, writes the MLPerf log and the report."""
     check_sharding_options(cfg.embeddings)
     cluster = start_cluster(cfg.distributed, need_group=needs_process_group(cfg))
-    watch = cluster.watch_failures()
+    watch = watch_failures(cluster)
     try:
         return _run(cfg, cluster, log if cluster.is_main else (lambda _: None), progress, restart, config_filename)
     except Exception as exc:
@@ -122,7 +123,7 @@ def run_training(
             line = own_failure_line(cluster, exc)
             # For a launcher first: the agent stops this rank once another rank has read the line and ended.
             leave_for_launcher(line)
-            cluster.post_failure_and_linger(line)
+            post_failure_and_linger(cluster, line)
             if isinstance(exc, torch.OutOfMemoryError):
                 raise UserError(line) from exc
         raise

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.train.history import EvalRecord
 from dlrmv4.train.optim import WarmupSchedule

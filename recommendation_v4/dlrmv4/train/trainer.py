@@ -36,7 +36,7 @@ from dlrmv4.data.fork_server import start_fork_server
 from dlrmv4.data.loader import WindowLoader, make_window_loader
 from dlrmv4.data.store import Store
 from dlrmv4.data.windows import sample_counts, split_windows
-from dlrmv4.distributed import Cluster, check_batch_splits
+from dlrmv4.distributed.cluster import Cluster, check_batch_splits
 from dlrmv4.errors import UserError
 from dlrmv4.mlperf.runlog import RunFacts, RunLog
 from dlrmv4.model.embeddings import (

@@ -69,15 +69,15 @@ _watch_delay = os.environ.get("DLRMV4_TEST_WATCH_DELAY")
 if _watch_delay and os.environ.get("RANK") == _watch_delay.split(":")[0]:
     import time as _time
 
-    from dlrmv4 import distributed as _distributed
+    from dlrmv4.distributed import liveness as _liveness
 
-    _watch = _distributed.FailureWatch._watch
+    _watch = _liveness.FailureWatch._watch
 
     def _late_watch(self):
         _time.sleep(float(_watch_delay.split(":")[1]))
         return _watch(self)
 
-    _distributed.FailureWatch._watch = _late_watch
+    _liveness.FailureWatch._watch = _late_watch
 
 _slow_check = os.environ.get("DLRMV4_TEST_SLOW_RESUME_CHECK")
 if _slow_check and os.environ.get("RANK") == "0":

@@ -10,7 +10,7 @@ from dlrmv4.checkpoint.loading import load_checkpoint
 from dlrmv4.checkpoint.newest import resume_point
 from dlrmv4.checkpoint.state import CheckpointPosition
 from dlrmv4.checkpoint.writer import CheckpointWriter
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 
 
 def test_the_staging_copy_made_ahead_is_the_one_every_save_uses(tmp_path):

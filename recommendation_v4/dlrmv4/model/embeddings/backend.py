@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dlrmv4.config import BenchmarkConfig
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.model.dtypes import DTYPES
 from dlrmv4.model.embeddings.plain_backend.tables import PlainEmbeddings

@@ -26,7 +26,7 @@ from dlrmv4.config import BenchmarkConfig
 from dlrmv4.data.batch import TorchJaggedBatch
 from dlrmv4.data.hashing import CONTEXTUAL_FEATURES, table_rows
 from dlrmv4.data.sparse_features import SHARED_IDS, feature_ids
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings.sequence import SequenceEmbeddings
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.model.embeddings.tables import TableSpec
 from dlrmv4.ops.gather_rows import segment_sum
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dlrmv4.config import EmbeddingConfig
-from dlrmv4.distributed import Cluster
+from dlrmv4.distributed.cluster import Cluster
 from dlrmv4.errors import UserError
 from dlrmv4.model.embeddings.tables import TABLE_NAMES, table_features
 from dlrmv4.model.embeddings.torchrec_backend.compat import codec_settings, plain_cast_dtype
