@@ -15,6 +15,7 @@ from typing import Callable, NoReturn
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.config_loading import add_config_arguments, config_from_args, list_presets, to_toml
+from dlrmv4.distributed.launcher_parent import LauncherParent
 from dlrmv4.distributed.liveness import RankLostError
 from dlrmv4.errors import ERROR_PREFIX, UserError, report_failure, under_launcher
 from dlrmv4.files import remove_dead_temps
@@ -557,7 +558,10 @@ def _ended_by_sigterm(exc: UserError, sigterm: TerminationSignal) -> bool:
     return False
 
 
-def _say_terminated() -> int:
+def _say_terminated(launcher: LauncherParent) -> int:
+    if launcher.gone():  # no launcher is left to say the job's line: this rank says its own
+        print(f"{ERROR_PREFIX}{launcher.line()}", file=sys.stderr, flush=True)
+        return 1
     if not under_launcher():  # dlrmv4.launch says the job's one line about the stop
         print("[dlrmv4] terminated (SIGTERM)", file=sys.stderr)
     return 143
@@ -568,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sigterm = TerminationSignal()
     signal.signal(signal.SIGTERM, sigterm)
+    launcher = LauncherParent.follow()
     try:
         adopt_slurm_tasks()  # an srun task of several is one rank: the names torch reads, before anything reads them
         _preset_from_dataset_flags(args, argv)
@@ -575,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         COMMANDS[args.command][0](cfg, args)
     except UserError as exc:
         if _ended_by_sigterm(exc, sigterm):
-            return _say_terminated()
+            return _say_terminated(launcher)
         report_failure(str(exc), exc.caused_by_another_rank)
         return 1
     except OSError as exc:  # an I/O failure no step turned into its own line: the file and the cause
@@ -583,13 +588,13 @@ def main(argv: list[str] | None = None) -> int:
         report_failure(f"{where}{exc.strerror or ' '.join(str(exc).split())}")
         return 1
     except Terminated:
-        return _say_terminated()
+        return _say_terminated(launcher)
     except KeyboardInterrupt:
         if not under_launcher():  # dlrmv4.launch says the job's one line about the stop
             print("[dlrmv4] interrupted", file=sys.stderr)
         return 130
     except BaseException:
         if sigterm.received:  # whatever failed once SIGTERM came failed because the run was being stopped
-            return _say_terminated()
+            return _say_terminated(launcher)
         raise
     return 0

@@ -242,6 +242,30 @@ def test_a_terminated_launched_job_says_so_once(data_path, tmp_path):
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
+def test_a_rank_whose_launcher_is_killed_stops_with_its_own_line(data_path, tmp_path):
+    """SIGKILL to the launcher alone (not to the job's process group): its ranks, each in a session of
+    its own, would train on with nobody to stop them; each ends within seconds with one line saying
+    that its launcher is gone."""
+    run_dir = tmp_path / "run"
+    proc = _launched(data_path, run_dir)
+    deadline = time.time() + 300
+    pids = _rank_pids(proc.pid, 2, deadline)
+    _wait_for(run_dir / "checkpoints", deadline)  # training is under way
+    proc.kill()
+    killed = time.time()
+    _, err = proc.communicate(timeout=60)
+    for pid in pids.values():
+        while Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text():
+            assert time.time() - killed < 30, f"rank pid {pid} still running after its launcher was killed"
+            time.sleep(0.2)
+    lines = [line for line in err.splitlines() if "its launcher" in line]
+    for rank in range(2):
+        assert any(
+            line.startswith(f"[dlrmv4] error: rank {rank} of 2: its launcher (pid {proc.pid}) is gone")
+            for line in lines
+        ), err[-3000:]
+
+
 def test_a_killed_rank_ends_the_others_without_a_launcher(data_path, tmp_path):
     """Ranks started like srun tasks (run_and_time.sh's SLURM path, no supervising launcher): when one
     is killed, the survivor fails its next collective and exits 1 with one line naming itself."""

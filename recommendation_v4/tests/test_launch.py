@@ -14,7 +14,7 @@ from multi_process import launch_env
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from dlrmv4.errors import CAUSED_BY_ANOTHER_RANK
-from dlrmv4.launch import AGENT_KILL_AFTER_SECONDS, AgentStops, failure_line
+from dlrmv4.launch_failures import AGENT_KILL_AFTER_SECONDS, AgentStops, failure_line
 
 SURVIVOR = "rank 0 of 2: a collective of the training step failed, another rank exited or stopped answering: rank 1"
 

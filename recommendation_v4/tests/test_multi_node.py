@@ -403,6 +403,61 @@ def test_a_rendezvous_port_held_by_another_program_is_named_on_every_node(
         assert line.endswith("stop it, or give every node another MASTER_PORT"), line
 
 
+@pytest.fixture
+def port_held_by_a_stale_store():
+    """A port that a c10d store of an earlier attempt still holds (TCPStore, is_master=True)."""
+    port = free_port()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import datetime, sys, time\n"
+            "from torch.distributed import TCPStore\n"
+            "store = TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, timeout=datetime.timedelta(seconds=600))\n"
+            "print('listening', flush=True)\n"
+            "time.sleep(600)\n",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "listening"
+        yield port
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("first", [0, 1], ids=["node-0-first", "node-1-first"])
+def test_a_stale_store_on_the_port_is_named_on_every_node_at_once(
+    data_path, tmp_path, port_held_by_a_stale_store, first
+):
+    """An earlier attempt's store still holds MASTER_PORT: node 0 names it at once and leaves its refusal
+    in that store, where node 1, which joined it, reads it: node 1 ends within seconds, naming the stale
+    store, instead of waiting out the whole join timeout for a node 0 that never comes."""
+    port = port_held_by_a_stale_store
+    flags = run_flags(data_path, tmp_path / "run")
+    nodes: list[subprocess.Popen] = [None, None]  # type: ignore[list-item]
+    try:
+        nodes[first] = _node(first, port, flags, RDZV_TIMEOUT="120")
+        _until(nodes[first], "waiting for 2 nodes")
+        nodes[1 - first] = _node(1 - first, port, flags, RDZV_TIMEOUT="120")
+        ends = [_ended(node, 60) for node in nodes]
+    finally:
+        for node in nodes:
+            if node is not None and node.poll() is None:
+                _kill_node(node)
+    held = f"MASTER_PORT {port} on 127.0.0.1 is held by another program (it answers as a rendezvous store"
+    line0, line1 = (_one_clean_line(err) for err, _ in ends)
+    assert nodes[0].returncode == 1 and line0.startswith(f"[dlrmv4] error: node 0: {held}"), line0
+    assert nodes[1].returncode == 1 and line1.startswith(
+        f"[dlrmv4] error: node 1: the store at the rendezvous port is not the run's: node 0 refused it: {held}"
+    ), line1
+    assert abs(ends[1][1] - ends[0][1]) < 10  # node 1 did not wait out its join timeout
+
+
 def test_sigterm_reaches_a_node_that_waits_at_a_port_another_program_holds(
     data_path, tmp_path, port_held_by_a_web_server
 ):

@@ -5,9 +5,14 @@ that neither the join timeout nor a SIGTERM reaches.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import errno
+import os
+import signal
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass
 
@@ -93,3 +98,60 @@ def port_held_line(addr: str, port: int, answer: PortAnswer) -> str:
         f"MASTER_PORT {port} on {addr} is held by another program{f' ({said})' if said else ''}: stop it, or "
         "give every node another MASTER_PORT"
     )
+
+
+# The key under which the node that would host the store leaves its refusal of a port that another
+# store (a stale one: an earlier attempt's) holds, for the nodes that joined that store instead.
+REFUSAL_KEY = "dlrmv4/port_refused"
+REFUSAL_POLL_SECONDS = 1.0
+STORE_CLIENT_SECONDS = 5.0
+
+
+def _store_client(host: str, port: int):
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=STORE_CLIENT_SECONDS))
+
+
+def leave_refusal(host: str, port: int, line: str) -> None:
+    """Leave the hosting node's refusal in the store that holds its port (best effort)."""
+    with contextlib.suppress(Exception):
+        _store_client(host, port).set(REFUSAL_KEY, line)
+
+
+def read_refusal(host: str, port: int) -> str | None:
+    """The refusal a hosting node left in the store at ``host:port``, if any."""
+    with contextlib.suppress(Exception):
+        store = _store_client(host, port)
+        if store.check([REFUSAL_KEY]):
+            return store.get(REFUSAL_KEY).decode()
+    return None
+
+
+class RefusalWatch:
+    """While this node waits in torchrun's rendezvous (in native code no exception reaches), watch the
+    store for the hosting node's refusal of the port; on one, keep its line and stop this process with
+    SIGTERM, whose handler ends the wait. Ends by itself after ``seconds`` (the join timeout)."""
+
+    def __init__(self, host: str, port: int, seconds: float) -> None:
+        self.host, self.port = host, port
+        self.line: str | None = None  # the refusal, once read
+        self._stop = threading.Event()
+        self._until = time.monotonic() + seconds
+        self._thread = threading.Thread(target=self._watch, name="dlrmv4-refusal-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(REFUSAL_POLL_SECONDS) and time.monotonic() < self._until:
+            refused = read_refusal(self.host, self.port)
+            if refused is not None:
+                self.line = refused
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def stale_store_line(refusal: str) -> str:
+    return f"the store at the rendezvous port is not the run's: {refusal}"
