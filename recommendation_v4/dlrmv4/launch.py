@@ -187,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         if problem is not None:
             _say(f"{ERROR_PREFIX}{node}: {problem}")
             return 1
-        host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=DEFAULT_RDZV_PORT)
-        if c10d and not hosts_the_store(args.rdzv_conf, host)[0]:
-            refusals = RefusalWatch(host, port, join_timeout(args.rdzv_conf))
+        if c10d:
+            host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=DEFAULT_RDZV_PORT)
+            if not hosts_the_store(args.rdzv_conf, host)[0]:  # a node that joins the store another hosts
+                refusals = RefusalWatch(host, port, join_timeout(args.rdzv_conf))
         with stops.recording():
             torchrun.run(args)
     except ChildFailedError as exc:
