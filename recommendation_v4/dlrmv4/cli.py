@@ -15,7 +15,7 @@ from typing import Callable, NoReturn
 
 from dlrmv4.config import BenchmarkConfig
 from dlrmv4.config_loading import add_config_arguments, config_from_args, list_presets, to_toml
-from dlrmv4.distributed.launcher_parent import LauncherParent
+from dlrmv4.distributed.launcher_parent import STOP_WAIT_SECONDS, LauncherParent
 from dlrmv4.distributed.liveness import RankLostError
 from dlrmv4.errors import ERROR_PREFIX, UserError, report_failure, under_launcher
 from dlrmv4.files import remove_dead_temps
@@ -526,6 +526,8 @@ class TerminationSignal:
         self.received = False
 
     def __call__(self, signum: int, frame: object) -> None:
+        if self.received:  # a second one (a launcher's death signal comes once per thread of it) changes nothing
+            return
         self.received = True
         # A handler that does nothing, not SIG_DFL: a SIGCHLD already pending would raise OSError then.
         signal.signal(signal.SIGCHLD, _ignore_signal)
@@ -558,13 +560,39 @@ def _ended_by_sigterm(exc: UserError, sigterm: TerminationSignal) -> bool:
     return False
 
 
-def _say_terminated(launcher: LauncherParent) -> int:
-    if launcher.gone():  # no launcher is left to say the job's line: this rank says its own
-        print(f"{ERROR_PREFIX}{launcher.line()}", file=sys.stderr, flush=True)
-        return 1
+def _say_terminated() -> int:
     if not under_launcher():  # dlrmv4.launch says the job's one line about the stop
         print("[dlrmv4] terminated (SIGTERM)", file=sys.stderr)
     return 143
+
+
+def _say_orphaned(launcher: LauncherParent) -> int:
+    """No launcher is left to say the job's line: this rank says its own, in one write (ranks share a console)."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), f"{ERROR_PREFIX}{launcher.line()}\n".encode())  # one write: atomic on a pipe
+    return 1
+
+
+def _failure_status(exc: BaseException, sigterm: TerminationSignal) -> int:
+    """The exit status of a run that ``exc`` ended, after its one line; raises what no line covers."""
+    if isinstance(exc, UserError):
+        if _ended_by_sigterm(exc, sigterm):
+            return _say_terminated()
+        report_failure(str(exc), exc.caused_by_another_rank)
+        return 1
+    if isinstance(exc, OSError):  # an I/O failure no step turned into its own line: the file and the cause
+        where = f"{exc.filename}: " if exc.filename else ""
+        report_failure(f"{where}{exc.strerror or ' '.join(str(exc).split())}")
+        return 1
+    if isinstance(exc, Terminated):
+        return _say_terminated()
+    if isinstance(exc, KeyboardInterrupt):
+        if not under_launcher():  # dlrmv4.launch says the job's one line about the stop
+            print("[dlrmv4] interrupted", file=sys.stderr)
+        return 130
+    if sigterm.received:  # whatever failed once SIGTERM came failed because the run was being stopped
+        return _say_terminated()
+    raise exc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -573,28 +601,16 @@ def main(argv: list[str] | None = None) -> int:
     sigterm = TerminationSignal()
     signal.signal(signal.SIGTERM, sigterm)
     launcher = LauncherParent.follow()
+    if launcher.gone():  # it died while this rank started
+        return _say_orphaned(launcher)
     try:
         adopt_slurm_tasks()  # an srun task of several is one rank: the names torch reads, before anything reads them
         _preset_from_dataset_flags(args, argv)
         cfg = config_from_args(args)
         COMMANDS[args.command][0](cfg, args)
-    except UserError as exc:
-        if _ended_by_sigterm(exc, sigterm):
-            return _say_terminated(launcher)
-        report_failure(str(exc), exc.caused_by_another_rank)
-        return 1
-    except OSError as exc:  # an I/O failure no step turned into its own line: the file and the cause
-        where = f"{exc.filename}: " if exc.filename else ""
-        report_failure(f"{where}{exc.strerror or ' '.join(str(exc).split())}")
-        return 1
-    except Terminated:
-        return _say_terminated(launcher)
-    except KeyboardInterrupt:
-        if not under_launcher():  # dlrmv4.launch says the job's one line about the stop
-            print("[dlrmv4] interrupted", file=sys.stderr)
-        return 130
-    except BaseException:
-        if sigterm.received:  # whatever failed once SIGTERM came failed because the run was being stopped
-            return _say_terminated(launcher)
-        raise
+    except BaseException as exc:
+        # The launcher's loss is the cause, whatever failed after it.
+        if launcher.gone(STOP_WAIT_SECONDS):
+            return _say_orphaned(launcher)
+        return _failure_status(exc, sigterm)
     return 0

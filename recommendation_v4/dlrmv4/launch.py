@@ -38,6 +38,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from dlrmv4.distributed.launcher_parent import LAUNCHER_PID_ENV
 from dlrmv4.distributed.rendezvous_port import (
     RefusalWatch,
     leave_refusal,
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"[dlrmv4] {node}: waiting for {waiting}")
     quiet_the_agent()
     os.environ[LAUNCHER_ENV] = "1"
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # its ranks end when it does (launcher_parent.py)
     # torchrun's agent handles these once its ranks have started; before, through the rendezvous (up
     # to its join timeout across nodes), SIGINT left a traceback and SIGTERM no line at all.
     for stop in (signal.SIGTERM, signal.SIGINT):
