@@ -119,12 +119,14 @@ def leave_refusal(host: str, port: int, line: str) -> None:
         _store_client(host, port).set(REFUSAL_KEY, line)
 
 
+def _refusal_in(store) -> str | None:
+    return store.get(REFUSAL_KEY).decode() if store.check([REFUSAL_KEY]) else None
+
+
 def read_refusal(host: str, port: int) -> str | None:
     """The refusal a hosting node left in the store at ``host:port``, if any."""
     with contextlib.suppress(Exception):
-        store = _store_client(host, port)
-        if store.check([REFUSAL_KEY]):
-            return store.get(REFUSAL_KEY).decode()
+        return _refusal_in(_store_client(host, port))
     return None
 
 
@@ -142,8 +144,14 @@ class RefusalWatch:
         self._thread.start()
 
     def _watch(self) -> None:
+        store = None  # one connection for the whole watch, made again only if it breaks
         while not self._stop.wait(REFUSAL_POLL_SECONDS) and time.monotonic() < self._until:
-            refused = read_refusal(self.host, self.port)
+            refused = None
+            try:
+                store = store or _store_client(self.host, self.port)
+                refused = _refusal_in(store)
+            except Exception:  # noqa: BLE001 - the store not answering yet (or any more) is no refusal
+                store = None
             if refused is not None:
                 self.line = refused
                 os.kill(os.getpid(), signal.SIGTERM)
