@@ -80,6 +80,10 @@ DEVICE_EVENT_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 # The trainer's lines for a save made ("... at step N") and for a background write that ended.
 SAVE_LINE = re.compile(r"\[dlrmv4\] checkpoint step-\d{8}.* at step (\d+)")
 WRITTEN_LINE = re.compile(r"\[dlrmv4\] checkpoint step-\d{8} written \(([\d.]+) s in the background\)")
+STAGING_LINE = re.compile(
+    r"\[dlrmv4\] checkpoint staging copy in host memory allocated before the run starts .*?; (.*)"
+)
+WAITED = re.compile(r"\[dlrmv4\] checkpoint step-\d{8}.* at step \d+: .*the step waited ([\d.]+) s for the copy")
 
 
 def say(text: str) -> None:
@@ -487,6 +491,7 @@ def main() -> None:
     # The saves inside the run (the final one, after RUN_STOP, is not on the run's clock).
     checkpoints = sum(int(m.group(1)) < args.steps for m in SAVE_LINE.finditer(proc.stdout))
     write_seconds = [float(m.group(1)) for m in WRITTEN_LINE.finditer(proc.stdout)]
+    staging = STAGING_LINE.search(proc.stdout)
     table_gib = table_rows_total(cfg) * (cfg.model.embedding_dim + 1) * 4 / 2**30  # fp32 rows + Adagrad state
     history = report["history"]
     windows = window_rates(history)
@@ -543,6 +548,8 @@ def main() -> None:
         "profiled_checkpoint": {"steps": list(near), **(beside or {})} if near else None,
         "loop_around_first_checkpoint": around,
         "checkpoint_write_seconds": write_seconds,
+        "checkpoint_staging": staging.group(1) if staging else None,
+        "checkpoint_step_waits": [float(m.group(1)) for m in WAITED.finditer(proc.stdout)],
         "matmul_peak_tflops": peak,
         "mfu_yardstick": bare["stu_tflops"] * mfu_scale / peak,
         "mfu_executed": bare["stu_tflops_executed"] * mfu_scale / peak,
@@ -597,6 +604,10 @@ def profile_rows(r: dict) -> list[str]:
         rows.append(
             f"| a checkpoint's neighbours | not profiled: no checkpoint has {PROFILE_STEPS} steps after it clear of evals and window ends |"
         )
+    if r.get("checkpoint_staging"):
+        waits = r["checkpoint_step_waits"]
+        waited = f"; the step waited {waits[0]:.2f} s at the first save" if waits else ""
+        rows.append(f"| the checkpoints' staging | {r['checkpoint_staging']}{waited} |")
     if around is not None:
         written = r["checkpoint_write_seconds"]
         write = f"; written in {written[0]:.1f} s" if written else ""

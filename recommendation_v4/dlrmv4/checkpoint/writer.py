@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from dlrmv4.checkpoint.chain import prune, write_link
 from dlrmv4.checkpoint.dcp_io import dcp_save, missing_pieces
+from dlrmv4.checkpoint.device_snapshot import DeviceSnapshot, device_bytes, snapshot_layout, spare_device_memory
 from dlrmv4.checkpoint.layout import (
     PICKLE_FILE,
     POSITION_FILE,
@@ -178,8 +179,9 @@ class _Staged(HostCopy):
 
 class CheckpointWriter:
     """Writes a run's checkpoints, asynchronously when ``asynchronous``: ``save`` copies the tensor
-    state to host memory (pinned and reused from one save to the next on a GPU) and snapshots the
-    small state, then a background thread writes them with ``save_checkpoint`` (same files, same
+    state to host memory (pinned and reused from one save to the next on a GPU), or only into its
+    snapshot on the device where ``stage_ahead`` made one (the thread then copies that to host), and
+    snapshots the small state, then a background thread writes them with ``save_checkpoint`` (same files, same
     atomic rename: a kill during the write leaves the previous checkpoint whole), over a control
     group of its own when there are several ranks (the training's collectives never wait behind it;
     its collectives wait as long as a checkpoint's bytes take: ``Cluster.for_checkpoint_io``). At
@@ -193,6 +195,9 @@ class CheckpointWriter:
         self._peers = cluster  # the training's: its timeout paces the liveness checks of a long wait
         # One staging copy per kind of save (whole, delta's dense state): each is reused by the next save of its kind.
         self._stagers: dict[tuple[str, ...], BlockingAsyncStager] = {}
+        # The kinds staged ahead with a snapshot on the device (``device_snapshot.py``).
+        self._snapshots: dict[tuple[str, ...], DeviceSnapshot] = {}
+        self.snapshot_note = ""  # how stage_ahead staged: on the device, or why not
         self._thread = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer") if asynchronous else None
         )
@@ -210,25 +215,51 @@ class CheckpointWriter:
         """True when the background write has ended with an error (``wait`` raises it)."""
         return self._pending is not None and self._pending.done() and self._pending.exception() is not None
 
-    def stage_ahead(self, state: dict[str, Any]) -> float:
+    def stage_ahead(self, state: dict[str, Any], planned_peak: int | None = None) -> float:
         """Copy ``state``'s tensors once into the staging buffer, allocating (and, on a GPU, pinning) it
-        now rather than in the first save; returns the seconds it took. Only asynchronous writers stage."""
+        now rather than in the first save; returns the seconds it took. Only asynchronous writers stage.
+        ``planned_peak`` (the memory plan's device bytes, given after the warm-up): also make a snapshot
+        on the device for the saves of this kind, of as much of the state as the room left beside the
+        run's peak holds (``device_snapshot.spare_device_memory``): those bytes the step copies on the
+        device only. ``snapshot_note`` says what was done."""
         if self._thread is None:
             return 0.0
         started = time.perf_counter()
         self.wait()
-        self._stage(state)
+        kind, to_stage, _, _ = self._split(state)
+        device = self.cluster.device
+        needed = device_bytes(to_stage, device) / 2**30
+        if planned_peak is None:
+            spare, why = 0, "the run's device memory peak is not known: no warm-up or no memory plan"
+        else:
+            spare, why = spare_device_memory(device, planned_peak)
+        held = snapshot_layout(to_stage, device, spare)[1] / 2**30
+        if held == 0:
+            self._stager(kind).stage(to_stage)
+            self.snapshot_note = f"the step copies each save to host memory ({why})"
+        else:
+            snapshot = self._snapshots[kind] = DeviceSnapshot(to_stage, device, spare)
+            snapshot.take(to_stage)
+            snapshot.to_host()
+            self.snapshot_note = f"a snapshot on the device of {held:.1f} of the state's {needed:.1f} GiB each save"
+            if held < needed:
+                self.snapshot_note += f", the step copies the rest to host memory ({why})"
         return time.perf_counter() - started
 
-    def _stage(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _split(self, state: dict[str, Any]) -> tuple[tuple[str, ...], dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """The kind of save (its staged entries' names), the entries to stage, those already host copies,
+        and the small state."""
         tensor_state, small_state = split_state(state)
         on_host = {key: value.state_dict() for key, value in tensor_state.items() if isinstance(value, HostCopy)}
         to_stage = {key: value.state_dict() for key, value in tensor_state.items() if key not in on_host}
-        stager = self._stagers.get(tuple(sorted(to_stage)))
+        return tuple(sorted(to_stage)), to_stage, on_host, small_state
+
+    def _stager(self, kind: tuple[str, ...]) -> BlockingAsyncStager:
+        stager = self._stagers.get(kind)
         if stager is None:
             stager = BlockingAsyncStager(cache_staged_state_dict=torch.cuda.is_available())
-            self._stagers[tuple(sorted(to_stage))] = stager
-        return {**stager.stage(to_stage), **on_host}, small_state
+            self._stagers[kind] = stager
+        return stager
 
     def save(
         self, position: CheckpointPosition, state: dict[str, Any], rank_state: Any = None, parent: Path | None = None
@@ -240,21 +271,33 @@ class CheckpointWriter:
             path = save_checkpoint(self.run_dir, position, state, self.keep_last, self.cluster, rank_state, parent)
             self.stage_seconds = time.perf_counter() - started
             return path
-        self.wait()  # the staging buffer is the previous write's until it is done
-        staged, small_state = self._stage(state)
+        self.wait()  # the staging buffer (and snapshot) is the previous write's until it is done
+        kind, to_stage, on_host, small_state = self._split(state)
+        snapshot = self._snapshots.get(kind)
+        # With a snapshot, the host copy is whole once the thread has copied the snapshot into it.
+        staged = self._stager(kind).stage(to_stage) if snapshot is None else snapshot.take(to_stage)
         # The run goes on changing its objects: the write gets copies as they are now.
         small_state, rank_state = pickle.loads(pickle.dumps((small_state, rank_state)))
-        snapshot = {**{key: _Staged(value) for key, value in staged.items()}, **small_state}
-        self._pending = self._thread.submit(self._write, position, snapshot, rank_state, parent)
+        snapshot_state = {**{key: _Staged(value) for key, value in {**staged, **on_host}.items()}, **small_state}
+        self._pending = self._thread.submit(self._write, position, snapshot_state, rank_state, parent, snapshot)
         self.stage_seconds = time.perf_counter() - started
         return step_dir(checkpoints_dir(self.run_dir), position.step)
 
-    def _write(self, position: CheckpointPosition, state: dict[str, Any], rank_state: Any, parent: Path | None) -> Path:
+    def _write(
+        self,
+        position: CheckpointPosition,
+        state: dict[str, Any],
+        rank_state: Any,
+        parent: Path | None,
+        snapshot: DeviceSnapshot | None,
+    ) -> Path:
         # The lowest CPU priority for this thread and the threads it starts (they inherit it on
         # Linux): the training's own threads, and its loader workers, come first.
         with contextlib.suppress(AttributeError, OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         started = time.perf_counter()
+        if snapshot is not None:
+            snapshot.to_host()
         path = save_checkpoint(self.run_dir, position, state, self.keep_last, self.cluster, rank_state, parent)
         self.write_seconds = time.perf_counter() - started
         return path

@@ -95,15 +95,22 @@ class Checkpointer:
                 return False
         return reason is not None
 
-    def stage_ahead(self) -> None:
+    def stage_ahead(self, planned_peak: int | None) -> None:
         """Allocate (and pin) the asynchronous checkpoints' staging copy now, before the run's clock
-        starts, instead of in its first save: pinning tens of GiB takes tens of seconds."""
+        starts, instead of in its first save: pinning tens of GiB takes tens of seconds. ``planned_peak``:
+        the memory plan's device bytes, given once the warm-up has run the step and the eval (None
+        otherwise): with both known, a snapshot on the device may take the room left beside them
+        (``checkpoint/device_snapshot.py``)."""
         cadence = self.cadence
         in_run = cadence.every_window or cadence.every_steps > 0 or cadence.every_seconds > 0
         if not (in_run and self.writer.asynchronous and self.cluster.device.type == "cuda"):
             return  # (the final checkpoint alone comes after RUN_STOP: staging it then costs the run nothing)
-        seconds = self.writer.stage_ahead(self._state(RunHistory(), torch.zeros(()), 0, {}))
-        self.log(f"checkpoint staging copy in host memory allocated before the run starts ({seconds:.1f} s)")
+        state = self._state(RunHistory(), torch.zeros(()), 0, {})
+        seconds = self.writer.stage_ahead(state, planned_peak)
+        self.log(
+            f"checkpoint staging copy in host memory allocated before the run starts ({seconds:.1f} s); "
+            f"{self.writer.snapshot_note}"
+        )
 
     def save(
         self,
@@ -136,7 +143,7 @@ class Checkpointer:
         if self.writer.asynchronous:
             self.log(
                 f"checkpoint {path.name}{kind} at step {history.steps}: writing in the background "
-                f"(the step waited {self.writer.stage_seconds:.1f} s for the copy)"
+                f"(the step waited {self.writer.stage_seconds:.2f} s for the copy)"
             )
         else:
             self.log(f"checkpoint {path.name}{kind} at step {history.steps}")

@@ -179,7 +179,9 @@ def _run(
     with held:
         runlog, resume_from = start_run(cfg, cluster, restart)
         seed_everything(cfg.seed)
-        trainer = build_trainer(cfg, store, cluster, runlog, resume_from, log, progress, config_filename)
+        trainer = build_trainer(
+            cfg, store, cluster, runlog, resume_from, log, progress, config_filename, plan.candidate.device_total
+        )
         model, embeddings = trainer.model, trainer.embeddings
         log(
             f"training on {cluster.describe()} with {embeddings.backend} embeddings: {len(trainer.windows)} train "

@@ -97,11 +97,14 @@ def build_trainer(
     log: Callable[[str], None] = print,
     progress: bool = False,
     config_filename: str = "python-api",
+    planned_peak: int | None = None,
 ) -> "Trainer":
     """A ``Trainer`` for ``cfg`` on ``store``: the model and tables built and placed for this rank.
-    ``runlog`` and ``resume_from`` as the Trainer takes them (``run.py`` makes both)."""
+    ``runlog``, ``resume_from`` and ``planned_peak`` as the Trainer takes them (``run.py`` makes them)."""
     model, embeddings = build_model_and_tables(cfg, store_table_counts(store), cluster)
-    return Trainer(cfg, store, model, embeddings, cluster, runlog, resume_from, log, progress, config_filename)
+    return Trainer(
+        cfg, store, model, embeddings, cluster, runlog, resume_from, log, progress, config_filename, planned_peak
+    )
 
 
 def worker_starts(tables_pinned: bool, staging_pinned: bool) -> tuple[str | None, str | None]:
@@ -127,11 +130,14 @@ class Trainer:
         log: Callable[[str], None] = print,
         progress: bool = False,
         config_filename: str = "python-api",
+        planned_peak: int | None = None,
     ) -> None:
         """``runlog``: the run's MLPerf log, opened by the caller for a fresh run (INIT_START
         before the model is built) and reopened here from the checkpoint for a resumed one.
         ``resume_from``: the checkpoint the run continues from, found once by the caller
-        (``checkpoint.resume_point``), None for a fresh run."""
+        (``checkpoint.resume_point``), None for a fresh run. ``planned_peak``: the memory plan's
+        device bytes for this rank (None: no plan; checkpoints then take no snapshot on the device)."""
+        self.planned_peak = planned_peak
         world = cluster.world_size
         check_batch_splits(cfg.loader.batch_size, world)
         self.cfg, self.store, self.model, self.embeddings, self.cluster = cfg, store, model, embeddings, cluster
@@ -261,8 +267,8 @@ class Trainer:
             # Before RUN_START: outside the timed run (not for a run with nothing to do).
             if self.fork_server_wanted:  # the loaders' workers then start without importing torch
                 start_fork_server()
-            self._warm_up_kernels()
-            self.checkpointer.stage_ahead()
+            warmed_up = self._warm_up_kernels()
+            self.checkpointer.stage_ahead(self.planned_peak if warmed_up else None)
         facts = RunFacts(
             self.train_samples, self.eval_samples, self.config_filename, self.cluster.world_size, self.step.chunks
         )
@@ -278,10 +284,12 @@ class Trainer:
             self.runlog.resume(resumed.runlog, self.cfg, facts, resumed.changed_settings)
         return history
 
-    def _warm_up_kernels(self) -> None:
-        """Compile and autotune the step's and the eval's Triton kernels on synthetic batches (train.warm_up)."""
+    def _warm_up_kernels(self) -> bool:
+        """Compile and autotune the step's and the eval's Triton kernels on synthetic batches (train.warm_up);
+        whether the warm-up ran."""
         kernels = resolve(self.cfg.model.kernels, self.device)
-        if warm_up_wanted(self.cfg.train.warm_up, kernels):
+        warmed_up = warm_up_wanted(self.cfg.train.warm_up, kernels)
+        if warmed_up:
             rows = {spec.name: spec.rows for spec in self.embeddings.specs}
             samples = self.cfg.loader.batch_size // self.cluster.world_size
             self.log(warm_up(self.step, samples, rows, self.cfg.sampler.max_seq_len, self.dedup_ids).describe())
@@ -292,6 +300,7 @@ class Trainer:
         if kernels == "triton":  # (the PyTorch reference ops compile nothing)
             self.log(self._attention_kernels().describe())
             self.compiled_at_start = compiled_kernels()
+        return warmed_up
 
     def _attention_kernels(self) -> AttentionKernels:
         """The kernels the STU layers' attention runs on this device (``model.attention_kernels``)."""

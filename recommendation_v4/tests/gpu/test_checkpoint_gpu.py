@@ -4,6 +4,8 @@ dense state)."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from dlrmv4.checkpoint.loading import load_checkpoint
@@ -111,3 +113,58 @@ def test_deltas_of_different_sizes_through_the_pinned_staging_copy(tmp_path):
     for name, parts in tables.tables.items():
         for part, tensor in parts.items():
             assert torch.equal(restored.tables[name][part], tensor), (name, part)
+
+
+@pytest.mark.parametrize("room", ["whole", "half"])
+@pytest.mark.parametrize("backend", ["plain", "torchrec"])
+def test_a_snapshot_on_the_device_holds_its_save_while_the_next_steps_run(
+    tmp_path, backend, room, process_group, monkeypatch
+):
+    """The save queues a device copy and returns; the thread copies it to host on its own stream while
+    the next steps change the tables (FBGEMM's fused update for TorchRec) and the dense weights: the
+    checkpoint holds the state of the save, tables (sharded tensors for TorchRec) and weights alike;
+    with room for half the state, the save copies the rest to host itself."""
+    from model_inputs import random_batch
+    from step_setup import small_table_config
+
+    from dlrmv4.checkpoint import writer as checkpoint_writer
+    from dlrmv4.checkpoint.device_snapshot import device_bytes
+    from dlrmv4.checkpoint.state import ModelAndOptimizers
+    from dlrmv4.checkpoint.tables import gather_full_tables
+    from dlrmv4.train.trainer import build_step
+
+    if backend == "torchrec":
+        pytest.importorskip("torchrec")
+    cfg = small_table_config("yambda-5b", backend, 200_000, train={"warmup_steps": 2, "learning_rate": 1e-3})
+    step = build_step(cfg, (0, 0, 0), "cuda", seed=0)
+    batches = [random_batch(np.full(32, 400), seed=i).to("cuda") for i in range(8)]
+
+    def state(s):
+        return {"dense": ModelAndOptimizers(s.model, [s.optimizer]), "sparse": s.embeddings.checkpoint_state()}
+
+    for i in range(2):
+        step(batches[i], i, 0)
+    writer = CheckpointWriter(tmp_path, 2, step.embeddings.cluster, asynchronous=True)
+    if room == "half":
+        half = device_bytes({k: v.state_dict() for k, v in state(step).items()}, torch.device("cuda")) // 2
+        monkeypatch.setattr(checkpoint_writer, "spare_device_memory", lambda device, peak: (half, "half, for the test"))
+    writer.stage_ahead(state(step), planned_peak=0)
+    assert "snapshot on the device" in writer.snapshot_note, writer.snapshot_note
+    assert ("the step copies the rest" in writer.snapshot_note) == (room == "half"), writer.snapshot_note
+    weights = {k: v.clone() for k, v in step.model.state_dict().items()}
+    tables = gather_full_tables(step.embeddings)
+    path = writer.save(CheckpointPosition(2, 64, 0), state(step))
+    for i in range(2, 8):  # queued at once, beside the thread's copy to host
+        step(batches[i], i, 0)
+    writer.close()
+    fresh = build_step(cfg, (0, 0, 0), "cuda", seed=1)
+    load_checkpoint(path, state(fresh))
+    for name, value in fresh.model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    restored = gather_full_tables(fresh.embeddings)["tables"]
+    for name, parts in tables["tables"].items():
+        for part, tensor in parts.items():
+            assert torch.equal(restored[name][part], tensor), (name, part)
+    assert not torch.equal(
+        gather_full_tables(step.embeddings)["tables"]["item"]["weight"], tables["tables"]["item"]["weight"]
+    )

@@ -1,0 +1,107 @@
+"""The checkpoint's snapshot (``checkpoint/device_snapshot.py``) on the CPU: a save through it holds the
+state of its save while the training changes the tensors, the snapshot and its host copy are made once
+and reused, the state's tensors that live elsewhere go straight to the host copy, and a state laid out
+otherwise is refused. (On a GPU, tests/gpu/test_checkpoint_gpu.py runs it beside training steps.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from dlrmv4.checkpoint import writer as checkpoint_writer
+from dlrmv4.checkpoint.device_snapshot import DeviceSnapshot, device_bytes, snapshot_layout, tensor_leaves
+from dlrmv4.checkpoint.loading import load_checkpoint
+from dlrmv4.checkpoint.state import CheckpointPosition, ModelAndOptimizers
+from dlrmv4.checkpoint.writer import CheckpointWriter
+from dlrmv4.distributed.cluster import Cluster
+
+CPU = torch.device("cpu")
+
+
+def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    _steps(net, opt, 2)
+    return net, opt
+
+
+def _steps(net: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+    for _ in range(n):
+        opt.zero_grad()
+        net(torch.randn(4, 16)).square().sum().backward()
+        opt.step()
+
+
+def _state_of(net, opt) -> dict:
+    return {name: t.clone() for name, t in {**net.state_dict(), **_moments(opt)}.items()}
+
+
+def _moments(opt) -> dict:
+    return {f"{i}.{k}": v for i, s in enumerate(opt.state.values()) for k, v in s.items()}
+
+
+def test_a_save_through_the_snapshot_holds_the_state_of_its_save(tmp_path, monkeypatch):
+    gate = threading.Event()
+    real = checkpoint_writer.save_checkpoint
+    monkeypatch.setattr(checkpoint_writer, "save_checkpoint", lambda *a, **k: gate.wait(30) and real(*a, **k))
+    net, opt = _trained(0)
+    writer = CheckpointWriter(tmp_path, 2, Cluster.single(CPU), asynchronous=True)
+    writer.stage_ahead({"dense": ModelAndOptimizers(net, [opt])}, planned_peak=0)
+    assert writer.snapshot_note.startswith("a snapshot on the device of 0.0 of the state's 0.0 GiB")
+    snapshot = writer._snapshots[("dense",)]
+    buffer, host = snapshot.buffer.data_ptr(), [t.data_ptr() for t in tensor_leaves(snapshot.host)]
+    for step in (1, 2):
+        at_save = _state_of(net, opt)
+        writer.save(CheckpointPosition(step, step, 0), {"dense": ModelAndOptimizers(net, [opt])})
+        _steps(net, opt, 3)  # the weights and Adam's moments (and its step count) change before the write
+        gate.set()
+        path = writer.wait()
+        gate.clear()
+        fresh_net, fresh_opt = _trained(1)
+        load_checkpoint(path, {"dense": ModelAndOptimizers(fresh_net, [fresh_opt])})
+        loaded = _state_of(fresh_net, fresh_opt)
+        assert loaded.keys() == at_save.keys()
+        for name, value in at_save.items():
+            assert torch.equal(loaded[name], value), (step, name)
+        assert not torch.equal(loaded["0.weight"], net.state_dict()["0.weight"])  # the training did move on
+        # The same buffers at every save: made once, before the run.
+        assert snapshot.buffer.data_ptr() == buffer and [t.data_ptr() for t in tensor_leaves(snapshot.host)] == host
+    writer.close()
+
+
+def test_a_kind_of_save_staged_without_a_snapshot_is_copied_by_the_step(tmp_path):
+    net, opt = _trained(0)
+    writer = CheckpointWriter(tmp_path, 2, Cluster.single(CPU), asynchronous=True)
+    writer.stage_ahead({"dense": ModelAndOptimizers(net, [opt])})  # no plan: the peak is not known
+    assert writer._snapshots == {} and "not known" in writer.snapshot_note
+    at_save = _state_of(net, opt)
+    path = writer.save(CheckpointPosition(1, 1, 0), {"dense": ModelAndOptimizers(net, [opt])})
+    _steps(net, opt, 2)
+    writer.close()
+    fresh_net, fresh_opt = _trained(1)
+    load_checkpoint(path, {"dense": ModelAndOptimizers(fresh_net, [fresh_opt])})
+    loaded = _state_of(fresh_net, fresh_opt)
+    assert all(torch.equal(loaded[name], value) for name, value in at_save.items())
+
+
+def test_a_snapshot_holds_the_tensors_its_budget_holds_and_the_save_copies_the_rest_itself():
+    a, b, c = torch.arange(10.0), torch.arange(200.0), torch.arange(4.0)  # 512, 1024 and 512 bytes aligned
+    elsewhere = torch.zeros(3, device="meta")  # not on the snapshot's device: copied to host at the save
+    state = {"a": a, "b": [b, elsewhere], "c": c, "n": 7}
+    assert device_bytes(state, CPU) == 2048
+    offsets, used = snapshot_layout(state, CPU, budget=1024)
+    assert offsets == [0, None, None, 512] and used == 1024  # in order while they fit: a, then c
+    snapshot = DeviceSnapshot({"a": a, "b": [b], "c": c, "n": 7}, CPU, budget=1024)
+    assert snapshot.buffer.numel() == 1024 and [v is None for v in snapshot.views] == [False, True, False]
+    host = snapshot.take({"a": a, "b": [b], "c": c, "n": 7})
+    assert torch.equal(host["b"][0], torch.arange(200.0))  # past the budget: copied by the save itself
+    for t in (a, b, c):
+        t.add_(100)
+    snapshot.to_host()
+    assert torch.equal(host["a"], torch.arange(10.0)) and torch.equal(host["c"], torch.arange(4.0))
+    assert host["n"] == 7 and torch.equal(host["b"][0], torch.arange(200.0))
+    with pytest.raises(RuntimeError, match="not laid out"):
+        snapshot.take({"a": a[:5], "b": [b], "c": c, "n": 7})
