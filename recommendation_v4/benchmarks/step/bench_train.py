@@ -83,7 +83,7 @@ WRITTEN_LINE = re.compile(r"\[dlrmv4\] checkpoint step-\d{8} written \(([\d.]+) 
 STAGING_LINE = re.compile(
     r"\[dlrmv4\] checkpoint staging copy in host memory allocated before the run starts .*?; (.*)"
 )
-WAITED = re.compile(r"\[dlrmv4\] checkpoint step-\d{8}.* at step \d+: .*the step waited ([\d.]+) s for the copy")
+WAITED = re.compile(r"\[dlrmv4\] checkpoint step-\d{8}.* at step \d+: .*\(the step waited ([\d.]+) s(?:: ([^)]*))?")
 
 
 def say(text: str) -> None:
@@ -550,6 +550,7 @@ def main() -> None:
         "checkpoint_write_seconds": write_seconds,
         "checkpoint_staging": staging.group(1) if staging else None,
         "checkpoint_step_waits": [float(m.group(1)) for m in WAITED.finditer(proc.stdout)],
+        "checkpoint_wait_parts": [m.group(2) for m in WAITED.finditer(proc.stdout)],
         "matmul_peak_tflops": peak,
         "mfu_yardstick": bare["stu_tflops"] * mfu_scale / peak,
         "mfu_executed": bare["stu_tflops_executed"] * mfu_scale / peak,
@@ -606,7 +607,9 @@ def profile_rows(r: dict) -> list[str]:
         )
     if r.get("checkpoint_staging"):
         waits = r["checkpoint_step_waits"]
+        parts = (r.get("checkpoint_wait_parts") or [None])[0]
         waited = f"; the step waited {waits[0]:.2f} s at the first save" if waits else ""
+        waited += f" ({parts})" if waits and parts else ""
         rows.append(f"| the checkpoints' staging | {r['checkpoint_staging']}{waited} |")
     if around is not None:
         written = r["checkpoint_write_seconds"]

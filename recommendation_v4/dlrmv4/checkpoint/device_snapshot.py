@@ -48,10 +48,18 @@ def tensor_leaves(state: Any) -> list[torch.Tensor]:
     return []
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index ("cuda" is the current GPU, "cuda:0" its tensors' device)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def snapshot_layout(state: Any, device: torch.device, budget: int) -> tuple[list[int | None], int]:
     """Where each of ``state``'s tensors sits in a snapshot of at most ``budget`` bytes on ``device`` (its
     byte offset; None for a tensor elsewhere or past the budget, which the step copies to host itself),
     and the snapshot's bytes. The tensors are taken in order while they fit."""
+    device = _indexed(device)
     offsets: list[int | None] = []
     used = 0
     for t in tensor_leaves(state):
@@ -70,6 +78,7 @@ def _aligned(tensor: torch.Tensor) -> int:
 
 def device_bytes(state: Any, device: torch.device) -> int:
     """The bytes of ``state``'s tensors on ``device`` (what a whole snapshot would take)."""
+    device = _indexed(device)
     return sum(_aligned(t) for t in tensor_leaves(state) if t.device == device)
 
 
@@ -97,7 +106,7 @@ class DeviceSnapshot:
     state's other tensors are copied straight into the host copy at the save."""
 
     def __init__(self, state: Any, device: torch.device, budget: int) -> None:
-        self.device = device
+        self.device = device = _indexed(device)
         on_gpu = device.type == "cuda"
         self.host = _create_cpu_state_dict(state, pin_memory=on_gpu)  # what the write reads
         sources = tensor_leaves(state)

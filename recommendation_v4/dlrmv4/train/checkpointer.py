@@ -121,29 +121,38 @@ class Checkpointer:
         runlog_state: dict[str, Any],
     ) -> None:
         position = CheckpointPosition(step=history.steps, samples_seen=history.samples, window=window)
+        clock = time.perf_counter
+        started = clock()
         # This rank's own streams and loss sum: a resume on the same world size continues them exactly.
         own = {"rng": capture_rng_state({"dropout": self.model.dropout_generator}), "window_loss": float(window_loss)}
         # The mean over ranks: a resume on another world size continues the same number.
         state = self._state(history, self.cluster.mean(window_loss), window_steps, runlog_state)
         self.wait()  # a delta is written against the checkpoint before it: that one must be written
+        parts = {"the state": clock() - started}  # where the step's wait went, for the log line
         every = self.full_every
         parent = self.parent if every > 1 and self.changed_rows.ready and self.deltas_since_whole + 1 < every else None
         what = "whole"
         if parent is not None:
+            began = clock()
             rows = self.changed_rows.take(self.embeddings)
             del state["sparse"]
             state[ENTRY] = TableRowsDelta(rows, self.cluster.rank)
             count, size = self._totals(sum(p["ids"].numel() for p in rows.values()), delta_bytes(rows))
             what = f"a delta of {parent.name}: {count:,} changed rows, {size / 2**20:,.1f} MiB"
+            parts["the changed rows"] = clock() - began
         path = self.writer.save(position, state, rank_state=own, parent=parent)
+        parts["the copy"] = self.writer.stage_seconds
         if parent is None and every > 1:
+            began = clock()
             self.changed_rows.reset(self.embeddings)  # the next deltas are written against this state
+            parts["the rows' fingerprints"] = clock() - began
         self.parent, self.deltas_since_whole = path, (0 if parent is None else self.deltas_since_whole + 1)
         kind = f" ({what})" if every > 1 else ""
         if self.writer.asynchronous:
+            spent = ", ".join(f"{name} {seconds:.2f}" for name, seconds in parts.items())
             self.log(
                 f"checkpoint {path.name}{kind} at step {history.steps}: writing in the background "
-                f"(the step waited {self.writer.stage_seconds:.2f} s for the copy)"
+                f"(the step waited {clock() - started:.2f} s: {spent})"
             )
         else:
             self.log(f"checkpoint {path.name}{kind} at step {history.steps}")

@@ -211,11 +211,6 @@ class TorchRecEmbeddings(SparseEmbeddings):
     def _weight(self, name: str):
         return self._sharded().state_dict()[f"embeddings.{name}.weight"]
 
-    def _momentum(self, name: str):
-        """The table's Adagrad state, or None on a rank that holds none of it (table-wise plans)."""
-        state = self._sharded().fused_optimizer.state_dict()["state"].get(f"embeddings.{name}.weight")
-        return None if state is None else state[f"{name}.momentum1"]
-
     def distribute_ids(self, batch: TorchJaggedBatch, after: torch.cuda.Event | None = None) -> None:
         sharded = self._sharded()
         stream = self._dist_stream
@@ -274,4 +269,19 @@ class TorchRecEmbeddings(SparseEmbeddings):
         push_learning_rate(self.dmp.fused_optimizer, lr)
 
     def live_tables(self) -> dict[str, dict[str, Any]]:
-        return {s.name: {"weight": self._weight(s.name), "momentum": self._momentum(s.name)} for s in self.specs}
+        # The module's and its optimizer's state dicts once for all the tables (each builds every table's
+        # sharded tensors).
+        sharded = self._sharded()
+        weights = sharded.state_dict()
+        moments = sharded.fused_optimizer.state_dict()["state"]
+        return {
+            s.name: {"weight": weights[f"embeddings.{s.name}.weight"], "momentum": _momentum(moments, s.name)}
+            for s in self.specs
+        }
+
+
+def _momentum(optimizer_state: dict[str, Any], name: str):
+    """A table's Adagrad state in its fused optimizer's state, or None on a rank that holds none of it
+    (table-wise plans)."""
+    state = optimizer_state.get(f"embeddings.{name}.weight")
+    return None if state is None else state[f"{name}.momentum1"]
