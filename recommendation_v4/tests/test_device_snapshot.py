@@ -105,3 +105,31 @@ def test_a_snapshot_holds_the_tensors_its_budget_holds_and_the_save_copies_the_r
     assert host["n"] == 7 and torch.equal(host["b"][0], torch.arange(200.0))
     with pytest.raises(RuntimeError, match="not laid out"):
         snapshot.take({"a": a[:5], "b": [b], "c": c, "n": 7})
+
+
+def test_work_on_the_saved_tensors_runs_on_the_snapshots_copies_in_the_writer_or_else_at_the_save(tmp_path):
+    """``save(then=...)`` (the rows' fingerprints after a whole checkpoint): with a snapshot that holds the
+    tensors, the work runs in the writer's thread on its copies, which hold the values of the save while
+    the training changes the live ones; without one, at the save on the tensors themselves."""
+    seen: dict[str, object] = {}
+
+    def work(tensors):
+        seen["thread"] = threading.current_thread().name
+        seen["values"] = [t.clone() for t in tensors]
+        seen["live"] = any(t.data_ptr() == net[0].weight.data_ptr() for t in tensors)
+
+    net, opt = _trained(0)
+    for snapshot in (True, False):
+        writer = CheckpointWriter(tmp_path / str(snapshot), 2, Cluster.single(CPU), asynchronous=True)
+        writer.stage_ahead({"dense": ModelAndOptimizers(net, [opt])}, planned_peak=0 if snapshot else None)
+        at_save = net[0].weight.detach().clone()
+        writer.save(
+            CheckpointPosition(1, 1, 0), {"dense": ModelAndOptimizers(net, [opt])}, then=([net[0].weight], work)
+        )
+        assert writer.then_ran_here is not snapshot
+        _steps(net, opt, 2)
+        writer.wait()
+        writer.close()
+        assert seen["thread"].startswith("checkpoint-writer") is snapshot and seen["live"] is not snapshot
+        assert torch.equal(seen["values"][0], at_save)
+    assert not torch.equal(net[0].weight, at_save)  # the training did move on

@@ -72,6 +72,11 @@ def snapshot_layout(state: Any, device: torch.device, budget: int) -> tuple[list
     return offsets, used
 
 
+def _identity(tensor: torch.Tensor) -> tuple:
+    """What makes two tensor objects the same tensor (a state dict's views are made anew at every call)."""
+    return tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride()
+
+
 def _aligned(tensor: torch.Tensor) -> int:
     return -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
 
@@ -120,6 +125,7 @@ class DeviceSnapshot:
         # The lowest priority: the training's kernels come first where they meet the copy.
         self.stream = torch.cuda.Stream(device, priority=0) if on_gpu else None
         self.taken = torch.cuda.Event() if on_gpu else None
+        self._copy_of: dict[tuple, torch.Tensor] = {}  # the last take's sources to their copies
 
     def take(self, state: Any) -> Any:
         """Queue the copy of ``state``'s tensors into the snapshot behind the work on the current stream
@@ -134,10 +140,17 @@ class DeviceSnapshot:
                 view.copy_(source.detach(), non_blocking=True)
         if self.taken is not None:
             self.taken.record()
+        self._copy_of = {_identity(source): view for source, view, _ in pairs if view is not None}
         for source, view, host in pairs:
             if view is None:
                 host.copy_(source.detach())
         return self.host
+
+    def copies_of(self, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The snapshot's copies of ``tensors`` (tensors of the state the last ``take`` copied), read on the
+        snapshot's stream after ``to_host``; None unless it holds every one of them."""
+        copies = [self._copy_of.get(_identity(t)) for t in tensors]
+        return None if any(c is None for c in copies) else copies  # type: ignore[return-value]
 
     def to_host(self) -> None:
         """Copy the snapshot into the host copy and wait for it: on the snapshot's own stream, once the

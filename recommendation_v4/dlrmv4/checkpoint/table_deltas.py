@@ -36,6 +36,8 @@ PARTS = ("ids", "weight", "momentum")
 
 # (first row, weight rows [n, E], momentum [n]) of a table held on this rank
 Piece = tuple[int, torch.Tensor, torch.Tensor]
+# ((table, first row), weight rows, momentum): a piece as fingerprinted
+Block = tuple[tuple[str, int], torch.Tensor, torch.Tensor]
 
 
 def _pieces(name: str, parts: dict[str, Any], dim: int) -> list[Piece]:
@@ -101,8 +103,8 @@ def _fingerprints(weight: torch.Tensor, momentum: torch.Tensor) -> torch.Tensor:
         end = min(begin + chunk_rows, weight.shape[0])
         words = torch.cat([weight[begin:end], momentum[begin:end, None]], 1).contiguous().view(torch.int32)
         out[begin:end].copy_(words.to(torch.int64).mul_(multipliers).sum(1), non_blocking=True)
-    if weight.is_cuda:
-        torch.cuda.synchronize(weight.device)
+    if weight.is_cuda:  # (the current stream: the training's, or the writer's copy stream in its thread)
+        torch.cuda.current_stream(weight.device).synchronize()
     return out
 
 
@@ -117,14 +119,24 @@ class ChangedRows:
         """Whether a snapshot exists (taken at a whole checkpoint or a resume): a delta has a base."""
         return self._fingerprints is not None
 
-    @torch.no_grad()
+    @staticmethod
+    def blocks(embeddings: SparseEmbeddings) -> list[Block]:
+        """The row blocks this rank fingerprints: ((table, first row), weight rows, momentum)."""
+        return [
+            ((name, row0), weight, momentum)
+            for name, parts in embeddings.live_tables().items()
+            if _writes_its_pieces(parts, embeddings.cluster)
+            for row0, weight, momentum in _pieces(name, parts, embeddings.dim)
+        ]
+
     def reset(self, embeddings: SparseEmbeddings) -> None:
         """Snapshot the rows as they are now: the state the next delta is written against."""
-        self._fingerprints = {}
-        for name, parts in embeddings.live_tables().items():
-            if _writes_its_pieces(parts, embeddings.cluster):
-                for row0, weight, momentum in _pieces(name, parts, embeddings.dim):
-                    self._fingerprints[(name, row0)] = _fingerprints(weight, momentum)
+        self.reset_to(self.blocks(embeddings))
+
+    @torch.no_grad()
+    def reset_to(self, blocks: list[Block]) -> None:
+        """Snapshot the rows of ``blocks`` (``blocks``' tensors, or copies of them taken at a checkpoint)."""
+        self._fingerprints = {key: _fingerprints(weight, momentum) for key, weight, momentum in blocks}
 
     @torch.no_grad()
     def take(self, embeddings: SparseEmbeddings) -> dict[str, dict[str, torch.Tensor]]:

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
@@ -203,6 +203,7 @@ class CheckpointWriter:
         )
         self._pending: Future | None = None
         self.stage_seconds = 0.0  # the last save's time in the caller
+        self.then_ran_here = False  # whether the last save's ``then`` ran in the caller
         self.write_seconds = 0.0  # the last finished write's time in the background
 
     @property
@@ -262,13 +263,23 @@ class CheckpointWriter:
         return stager
 
     def save(
-        self, position: CheckpointPosition, state: dict[str, Any], rank_state: Any = None, parent: Path | None = None
+        self,
+        position: CheckpointPosition,
+        state: dict[str, Any],
+        rank_state: Any = None,
+        parent: Path | None = None,
+        then: tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], None]] | None = None,
     ) -> Path:
         """Write (or start writing) ``state`` as ``save_checkpoint`` does (``parent``: the checkpoint a
-        delta continues); returns its final path."""
+        delta continues); returns its final path. ``then``: (tensors of ``state``, work on them), run
+        once on the tensors as they are at the save: in the writer's thread on the device snapshot's
+        copies where it holds them all, else here after the copy (``then_ran_here`` says which)."""
         started = time.perf_counter()
+        self.then_ran_here = then is not None
         if self._thread is None:
             path = save_checkpoint(self.run_dir, position, state, self.keep_last, self.cluster, rank_state, parent)
+            if then is not None:
+                then[1](then[0])
             self.stage_seconds = time.perf_counter() - started
             return path
         self.wait()  # the staging buffer (and snapshot) is the previous write's until it is done
@@ -276,10 +287,19 @@ class CheckpointWriter:
         snapshot = self._snapshots.get(kind)
         # With a snapshot, the host copy is whole once the thread has copied the snapshot into it.
         staged = self._stager(kind).stage(to_stage) if snapshot is None else snapshot.take(to_stage)
+        deferred = None
+        if then is not None:
+            copies = None if snapshot is None else snapshot.copies_of(then[0])
+            if copies is None:
+                then[1](then[0])
+            else:
+                deferred, self.then_ran_here = (then[1], copies), False
         # The run goes on changing its objects: the write gets copies as they are now.
         small_state, rank_state = pickle.loads(pickle.dumps((small_state, rank_state)))
         snapshot_state = {**{key: _Staged(value) for key, value in {**staged, **on_host}.items()}, **small_state}
-        self._pending = self._thread.submit(self._write, position, snapshot_state, rank_state, parent, snapshot)
+        self._pending = self._thread.submit(
+            self._write, position, snapshot_state, rank_state, parent, snapshot, deferred
+        )
         self.stage_seconds = time.perf_counter() - started
         return step_dir(checkpoints_dir(self.run_dir), position.step)
 
@@ -290,6 +310,7 @@ class CheckpointWriter:
         rank_state: Any,
         parent: Path | None,
         snapshot: DeviceSnapshot | None,
+        deferred: tuple[Callable[[list[torch.Tensor]], None], list[torch.Tensor]] | None,
     ) -> Path:
         # The lowest CPU priority for this thread and the threads it starts (they inherit it on
         # Linux): the training's own threads, and its loader workers, come first.
@@ -298,6 +319,10 @@ class CheckpointWriter:
         started = time.perf_counter()
         if snapshot is not None:
             snapshot.to_host()
+            if deferred is not None:  # on the snapshot's stream, beside the training's
+                work, copies = deferred
+                with torch.cuda.stream(snapshot.stream) if snapshot.stream is not None else contextlib.nullcontext():
+                    work(copies)
         path = save_checkpoint(self.run_dir, position, state, self.keep_last, self.cluster, rank_state, parent)
         self.write_seconds = time.perf_counter() - started
         return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -140,12 +141,13 @@ class Checkpointer:
             count, size = self._totals(sum(p["ids"].numel() for p in rows.values()), delta_bytes(rows))
             what = f"a delta of {parent.name}: {count:,} changed rows, {size / 2**20:,.1f} MiB"
             parts["the changed rows"] = clock() - began
-        path = self.writer.save(position, state, rank_state=own, parent=parent)
-        parts["the copy"] = self.writer.stage_seconds
-        if parent is None and every > 1:
-            began = clock()
-            self.changed_rows.reset(self.embeddings)  # the next deltas are written against this state
-            parts["the rows' fingerprints"] = clock() - began
+        then = None
+        if parent is None and every > 1:  # the next deltas are written against this state
+            blocks = self.changed_rows.blocks(self.embeddings)
+            then = ([t for _, w, m in blocks for t in (w, m)], partial(_reset_to, self.changed_rows, blocks))
+        path = self.writer.save(position, state, rank_state=own, parent=parent, then=then)
+        copied = "the copy" + (" and the rows' fingerprints" if self.writer.then_ran_here else "")
+        parts[copied] = self.writer.stage_seconds
         self.parent, self.deltas_since_whole = path, (0 if parent is None else self.deltas_since_whole + 1)
         kind = f" ({what})" if every > 1 else ""
         if self.writer.asynchronous:
@@ -246,3 +248,9 @@ class Checkpointer:
             )
         self.log(f"resuming with changed settings (--allow-changed-settings): {listed}")
         return changed
+
+
+def _reset_to(changed_rows: ChangedRows, blocks: list, tensors: list[torch.Tensor]) -> None:
+    """``changed_rows`` reset to ``tensors``: the weight and momentum of each of ``blocks`` in turn (the
+    live ones, or the device snapshot's copies of them taken at the save)."""
+    changed_rows.reset_to([(key, tensors[2 * i], tensors[2 * i + 1]) for i, (key, _, _) in enumerate(blocks)])

@@ -168,3 +168,36 @@ def test_a_snapshot_on_the_device_holds_its_save_while_the_next_steps_run(
     assert not torch.equal(
         gather_full_tables(step.embeddings)["tables"]["item"]["weight"], tables["tables"]["item"]["weight"]
     )
+
+
+def test_fingerprints_taken_from_the_snapshot_in_the_writer_make_the_next_delta_whole(tmp_path):
+    """After a whole checkpoint through a device snapshot the rows' fingerprints are taken in the writer's
+    thread from the snapshot: rows changed right after the save (before the thread gets to them) are in
+    the next delta, and the chain gives the tables back."""
+    from dlrmv4.checkpoint.chain import checkpoint_chain
+    from dlrmv4.checkpoint.table_deltas import ENTRY, ChangedRows, TableRowsDelta, apply_delta
+    from dlrmv4.checkpoint.tables import TableState
+    from dlrmv4.train.checkpointer import _reset_to
+
+    tables, tracker = _CudaTables(0), ChangedRows()
+    writer = CheckpointWriter(tmp_path, 5, tables.cluster, asynchronous=True)
+    writer.stage_ahead({"sparse": TableState(tables)}, planned_peak=0)
+    blocks = tracker.blocks(tables)
+    then = ([t for _, w, m in blocks for t in (w, m)], lambda ts: _reset_to(tracker, blocks, ts))
+    writer.save(CheckpointPosition(1, 1, 0), {"sparse": TableState(tables)}, then=then)
+    assert not writer.then_ran_here
+    rows = torch.randint(0, 300_000, (4_000,), device="cuda")
+    tables.tables["item"]["weight"][rows] -= 1e-3  # queued at once: before the thread's fingerprints run
+    parent = writer.wait()
+    delta = TableRowsDelta(tracker.take(tables), 0)
+    assert set(rows.tolist()) <= set(delta.rows["item"]["ids"].tolist())
+    writer.save(CheckpointPosition(2, 2, 0), {ENTRY: delta}, parent=parent)
+    newest = writer.wait()
+    writer.close()
+    restored = _CudaTables(1)
+    whole, last = checkpoint_chain(newest)
+    load_checkpoint(whole, {"sparse": TableState(restored)})
+    apply_delta(last, restored, restored.cluster)
+    for name, parts in tables.tables.items():
+        for part, tensor in parts.items():
+            assert torch.equal(restored.tables[name][part], tensor), (name, part)
