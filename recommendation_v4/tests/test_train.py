@@ -195,7 +195,7 @@ STAGING_RUNNER = RUNNER.replace(
     "from dlrmv4.train.run import run_training\n"
     "from dlrmv4.train.checkpointer import Checkpointer\n"
     "stage_ahead = Checkpointer.stage_ahead\n"
-    "Checkpointer.stage_ahead = lambda self: (print('staging ahead', flush=True), stage_ahead(self))",
+    "Checkpointer.stage_ahead = lambda self, peak: (print('staging ahead', flush=True), stage_ahead(self, peak))",
 )
 
 

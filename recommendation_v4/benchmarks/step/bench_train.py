@@ -605,12 +605,12 @@ def profile_rows(r: dict) -> list[str]:
         rows.append(
             f"| a checkpoint's neighbours | not profiled: no checkpoint has {PROFILE_STEPS} steps after it clear of evals and window ends |"
         )
-    if r.get("checkpoint_staging"):
-        waits = r["checkpoint_step_waits"]
+    if r["checkpoints"]:  # ("-": a run whose log did not say, before the line was written)
+        waits = r.get("checkpoint_step_waits") or []
         parts = (r.get("checkpoint_wait_parts") or [None])[0]
         waited = f"; the step waited {waits[0]:.2f} s at the first save" if waits else ""
         waited += f" ({parts})" if waits and parts else ""
-        rows.append(f"| the checkpoints' staging | {r['checkpoint_staging']}{waited} |")
+        rows.append(f"| the checkpoints' staging | {r.get('checkpoint_staging') or '-'}{waited} |")
     if around is not None:
         written = r["checkpoint_write_seconds"]
         write = f"; written in {written[0]:.1f} s" if written else ""
