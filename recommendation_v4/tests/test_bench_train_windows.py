@@ -119,3 +119,19 @@ def test_a_profiled_windows_device_time_by_part_and_kernel(tmp_path):
     table = "\n".join(bench_train.step_parts_tables({"profiled_steady": {"steps": [10, 12], **w}}))
     assert "| layer norms | 0.01 | 31.2% |" in table and "| `_layer_norm_fwd` | layer norms |" in table
     assert bench_train.window_profile(tmp_path / "missing.json", steps=2) is None
+
+
+def test_host_threads_time_inside_ops_by_thread():
+    """The training thread is the one that launched the most kernels; nested ops count once."""
+    events = [
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": 1, "ts": 0, "dur": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": 1, "ts": 5, "dur": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": 2, "ts": 5, "dur": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 1, "ts": 0, "dur": 4000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "tid": 1, "ts": 1000, "dur": 1000},  # inside the first
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "tid": 1, "ts": 6000, "dur": 2000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "tid": 2, "ts": 0, "dur": 3000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "tid": 3, "ts": 0, "dur": 1000},
+    ]
+    assert bench_train.host_threads(events, steps=2) == {"training_ms": 3.0, "others_ms": 2.0}
+    assert bench_train.host_threads(events[3:], steps=2) is None

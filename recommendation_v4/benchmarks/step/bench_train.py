@@ -8,7 +8,8 @@ with its worker processes, the device prefetcher, TorchRec (or plain) embeddings
 holdout window at a cadence that gives ``--evals`` of them, checkpoints every ``--checkpoint-every``
 steps (one kept; not at every window's end: at these table sizes one checkpoint takes tens of
 seconds and the short windows of this store would make them most of the run), and a profiler
-window. The run directory is removed afterwards (a checkpoint here is about 18 GiB). Its contextual tables are
+window. The run directory is removed afterwards (a checkpoint here is about 16 GiB; ``--keep-traces DIR``
+keeps the profiled windows' traces, host threads included). Its contextual tables are
 ``--table-rows`` rows each (the full 278 M rows do not fit one GPU); item, artist and album come
 from the store. Reported:
 
@@ -26,7 +27,8 @@ from the store. Reported:
   first checkpoint's neighbours (the step before it, its staging copy and the first steps of its
   background write): the GPU's busy share in each (union of kernel time over the window) and its
   milliseconds a step; and the loop's rate in the windows that train while the first checkpoint is
-  written against those before it;
+  written against those before it; how the checkpoints were staged (a device snapshot or not) and
+  where the step's wait at the first save went;
 - MFU by the reference's yardstick (every layer in full) and by the FLOPs executed.
 
     python benchmarks/step/bench_train.py                                      # on a GPU (store in data/bench50m)
@@ -275,9 +277,13 @@ def profile_windows(events: LoopEvents, steps: int, earliest: int) -> tuple[tupl
 
 def window_profile(trace: Path, steps: int) -> dict | None:
     """A profiled window's GPU busy share and its milliseconds a step (first kernel's start to the last
-    one's end, over its steps), and where its device time went: milliseconds a step by part of the
-    step, and the ``TOP_KERNELS`` kernels (or device memcpy/memset) by time; None without a trace."""
-    events = device_events(trace)
+    one's end, over its steps), where its device time went (milliseconds a step by part of the step,
+    and the ``TOP_KERNELS`` kernels or device memcpy/memset by time) and its host threads' time in
+    torch ops (``host_threads``); None without a trace."""
+    if not trace.exists():
+        return None
+    trace_events = json.loads(trace.read_text()).get("traceEvents", [])
+    events = device_events(trace_events)
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] == "kernel")
     if not spans:
         return None
@@ -293,7 +299,46 @@ def window_profile(trace: Path, steps: int) -> dict | None:
     top = sorted(kernels.values(), key=lambda k: -k["ms_per_step"])[:TOP_KERNELS]
     for k in top:
         k["launches_per_step"] = k.pop("launches") / steps
-    return {"busy": busy_share(spans), "ms_per_step": span_us / 1e3 / steps, "parts_ms": parts, "top_kernels": top}
+    return {
+        "busy": busy_share(spans),
+        "ms_per_step": span_us / 1e3 / steps,
+        "parts_ms": parts,
+        "top_kernels": top,
+        "host": host_threads(trace_events, steps),
+    }
+
+
+def host_threads(events: list[dict], steps: int) -> dict | None:
+    """Milliseconds a step the host's threads spent inside torch ops: the thread that launched the most
+    kernels (the training's) and the other threads together (the checkpoint writer's among them). A
+    training thread inside ops for less of the step than the device works waits for the GIL or the
+    loader; None where the trace holds no kernel launch."""
+    launches: dict[int, int] = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and "LaunchKernel" in e.get("name", ""):
+            launches[e["tid"]] = launches.get(e["tid"], 0) + 1
+    if not launches:
+        return None
+    training = max(launches, key=lambda tid: launches[tid])
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
+            spans.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    inside = {tid: union_us(sorted(s)) / 1e3 / steps for tid, s in spans.items()}
+    return {
+        "training_ms": inside.pop(training, 0.0),
+        "others_ms": sum(inside.values()),
+    }
+
+
+def union_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of sorted (start, end) spans."""
+    total, end = 0.0, float("-inf")
+    for s, e in spans:
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
 
 
 def rates_around_checkpoint(windows: list[dict], first_save_step: int, batch: int, warmup: int) -> dict | None:
@@ -313,12 +358,9 @@ def rates_around_checkpoint(windows: list[dict], first_save_step: int, batch: in
     return {**rates, "ratio": rates["beside"] / rates["before"]}
 
 
-def device_events(trace: Path) -> list[dict]:
-    """The trace's device work: kernels and the device's memcpy/memset events (copies between host and
+def device_events(events: list[dict]) -> list[dict]:
+    """A trace's device work: kernels and the device's memcpy/memset events (copies between host and
     device included: they run on the copy engines beside the kernels)."""
-    if not trace.exists():
-        return []
-    events = json.loads(trace.read_text()).get("traceEvents", [])
     return [e for e in events if e.get("cat") in DEVICE_EVENT_KINDS and "dur" in e]
 
 
@@ -439,6 +481,12 @@ def main() -> None:
         help="kernels of the STU layers' attention (model.attention_kernels)",
     )
     parser.add_argument("--label", default="", help="suffix of the results file names")
+    parser.add_argument(
+        "--keep-traces",
+        default="",
+        help="a folder to copy the profiled windows' traces into (host threads and device) before the run "
+        "directory is removed",
+    )
     parser.add_argument("--smoke", action="store_true", help="synthetic-tiny and a tiny model on the CPU")
     args = parser.parse_args()
     if args.smoke:
@@ -508,6 +556,8 @@ def main() -> None:
         if events.checkpoints
         else None
     )
+    if args.keep_traces:
+        shutil.copytree(traces, args.keep_traces, dirs_exist_ok=True)
     shutil.rmtree(run_dir)
     bare = bare_step(args, device)
     say(f"bare step: {bare['samples_per_s']:,.0f} samples/s")
@@ -604,6 +654,16 @@ def profile_rows(r: dict) -> list[str]:
     elif r["checkpoints"]:
         rows.append(
             f"| a checkpoint's neighbours | not profiled: no checkpoint has {PROFILE_STEPS} steps after it clear of evals and window ends |"
+        )
+    if near is not None:
+        c, d = near["steps"]
+        cells = [
+            "-" if w.get("host") is None else f"{w['host']['training_ms']:.1f} / {w['host']['others_ms']:.1f}"
+            for w in (steady, near)
+        ]
+        rows.append(
+            f"| host threads inside torch ops, ms a step (the training's / the others'): steps {a}-{b - 1}; "
+            f"steps {c}-{d - 1} | {cells[0]}; {cells[1]} |"
         )
     if r["checkpoints"]:  # ("-": a run whose log did not say, before the line was written)
         waits = r.get("checkpoint_step_waits") or []

@@ -54,6 +54,12 @@ class _CudaTables:
         return self.tables
 
 
+def _assert_same_tables(restored: _CudaTables, tables: _CudaTables) -> None:
+    for name, parts in tables.tables.items():
+        for part, tensor in parts.items():
+            assert torch.equal(restored.tables[name][part], tensor), (name, part)
+
+
 def test_a_delta_of_gpu_tables_applied_over_its_whole_checkpoint_gives_them_back(tmp_path):
     from dlrmv4.checkpoint.chain import checkpoint_chain
     from dlrmv4.checkpoint.table_deltas import ENTRY, ChangedRows, TableRowsDelta, apply_delta
@@ -76,9 +82,7 @@ def test_a_delta_of_gpu_tables_applied_over_its_whole_checkpoint_gives_them_back
     whole, delta = checkpoint_chain(newest)
     load_checkpoint(whole, {"sparse": TableState(restored)})
     apply_delta(delta, restored, restored.cluster)
-    for name, parts in tables.tables.items():
-        for part, tensor in parts.items():
-            assert torch.equal(restored.tables[name][part], tensor), (name, part)
+    _assert_same_tables(restored, tables)
 
 
 def test_deltas_of_different_sizes_through_the_pinned_staging_copy(tmp_path):
@@ -110,9 +114,7 @@ def test_deltas_of_different_sizes_through_the_pinned_staging_copy(tmp_path):
         apply_delta(delta, restored, restored.cluster)
     load_checkpoint(deltas[-1], {"model": fresh})
     assert torch.equal(fresh.weight, net.weight)
-    for name, parts in tables.tables.items():
-        for part, tensor in parts.items():
-            assert torch.equal(restored.tables[name][part], tensor), (name, part)
+    _assert_same_tables(restored, tables)
 
 
 @pytest.mark.parametrize("room", ["whole", "half"])
@@ -198,6 +200,4 @@ def test_fingerprints_taken_from_the_snapshot_in_the_writer_make_the_next_delta_
     whole, last = checkpoint_chain(newest)
     load_checkpoint(whole, {"sparse": TableState(restored)})
     apply_delta(last, restored, restored.cluster)
-    for name, parts in tables.tables.items():
-        for part, tensor in parts.items():
-            assert torch.equal(restored.tables[name][part], tensor), (name, part)
+    _assert_same_tables(restored, tables)
