@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
     say(f"the set's {args.runs} runs are done; scoring {results}")
     system_description(results, state.get("system") or results.parent.name, base)
     score = [sys.executable, "-m", "dlrmv4", "score", str(results), *train_flags]
-    say("score: " + " ".join(shlex.quote(c) for c in score[1:]))
+    say("score: python " + " ".join(shlex.quote(c) for c in score[1:]))
     return subprocess.call(score)
 
 

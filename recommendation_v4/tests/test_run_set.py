@@ -94,7 +94,9 @@ def test_a_set_stopped_mid_run_continues_and_is_scored(tmp_path):
     assert f"system description {system} (kept as it was)" in said
     assert json.loads(system.read_text()) == desc
     assert re.search(r"system_desc_checker \(mlperf-logging [\d.]+, training 6\.1\.0\): passed", said)
-    # The score command's status is the set's: 0 exactly when the RCP check passed.
+    # The score command as a user would type it again; its status is the set's: 0 exactly when the
+    # RCP check passed.
+    assert re.search(r"\[dlrmv4\] score: python -m dlrmv4 score \S+/results/\S+/dlrmv4", said), said[-3000:]
     assert (second.returncode == 0) == ("RCP check (pruned RCPs): PASSED" in second.stdout), said[-3000:]
 
 
