@@ -365,17 +365,8 @@ def device_events(events: list[dict]) -> list[dict]:
 
 
 def busy_share(spans: list[tuple[float, float]]) -> float:
-    """Union of the kernels' time over their span (first start to last end)."""
-    busy, (start, end) = 0.0, spans[0]
-    first = start
-    for s, e in spans[1:]:
-        if s > end:
-            busy += end - start
-            start, end = s, e
-        else:
-            end = max(end, e)
-    busy += end - start
-    return busy / (max(e for _, e in spans) - first)
+    """Union of the kernels' time over their span (first start to last end); ``spans`` sorted."""
+    return union_us(spans) / (max(e for _, e in spans) - spans[0][0])
 
 
 def bare_step(args: argparse.Namespace, device: torch.device) -> dict:

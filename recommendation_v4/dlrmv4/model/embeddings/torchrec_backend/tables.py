@@ -174,9 +174,10 @@ class TorchRecEmbeddings(SparseEmbeddings):
         # waits in it then wait for that stream's few kernels, not for the step's compute. High
         # priority: its kernels take the next free SMs instead of queueing behind the step's.
         self._dist_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        weights = self._sharded().state_dict()  # (once for all the tables: each call builds every table's)
         with torch.no_grad():
             for i, s in enumerate(specs):
-                for shard in self._weight(s.name).local_shards():
+                for shard in weights[f"embeddings.{s.name}.weight"].local_shards():
                     (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
                     rows = init_rows(i, s.rows, r0, r0 + nr, dim, seed, shard.tensor.device)
                     shard.tensor.copy_(rows[:, c0 : c0 + nc])
@@ -207,9 +208,6 @@ class TorchRecEmbeddings(SparseEmbeddings):
     def _sharded(self):
         """The sharded EmbeddingCollection (its lookup's stages, its tables and fused optimizer)."""
         return self.tables
-
-    def _weight(self, name: str):
-        return self._sharded().state_dict()[f"embeddings.{name}.weight"]
 
     def distribute_ids(self, batch: TorchJaggedBatch, after: torch.cuda.Event | None = None) -> None:
         sharded = self._sharded()
