@@ -46,7 +46,6 @@ KERNELS = frozenset(
         "_hstu_attention_dq",
         "_candidate_attention_fwd",
         "_candidate_attention_bwd",
-        "_jagged_concat",
         "_jagged_take_last",
         "_layer_norm_fwd",
         "_layer_norm_bwd",

@@ -1,5 +1,7 @@
-"""Jagged sequence assembly: Triton kernels (interpreted) and the reference against a loop of
-torch.cat written straight from the layout [C contextual, L history, 1 candidate] per user."""
+"""Jagged sequence assembly against a loop of torch.cat written straight from the layout
+[C contextual, L history, 1 candidate] per user: the reference's concatenation, and the Triton
+encoding's reads of the parts (interpreted; with zero tables, unit scale and no dropout it is the
+concatenation itself, bit for bit, and its backward the split)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 from test_ops_layer_norm import gen, poison, randn  # noqa: F401  (fixtures)
 
 from dlrmv4.ops.jagged import concat_sequence_timestamps, concat_sequences, take_last
+from dlrmv4.ops.position import encode_sequences
 
 
 def offsets_of(lengths: list[int]) -> torch.Tensor:
@@ -48,16 +51,31 @@ def grads(tensors):
     return out
 
 
-@pytest.mark.parametrize("kernels", ["triton", "pytorch"])
+def identity_encoding(ctx, tokens, offsets, kernels):
+    """encode_sequences with zero tables, unit scale and no dropout: the concatenation itself."""
+    b, d = ctx.shape[0], tokens.shape[-1]
+    t = tokens.shape[0] - b
+    stamps = torch.zeros(t, dtype=torch.int64)
+    tables = torch.zeros(8, d), torch.zeros(4, d)
+    return encode_sequences(
+        ctx, tokens, offsets, stamps, torch.zeros(b, dtype=torch.int64), *tables, 1.0, kernels=kernels
+    )
+
+
+@pytest.mark.parametrize("form", ["concat_sequences", "encode_sequences triton", "encode_sequences pytorch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("b,c,d,max_len", [(1, 8, 16, 5), (4, 3, 24, 9), (7, 0, 8, 33), (6, 2, 40, 1)])
-def test_concat_matches_loop(kernels, dtype, b, c, d, max_len, gen, poison):
+@pytest.mark.parametrize("b,c,d,max_len", [(1, 8, 16, 5), (4, 3, 24, 9), (7, 0, 8, 33), (6, 2, 40, 1), (3, 2, 1100, 4)])
+def test_concat_matches_loop(form, dtype, b, c, d, max_len, gen, poison):
     lengths = random_lengths(b, max_len, gen)
     for contiguous in (True, False):
         ctx, hist, cand, offsets = inputs(b, c, d, lengths, dtype, gen, contiguous)
-        values, seq_offsets = concat_sequences(ctx, torch.cat([hist, cand]), offsets, max(lengths), kernels=kernels)
+        tokens = torch.cat([hist, cand])
+        if form == "concat_sequences":
+            values, seq_offsets = concat_sequences(ctx, tokens, offsets)
+        else:
+            values, seq_offsets = identity_encoding(ctx, tokens, offsets, form.split()[1])
         expect = loop_concat(ctx, hist, offsets, cand)
-        assert torch.equal(values, expect)  # a copy: bit-exact
+        assert values.dtype == dtype and torch.equal(values, expect)  # a copy: bit-exact
         assert seq_offsets.dtype == torch.int64
         assert torch.equal(seq_offsets, offsets_of([n + c + 1 for n in lengths]))
         g = randn(values.shape, gen, dtype)
@@ -66,12 +84,6 @@ def test_concat_matches_loop(kernels, dtype, b, c, d, max_len, gen, poison):
         expect.backward(g)
         for name, a, e in zip(("dcontextual", "dhistory", "dcandidate"), got, grads((ctx, hist, cand))):
             assert torch.equal(a, e), name
-
-
-def test_concat_with_a_loose_max_history_len(gen, poison):
-    ctx, hist, cand, offsets = inputs(3, 2, 16, [4, 0, 6], torch.float32, gen)
-    values, _ = concat_sequences(ctx, torch.cat([hist, cand]), offsets, 50, kernels="triton")
-    assert torch.equal(values, loop_concat(ctx, hist, offsets, cand))
 
 
 @pytest.mark.parametrize("kernels", ["triton", "pytorch"])
@@ -102,9 +114,17 @@ def test_timestamps_follow_the_concat_layout(c, gen):
     assert out.dtype == torch.int64 and torch.equal(out, expect)
 
 
-def test_bad_inputs_are_reported(gen):
+@pytest.mark.parametrize("op", [concat_sequences, identity_encoding])
+def test_bad_inputs_are_reported(op, gen):
     ctx, hist, cand, offsets = inputs(2, 1, 8, [1, 2], torch.float32, gen)
+    tokens = torch.cat([hist, cand])
+    args = () if op is concat_sequences else ("triton",)
     with pytest.raises(ValueError, match="int64"):
-        concat_sequences(ctx, torch.cat([hist, cand]), offsets.int(), 2)
+        op(ctx, tokens, offsets.int(), *args)
     with pytest.raises(ValueError, match="candidate rows"):
-        concat_sequences(ctx, torch.cat([hist, cand])[:, 1:], offsets, 2)
+        op(ctx, tokens[:, 1:], offsets, *args)
+    with pytest.raises(ValueError, match=r"\[B, C, D\]"):
+        op(ctx[0], tokens, offsets, *args)
+    if op is identity_encoding:
+        with pytest.raises(ValueError, match="one dtype"):
+            op(ctx.double(), tokens, offsets, *args)

@@ -3,7 +3,8 @@ the Triton kernel (interpreted) against the reference in float64, elementwise (a
 for a single token must fail). The fused input dropout: the reference's mask
 (``input_dropout_keep_mask``) is the kernel's in the forward and the backward, a chunk of sequences
 run with its first row as ``row_offset`` is that chunk of the whole run, and the decisions keep
-1 − p of the elements, independently."""
+1 − p of the elements, independently. The model's form, ``encode_sequences`` (the parts in, no
+concatenated copy), against the reference's concatenation then encoding."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 from test_ops_layer_norm import gen, leaf64, poison, randn  # noqa: F401  (fixtures)
 
-from dlrmv4.ops.position import input_dropout_keep_mask, position_time_encode
+from dlrmv4.ops.position import encode_sequences, input_dropout_keep_mask, position_time_encode
 from dlrmv4.ops.reference import position as ref_position
 from dlrmv4.ops.reference.position import positions_and_buckets
 
@@ -116,11 +117,52 @@ def test_kernel_matches_reference(dtype, b, c, max_history, num_pos, d, seconds,
     torch.testing.assert_close(time_table.grad.double(), t64.grad, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,c,max_history,d", [(1, 8, 12, 16), (5, 2, 9, 24), (7, 0, 5, 8), (3, 8, 4, 1100)])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_encode_sequences_matches_reference(dtype, b, c, max_history, d, p, gen, poison):
+    """The kernel reading the contextual rows and the tokens where they lie, against the
+    reference's concatenation then encoding in float64: values, both parts' gradients and the
+    tables', elementwise; the same dropout zeros."""
+    lengths = [int(n) for n in torch.randint(0, max_history + 1, (b,), generator=gen)]
+    lengths[0] = max_history
+    history_offsets = torch.tensor([0] + lengths).cumsum(0)
+    t = int(history_offsets[-1])
+    query = torch.randint(10**9, 2 * 10**9, (b,), generator=gen)
+    ago = torch.randint(-100, 60 * 2100**2, (t,), generator=gen)  # past the last bucket too
+    history_ts = query.repeat_interleave(torch.tensor(lengths)) - ago
+    # Parts with row strides of their own: the contextual block permuted, the tokens a column slice.
+    ctx = randn((c, b, d), gen, dtype).transpose(0, 1).requires_grad_()
+    tokens = randn((t + b, d + 3), gen, dtype)[:, 1 : 1 + d].requires_grad_()
+    tables = [randn((64, d), gen, scale=10.0).requires_grad_(), randn((2048, d), gen, scale=10.0).requires_grad_()]
+    drop = dict(dropout_p=p, seed=secrets.randbits(63), training=True, row_offset=secrets.randbits(34))
+    args = (history_offsets, history_ts, query)
+    out, seq_offsets = encode_sequences(ctx, tokens, *args, *tables, math.sqrt(d), kernels="triton", **drop)
+    assert out.dtype == dtype and out.shape == (t + b * (c + 1), d)
+    g = randn(out.shape, gen, dtype)
+    got = torch.autograd.grad(out, (ctx, tokens, *tables), g)
+    leaves = [leaf64(x) for x in (ctx, tokens, *tables)]
+    ref, ref_offsets = encode_sequences(
+        leaves[0], leaves[1], *args, *leaves[2:], math.sqrt(d), kernels="pytorch", **drop
+    )
+    want = torch.autograd.grad(ref, leaves, g.double())
+    assert torch.equal(seq_offsets, ref_offsets)
+    assert torch.equal(out != 0, ref != 0)
+    tol = dict(atol=ATOL[dtype], rtol=ATOL[dtype])
+    torch.testing.assert_close(out.double(), ref.detach(), **tol)
+    for name, a, e in zip(("dcontextual", "dtokens"), got, want):
+        torch.testing.assert_close(a.double(), e, **tol, msg=name)
+    for name, a, e in zip(("dpos_table", "dtime_table"), got[2:], want[2:]):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), e, atol=1e-4, rtol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_deterministic_backward_matches_reference(p, gen, poison, deterministic_algorithms):
     """Under deterministic algorithms the tables' gradients are summed by torch in a fixed order
     instead of with atomics: the same values."""
     test_kernel_matches_reference(torch.float32, 13, 8, 3, 32, 40, 3600.0, p, gen, poison)
+    test_encode_sequences_matches_reference(torch.float32, 5, 2, 9, 24, p, gen, poison)
 
 
 def test_bad_inputs_are_reported(gen):

@@ -27,10 +27,10 @@ from harness import RESULTS, command_line, device_name, do_bench_ms, write_resul
 from length_mix import jagged_lengths
 
 from dlrmv4.ops.gather_rows import gather_rows
-from dlrmv4.ops.jagged import concat_sequence_timestamps, concat_sequences, take_last
+from dlrmv4.ops.jagged import concat_sequence_timestamps, take_last
 from dlrmv4.ops.layer_norm import layer_norm, swish_layer_norm
 from dlrmv4.ops.output_block import output_block
-from dlrmv4.ops.position import position_time_encode
+from dlrmv4.ops.position import encode_sequences, position_time_encode
 from dlrmv4.ops.reference import gather_rows as ref_gather
 from dlrmv4.ops.reference import jagged as ref_jagged
 from dlrmv4.ops.reference import layer_norm as ref_ln
@@ -67,7 +67,6 @@ def build_cases(
     max_len = 64 if smoke else 4096
     seq_lens = jagged_lengths("jagged", batch, rng, max_len=max_len)
     hist_lens = torch.from_numpy(seq_lens - NUM_CONTEXTUAL - 1)
-    max_history = int(hist_lens.max())
     hist_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), hist_lens.cumsum(0)]).to(device)
     t_hist = int(hist_lens.sum())
     t_all = t_hist + batch * (NUM_CONTEXTUAL + 1)
@@ -117,18 +116,6 @@ def build_cases(
         10 * t_all * dim * e,
     )
 
-    ctx, tokens = rand(batch, NUM_CONTEXTUAL, dim), rand(t_hist + batch, dim)
-    add(
-        "concat_sequences",
-        f"{batch}×[{NUM_CONTEXTUAL}+L+1, {dim}] -> [{t_all}, {dim}]",
-        [ctx, tokens],
-        lambda: concat_sequences(ctx, tokens, hist_offsets, max_history, kernels="triton")[0],
-        lambda: ref_jagged.concat_sequences(ctx, tokens[:t_hist], tokens[t_hist:], hist_offsets)[0],
-        2 * t_all * dim * e,
-        4 * t_all * dim * e,
-        compile_ok=False,
-    )
-
     values = rand(t_all, dim)
     seq_offsets = ref_jagged.sequence_offsets(hist_offsets, NUM_CONTEXTUAL)
     add(
@@ -162,6 +149,18 @@ def build_cases(
         lambda: ref_pos.position_time_encode(x, seq_offsets, ts, query, NUM_CONTEXTUAL, pt, tt, scale),
         2 * t_all * dim * e + rows_used * dim * 4,
         4 * t_all * dim * e + rows_used * dim * 4 + (POS_ROWS + TIME_ROWS) * dim * 4,
+    )
+    # The model's form: the contextual rows and the tokens in, no concatenated copy between.
+    ctx, tokens = rand(batch, NUM_CONTEXTUAL, dim), rand(t_hist + batch, dim)
+    add(
+        "encode_sequences",
+        f"{batch}×[{NUM_CONTEXTUAL}+L+1, {dim}] + tables -> [{t_all}, {dim}]",
+        [ctx, tokens, pt, tt],
+        lambda: encode_sequences(ctx, tokens, hist_offsets, hist_ts, query, pt, tt, scale, kernels="triton")[0],
+        lambda: encode_sequences(ctx, tokens, hist_offsets, hist_ts, query, pt, tt, scale, kernels="pytorch")[0],
+        2 * t_all * dim * e + rows_used * dim * 4,
+        4 * t_all * dim * e + rows_used * dim * 4 + (POS_ROWS + TIME_ROWS) * dim * 4,
+        compile_ok=False,
     )
 
     # A deduplicated batch's distinct item rows spread to its history tokens and the candidates'

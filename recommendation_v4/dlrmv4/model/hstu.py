@@ -94,7 +94,6 @@ class DlrmHSTU(nn.Module):
                 batch.history_action,
                 batch.history_timestamp,
                 batch.query_time,
-                batch.max_history_length,
                 context.dropout_seeds[0],
                 context.row_offset,
             )

@@ -11,8 +11,7 @@ from torch import nn
 from dlrmv4.config import ModelConfig
 from dlrmv4.model.embeddings import SequenceEmbeddings
 from dlrmv4.model.layers import Tower
-from dlrmv4.ops.jagged import concat_sequence_timestamps, concat_sequences
-from dlrmv4.ops.position import position_time_encode
+from dlrmv4.ops.position import encode_sequences
 
 ACTION_BITS = (1, 2, 4)  # listen_plus, like, skip: the history pool bits
 
@@ -57,12 +56,12 @@ class Preprocessor(nn.Module):
         history_action: torch.Tensor,
         history_timestamp: torch.Tensor,
         query_time: torch.Tensor,
-        max_history_length: int,
         dropout_seed: int = 0,
         row_offset: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (encoded sequence values [T + B*(C+1), D], seq_offsets [B+1]). The input dropout's
-        mask is drawn from ``dropout_seed`` per sequence row, counting from ``row_offset``."""
+        mask is drawn from ``dropout_seed`` per sequence row, counting from ``row_offset``. The
+        contextual rows and the tokens go to the encoding as they are: no concatenated copy."""
         b = emb.num_candidates
         # History and candidate tokens share the branch MLPs: one matmul per layer for both (the
         # embeddings come as [history rows; candidate rows] per table).
@@ -74,16 +73,12 @@ class Preprocessor(nn.Module):
         )
         tokens = self.action(actions, plus=extra)
         contextual = torch.stack([proj(emb.contextual[:, i]) for i, proj in enumerate(self.contextual)], 1)
-        values, seq_offsets = concat_sequences(
-            contextual.to(tokens.dtype), tokens, history_offsets, max_history_length, kernels=self.cfg.kernels
-        )
-        timestamps = concat_sequence_timestamps(history_timestamp, history_offsets, query_time, self.num_contextual)
-        x = position_time_encode(
-            values,
-            seq_offsets,
-            timestamps,
+        x, seq_offsets = encode_sequences(
+            contextual.to(tokens.dtype),
+            tokens,
+            history_offsets,
+            history_timestamp,
             query_time,
-            self.num_contextual,
             self.position_table,
             self.time_table,
             math.sqrt(self.cfg.d_model),

@@ -141,9 +141,10 @@ def preprocessor_bytes_per_row(shape: ActivationShape) -> int:
 
 
 def sequence_row_bytes(shape: ActivationShape) -> int:
-    """Per sequence row: the summed tokens, the concatenated sequence and the encoded sequence (D·s
-    each; counted for every row, contextual ones included) + its timestamp and position (16 B)."""
-    return 3 * shape.d_model * shape.dtype_bytes + 16
+    """Per sequence row: the summed tokens and the encoded sequence (D·s each; counted for every
+    row, contextual ones included; the encoding reads the tokens in place, no concatenated copy) +
+    its timestamp and position (16 B)."""
+    return 2 * shape.d_model * shape.dtype_bytes + 16
 
 
 def per_sample_bytes(shape: ActivationShape, num_contextual: int, candidate_copy: bool) -> int:

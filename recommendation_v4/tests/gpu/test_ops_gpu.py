@@ -30,7 +30,7 @@ from dlrmv4.ops.gather_rows import gather_rows
 from dlrmv4.ops.jagged import concat_sequence_timestamps, concat_sequences, take_last
 from dlrmv4.ops.layer_norm import layer_norm, swish_layer_norm
 from dlrmv4.ops.output_block import output_block, output_block_keep_mask
-from dlrmv4.ops.position import input_dropout_keep_mask, position_time_encode
+from dlrmv4.ops.position import encode_sequences, input_dropout_keep_mask, position_time_encode
 
 CUDA = "cuda"
 B, C, D, MAX_HISTORY = 32, 8, 512, 4087
@@ -57,8 +57,8 @@ def offsets_of(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(CUDA)
 
 
-def model_batch(gen: torch.Generator):
-    """(seq_offsets, timestamps, query_time) of a batch laid out by concat_sequences."""
+def model_history(gen: torch.Generator):
+    """(history_offsets, history timestamps, query_time) of a batch."""
     lengths = history_lengths(gen)
     hist_offsets = offsets_of(lengths)
     query = torch.randint(1_600_000_000, 1_700_000_000, (B,), generator=gen).to(CUDA)
@@ -69,7 +69,13 @@ def model_batch(gen: torch.Generator):
     edge = 60 * k * k + torch.randint(-1, 2, dt.shape, generator=gen)
     dt = torch.where(torch.rand(dt.shape, generator=gen) < 0.5, dt, edge)
     hist_query = query.cpu().repeat_interleave(torch.tensor(lengths))
-    ts = concat_sequence_timestamps((hist_query - dt).to(CUDA), hist_offsets, query, C)
+    return hist_offsets, (hist_query - dt).to(CUDA), query
+
+
+def model_batch(gen: torch.Generator):
+    """(seq_offsets, timestamps, query_time) of a batch laid out by concat_sequences."""
+    hist_offsets, history_ts, query = model_history(gen)
+    ts = concat_sequence_timestamps(history_ts, hist_offsets, query, C)
     seq_offsets = hist_offsets + torch.arange(B + 1, device=CUDA) * (C + 1)
     return seq_offsets, ts, query
 
@@ -190,15 +196,22 @@ def test_output_block_chunks_are_the_whole(gen, poison):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_concat_and_take_last(dtype, gen, poison):
+def test_sequence_layout_and_take_last(dtype, gen, poison):
+    """encode_sequences with zero tables, unit scale and no dropout is the concatenation, bit for
+    bit, and its backward the split; take_last reads each sequence's candidate."""
     lengths = history_lengths(gen)
     hist_offsets = offsets_of(lengths)
     ctx = randn((B, C, D), gen, dtype, CUDA).requires_grad_()
     hist = randn((sum(lengths), D), gen, dtype, CUDA).requires_grad_()
     cand = randn((B, D), gen, dtype, CUDA).requires_grad_()
     tokens = torch.cat([hist, cand])
-    values, seq_offsets = concat_sequences(ctx, tokens, hist_offsets, MAX_HISTORY, kernels="triton")
-    ref, ref_offsets = concat_sequences(ctx, tokens, hist_offsets, MAX_HISTORY, kernels="pytorch")
+    stamps, query = (
+        torch.zeros(sum(lengths), dtype=torch.int64, device=CUDA),
+        torch.zeros(B, dtype=torch.int64, device=CUDA),
+    )
+    tables = torch.zeros((8, D), device=CUDA), torch.zeros((4, D), device=CUDA)
+    values, seq_offsets = encode_sequences(ctx, tokens, hist_offsets, stamps, query, *tables, 1.0, kernels="triton")
+    ref, ref_offsets = concat_sequences(ctx, tokens, hist_offsets)
     assert torch.equal(values, ref) and torch.equal(seq_offsets, ref_offsets)
     last = take_last(values, seq_offsets, kernels="triton")
     assert torch.equal(last, cand)
@@ -208,6 +221,31 @@ def test_concat_and_take_last(dtype, gen, poison):
     want = torch.autograd.grad((ref, ref_last), (ctx, hist, cand), (g_values, g_last))
     for name, a, e in zip(("dcontextual", "dhistory", "dcandidate"), got, want):
         assert torch.equal(a, e), name
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_encode_sequences(p, gen, poison):
+    """The model's form at full size, bf16: the kernel reading the parts against the reference's
+    concatenation then encoding in float64; the same dropout zeros."""
+    hist_offsets, history_ts, query = model_history(gen)
+    ctx = randn((B, C, D), gen, torch.bfloat16, CUDA).requires_grad_()
+    tokens = randn((history_ts.numel() + B, D), gen, torch.bfloat16, CUDA).requires_grad_()
+    tables = [randn((rows, D), gen, device=CUDA, scale=10.0).requires_grad_() for rows in (8192, 2048)]
+    drop = dict(dropout_p=p, seed=int(torch.randint(2**31, (1,), generator=gen)), training=True, row_offset=HIGH_ROW)
+    args = (hist_offsets, history_ts, query)
+    out, offs = encode_sequences(ctx, tokens, *args, *tables, math.sqrt(D), kernels="triton", **drop)
+    g = randn(out.shape, gen, torch.bfloat16, CUDA)
+    got = torch.autograd.grad(out, (ctx, tokens, *tables), g)
+    leaves = [leaf64(x) for x in (ctx, tokens, *tables)]
+    ref, _ = encode_sequences(leaves[0], leaves[1], *args, *leaves[2:], math.sqrt(D), kernels="pytorch", **drop)
+    want = torch.autograd.grad(ref, leaves, g.double())
+    assert torch.equal(offs, hist_offsets + torch.arange(B + 1, device=CUDA) * (C + 1))
+    assert torch.equal(out != 0, ref != 0)
+    torch.testing.assert_close(out.double(), ref.detach(), atol=0.4, rtol=1e-2)
+    for name, a, e in zip(("dcontextual", "dtokens"), got, want):
+        torch.testing.assert_close(a.double(), e, atol=0.1, rtol=1e-2, msg=name)
+    for name, a, e in zip(("dpos_table", "dtime_table"), got[2:], want[2:]):
+        torch.testing.assert_close(a.double(), e, atol=1e-3, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -308,24 +346,21 @@ def test_position_time_encode_chunks_are_the_whole(gen, poison):
 
 def test_no_host_sync(gen):
     """Forward and backward of every op launch kernels only: no device-to-host wait."""
-    seq_offsets, ts, query = model_batch(gen)
-    lengths = (seq_offsets.diff() - C - 1).tolist()
-    hist_offsets = offsets_of(lengths)
+    hist_offsets, history_ts, query = model_history(gen)
     dt = torch.bfloat16
     ctx, cand = randn((B, C, D), gen, dt, CUDA), randn((B, D), gen, dt, CUDA)
-    hist = randn((sum(lengths), D), gen, dt, CUDA)
+    hist = randn((history_ts.numel(), D), gen, dt, CUDA)
     w, b = randn(D, gen, device=CUDA), randn(D, gen, device=CUDA)
     tables = randn((8192, D), gen, device=CUDA), randn((2048, D), gen, device=CUDA)
     leaves = [t.requires_grad_() for t in (ctx, cand, hist, w, b, *tables)]
 
     def step():
-        x, offs = concat_sequences(ctx, torch.cat([hist, cand]), hist_offsets, MAX_HISTORY, kernels="triton")
-        x = position_time_encode(
-            x,
-            offs,
-            ts,
+        x, offs = encode_sequences(
+            ctx,
+            torch.cat([hist, cand]),
+            hist_offsets,
+            history_ts,
             query,
-            C,
             *tables,
             math.sqrt(D),
             kernels="triton",
