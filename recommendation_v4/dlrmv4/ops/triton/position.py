@@ -108,23 +108,15 @@ def _position_time_fwd(
     rmask = rows < N
     pos, bucket, seq, p, n = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds)
     r64 = rows.to(tl.int64)[:, None]
-    if PARTS:
+    if PARTS:  # each row is read from its part: one load through a pointer per row
         is_ctx, token_row = _part_rows(rows, seq, p, n, C, cand_row0)
-        x_rows = X + token_row * s_x
-        ctx_rows = CTX + seq[:, None] * s_ctx_b + p[:, None] * s_ctx_c
+        x_rows = tl.where(is_ctx, CTX + seq[:, None] * s_ctx_b + p[:, None] * s_ctx_c, X + token_row * s_x)
     else:
         x_rows = X + r64 * s_x
     for d0 in range(0, D, BLOCK_D):
         cols = (d0 + tl.arange(0, BLOCK_D))[None, :]
         mask = rmask[:, None] & (cols < D)
-        if PARTS:  # each row is read from its part only
-            x = tl.where(
-                is_ctx,
-                tl.load(ctx_rows + cols, mask=mask & is_ctx, other=0.0),
-                tl.load(x_rows + cols, mask=mask & ~is_ctx, other=0.0),
-            ).to(tl.float32)
-        else:
-            x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
         pt = tl.load(PT + pos[:, None] * s_pt + cols, mask=mask, other=0.0).to(tl.float32)
         tt = tl.load(TT + bucket[:, None] * s_tt + cols, mask=mask, other=0.0).to(tl.float32)
         y = x * x_scale + pt + tt
@@ -174,10 +166,9 @@ def _position_time_bwd(
     rmask = rows < N
     pos, bucket, seq, p, n = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds)
     r64 = rows.to(tl.int64)[:, None]
-    if PARTS:
+    if PARTS:  # each row's gradient goes to its part
         is_ctx, token_row = _part_rows(rows, seq, p, n, C, cand_row0)
-        dx_rows = DX + token_row * s_dx
-        dctx_rows = DCTX + seq[:, None] * s_dctx_b + p[:, None] * s_dctx_c
+        dx_rows = tl.where(is_ctx, DCTX + seq[:, None] * s_dctx_b + p[:, None] * s_dctx_c, DX + token_row * s_dx)
     else:
         dx_rows = DX + r64 * s_dx
     if DETERMINISTIC:
@@ -193,12 +184,7 @@ def _position_time_bwd(
         g = tl.load(G + r64 * s_g + cols, mask=mask, other=0.0).to(tl.float32)
         if DROPOUT:  # the forward's mask, drawn again
             g = tl.where(keep8(seed, r64 + row_offset, (D + 7) // 8, d0, threshold, BLOCK_D), g * drop_scale, 0.0)
-        dx = (g * x_scale).to(DX.dtype.element_ty)
-        if PARTS:  # each row's gradient goes to its part only
-            tl.store(dctx_rows + cols, dx, mask=mask & is_ctx)
-            tl.store(dx_rows + cols, dx, mask=mask & ~is_ctx)
-        else:
-            tl.store(dx_rows + cols, dx, mask=mask)
+        tl.store(dx_rows + cols, (g * x_scale).to(DX.dtype.element_ty), mask=mask)
         if DETERMINISTIC:
             tl.store(G_ROWS + r64 * D + cols, g, mask=mask)
         else:
