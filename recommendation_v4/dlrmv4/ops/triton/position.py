@@ -108,15 +108,22 @@ def _position_time_fwd(
     rmask = rows < N
     pos, bucket, seq, p, n = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds)
     r64 = rows.to(tl.int64)[:, None]
-    if PARTS:  # each row is read from its part: one load through a pointer per row
+    # A select between the two parts' pointers would not compile for AMD targets (its pointer
+    # canonicalization wants one base): each row is read by one of two masked accesses instead.
+    if PARTS:
         is_ctx, token_row = _part_rows(rows, seq, p, n, C, cand_row0)
-        x_rows = tl.where(is_ctx, CTX + seq[:, None] * s_ctx_b + p[:, None] * s_ctx_c, X + token_row * s_x)
+        x_rows = X + token_row * s_x
+        ctx_rows = CTX + seq[:, None] * s_ctx_b + p[:, None] * s_ctx_c
     else:
         x_rows = X + r64 * s_x
     for d0 in range(0, D, BLOCK_D):
         cols = (d0 + tl.arange(0, BLOCK_D))[None, :]
         mask = rmask[:, None] & (cols < D)
-        x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
+        if PARTS:  # the token rows' load fills in the contextual rows' values
+            x = tl.load(ctx_rows + cols, mask=mask & is_ctx, other=0.0)
+            x = tl.load(x_rows + cols, mask=mask & ~is_ctx, other=x).to(tl.float32)
+        else:
+            x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
         pt = tl.load(PT + pos[:, None] * s_pt + cols, mask=mask, other=0.0).to(tl.float32)
         tt = tl.load(TT + bucket[:, None] * s_tt + cols, mask=mask, other=0.0).to(tl.float32)
         y = x * x_scale + pt + tt
@@ -166,9 +173,10 @@ def _position_time_bwd(
     rmask = rows < N
     pos, bucket, seq, p, n = _token_rows(SOFF, TS, QT, rows, rmask, B, C, P, NT, n_search, bucket_seconds)
     r64 = rows.to(tl.int64)[:, None]
-    if PARTS:  # each row's gradient goes to its part
+    if PARTS:  # each row's gradient goes to its part (two masked stores, as the forward's loads)
         is_ctx, token_row = _part_rows(rows, seq, p, n, C, cand_row0)
-        dx_rows = tl.where(is_ctx, DCTX + seq[:, None] * s_dctx_b + p[:, None] * s_dctx_c, DX + token_row * s_dx)
+        dx_rows = DX + token_row * s_dx
+        dctx_rows = DCTX + seq[:, None] * s_dctx_b + p[:, None] * s_dctx_c
     else:
         dx_rows = DX + r64 * s_dx
     if DETERMINISTIC:
@@ -184,7 +192,12 @@ def _position_time_bwd(
         g = tl.load(G + r64 * s_g + cols, mask=mask, other=0.0).to(tl.float32)
         if DROPOUT:  # the forward's mask, drawn again
             g = tl.where(keep8(seed, r64 + row_offset, (D + 7) // 8, d0, threshold, BLOCK_D), g * drop_scale, 0.0)
-        tl.store(dx_rows + cols, (g * x_scale).to(DX.dtype.element_ty), mask=mask)
+        dx = (g * x_scale).to(DX.dtype.element_ty)
+        if PARTS:
+            tl.store(dctx_rows + cols, dx, mask=mask & is_ctx)
+            tl.store(dx_rows + cols, dx, mask=mask & ~is_ctx)
+        else:
+            tl.store(dx_rows + cols, dx, mask=mask)
         if DETERMINISTIC:
             tl.store(G_ROWS + r64 * D + cols, g, mask=mask)
         else:
