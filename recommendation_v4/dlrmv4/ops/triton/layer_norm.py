@@ -205,7 +205,7 @@ def _layer_norm_bwd(
 
 
 # Launch shapes (elements per program, per thread[, programs per SM]): the fastest of
-# benchmarks/kernels/bench_ops.py --sweep --batch 256 on an H200 at [733k, 512] bf16 (results/ops.md); the
+# benchmarks/kernels/bench_ops.py --sweep --batch 256 on an H200 at [733k, 512] bf16 (results/ops_sweep.md); the
 # programs per SM are a cap: a persistent grid takes no more than the SMs hold (occupancy.py).
 FWD_TILE, BWD_TILE = (4096, 16), (1024, 8, 16)
 

@@ -208,7 +208,7 @@ def _dropout_args(dropout_p: float, training: bool) -> tuple[bool, float]:
 
 
 # Launch shapes (elements per program, per thread[, programs per SM]): the fastest of
-# benchmarks/kernels/bench_ops.py --sweep --batch 256 on an H200 at [733k, 512] bf16 (results/ops.md); the
+# benchmarks/kernels/bench_ops.py --sweep --batch 256 on an H200 at [733k, 512] bf16 (results/ops_sweep.md); the
 # programs per SM are a cap: a persistent grid takes no more than the SMs hold (occupancy.py).
 FWD_TILE, BWD_TILE = (2048, 8), (2048, 16, 16)
 
