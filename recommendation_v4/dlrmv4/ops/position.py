@@ -113,13 +113,20 @@ def position_time_encode(
     with probability ``dropout_p`` when ``training``, its mask drawn from ``seed`` for the global
     rows from ``row_offset`` on (no draws at all without dropout)."""
     n, d = x.shape
-    _check_tables("position_time_encode", d, pos_table, time_table, time_bucket_seconds)
-    if timestamps.shape != (n,) or query_time.shape != (seq_offsets.numel() - 1,):
-        raise ValueError(
-            f"position_time_encode: timestamps {tuple(timestamps.shape)} must be [{n}] and "
-            f"query_time {tuple(query_time.shape)} must be [{seq_offsets.numel() - 1}]"
-        )
-    seed, row_offset = check_dropout("position_time_encode", dropout_p, seed, row_offset)
+    if timestamps.shape != (n,):
+        raise ValueError(f"position_time_encode: timestamps {tuple(timestamps.shape)} must be [{n}]")
+    seed, row_offset = _checked(
+        "position_time_encode",
+        d,
+        seq_offsets,
+        query_time,
+        pos_table,
+        time_table,
+        time_bucket_seconds,
+        dropout_p,
+        seed,
+        row_offset,
+    )
     if resolve(kernels, x.device) == "pytorch":
         return ref.position_time_encode(
             x,
@@ -137,30 +144,32 @@ def position_time_encode(
             row_offset,
         )
     dropout = (dropout_p, seed, row_offset) if training and dropout_p > 0.0 else None
-    return _PositionTimeFn.apply(
-        x,
-        None,
-        seq_offsets,
-        timestamps,
-        query_time,
-        num_contextual,
-        pos_table,
-        time_table,
-        x_scale,
-        time_bucket_seconds,
-        dropout,
-    )
+    args = (seq_offsets, timestamps, query_time, num_contextual, pos_table, time_table, x_scale, time_bucket_seconds)
+    return _PositionTimeFn.apply(x, None, *args, dropout)
 
 
-def _check_tables(
-    op: str, d: int, pos_table: torch.Tensor, time_table: torch.Tensor, time_bucket_seconds: float
-) -> None:
+def _checked(
+    op: str,
+    d: int,
+    seq_offsets: torch.Tensor,
+    query_time: torch.Tensor,
+    pos_table: torch.Tensor,
+    time_table: torch.Tensor,
+    time_bucket_seconds: float,
+    dropout_p: float,
+    seed: int,
+    row_offset: int,
+) -> tuple[int, int]:
+    """The encoding's arguments checked (a ValueError naming ``op``); the checked (seed, row_offset)."""
     if pos_table.shape[1:] != (d,) or time_table.shape[1:] != (d,):
         raise ValueError(
             f"{op}: tables {tuple(pos_table.shape)} and {tuple(time_table.shape)} must have {d} columns like x"
         )
     if not (math.isfinite(time_bucket_seconds) and time_bucket_seconds > 0):
         raise ValueError(f"{op}: time_bucket_seconds={time_bucket_seconds} must be positive")
+    if query_time.shape != (seq_offsets.numel() - 1,):
+        raise ValueError(f"{op}: query_time {tuple(query_time.shape)} must be [{seq_offsets.numel() - 1}]")
+    return check_dropout(op, dropout_p, seed, row_offset)
 
 
 def encode_sequences(
@@ -207,23 +216,19 @@ def encode_sequences(
             row_offset,
         )
         return encoded, seq_offsets
-    _check_tables("encode_sequences", tokens.shape[1], pos_table, time_table, time_bucket_seconds)
-    if query_time.shape != (contextual.shape[0],):
-        raise ValueError(f"encode_sequences: query_time {tuple(query_time.shape)} must be [{contextual.shape[0]}]")
-    seed, row_offset = check_dropout("encode_sequences", dropout_p, seed, row_offset)
-    dropout = (dropout_p, seed, row_offset) if training and dropout_p > 0.0 else None
     seq_offsets = sequence_offsets(history_offsets, num_contextual)
-    encoded = _PositionTimeFn.apply(
-        tokens,
-        contextual,
+    seed, row_offset = _checked(
+        "encode_sequences",
+        tokens.shape[1],
         seq_offsets,
-        timestamps,
         query_time,
-        num_contextual,
         pos_table,
         time_table,
-        x_scale,
         time_bucket_seconds,
-        dropout,
+        dropout_p,
+        seed,
+        row_offset,
     )
-    return encoded, seq_offsets
+    dropout = (dropout_p, seed, row_offset) if training and dropout_p > 0.0 else None
+    args = (seq_offsets, timestamps, query_time, num_contextual, pos_table, time_table, x_scale, time_bucket_seconds)
+    return _PositionTimeFn.apply(tokens, contextual, *args, dropout), seq_offsets
