@@ -1,6 +1,7 @@
 """``python -m dlrmv4 score``: a set of runs' logs checked and scored with mlperf-logging's own checkers
 and summarizer, against the score worked out by hand from the same logs (the committed fresh set of ten
-synthetic-tiny runs at GBS 256, rcp/synthetic-tiny-check/256)."""
+synthetic-tiny runs at GBS 256, rcp/synthetic-tiny-check/256; the set of four synthetic-medium runs on
+an H200, benchmarks/results/set_medium_h200)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SET = REPO / "rcp" / "synthetic-tiny-check" / "256"
 RCPS = REPO / "rcp" / "rcps_dlrmv4_synthetic-tiny.json"
+GPU_SET = REPO / "recommendation_v4" / "benchmarks" / "results" / "set_medium_h200"
 MLLOG = ":::MLLOG "
 # The recipe the set ran at (rcp/generate_rcps.py: the preset's rates scaled to GBS 256).
 RECIPE = [
@@ -50,7 +52,7 @@ def _records(log: Path) -> list[dict]:
     return [json.loads(line[len(MLLOG) :]) for line in log.read_text().splitlines() if line.startswith(MLLOG)]
 
 
-def _by_hand(logs: list[Path], dropped: int = 0) -> float:
+def _by_hand(logs: list[Path], dropped: int = 0, rcps: Path = RCPS, gbs: int = 256) -> float:
     """The olympic mean of the runs' minutes (fastest and slowest out; a dropped run is the slowest)
     times the RCP factor: the RCP's olympic mean over the set's olympic mean of samples to target."""
     minutes, samples = [], []
@@ -60,7 +62,7 @@ def _by_hand(logs: list[Path], dropped: int = 0) -> float:
         samples.append([r for r in _records(log) if r["key"] == "eval_accuracy"][-1]["metadata"]["samples_count"])
     minutes.sort()
     olympic = np.mean(minutes[1 : len(minutes) - (1 - dropped)])
-    points = sorted(json.loads(RCPS.read_text())["dlrmv4_ref_256"]["Epochs to converge"])
+    points = sorted(json.loads(rcps.read_text())[f"dlrmv4_ref_{gbs}"]["Epochs to converge"])
     factor = max(1.0, np.mean(points[1:-1]) / np.mean(sorted(samples)[1:-1]))
     return float(olympic * factor)
 
@@ -78,6 +80,27 @@ def test_the_committed_set_scores_as_worked_out_by_hand(data_path):
     assert "seed checker passed" in proc.stdout and "RCP check (pruned RCPs): PASSED" in proc.stdout
     assert _score_line(proc.stdout) == pytest.approx(_by_hand(sorted(SET.glob("result_*.txt"))), abs=1e-3)
     assert "Not enough runs" not in proc.stdout + proc.stderr  # ten logs: an official set's count
+
+
+def test_the_committed_gpu_set_scores_as_its_table_says(tmp_path):
+    """Four synthetic-medium runs on an H200 at the preset's recipe (GBS 512): scaled by the RCP check
+    (their olympic mean converged faster than the RCPs'), with the summarizer's warning for four runs."""
+    data = tmp_path / "data"
+    assert _dlrmv4("prepare", "--preset", "synthetic-medium", "--data-path", str(data)).returncode == 0
+    folder = GPU_SET / "results" / "h200" / "dlrmv4"
+    proc = _dlrmv4("score", str(folder), "--data-path", str(data), "--preset", "synthetic-medium")
+    assert proc.returncode == 0, proc.stderr
+    assert "RCP check (pruned RCPs): PASSED (RCP found); scaling factor 1.0526" in proc.stdout
+    by_hand = _by_hand(
+        sorted(folder.glob("result_*.txt")), rcps=REPO / "rcp" / "rcps_dlrmv4_synthetic-medium.json", gbs=512
+    )
+    assert _score_line(proc.stdout) == pytest.approx(by_hand, abs=1e-3)
+    assert "Found: 4, required: 10" in proc.stdout
+    # The table the results file quotes is the one this command prints.
+    printed = [line for line in proc.stdout.splitlines() if line.startswith("| result_")]
+    quoted = (GPU_SET.parent / "set_medium_h200.md").read_text()
+    assert len(printed) == 4 and all(row in quoted for row in printed)
+    assert next(line for line in proc.stdout.splitlines() if line.startswith("score: ")) in quoted
 
 
 def test_a_log_damaged_after_the_fact_is_dropped_by_name(data_path, tmp_path):
