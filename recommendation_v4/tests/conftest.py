@@ -18,21 +18,6 @@ if not torch.cuda.is_available():
 # cuBLAS is deterministic only with a fixed workspace; torch's deterministic mode refuses it without.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    # Triton 3.6's interpreter turns loop bounds into ints with int(ndarray of shape (1,)), which
-    # NumPy >= 2.4 rejects; take the element instead (kernel loops may have run-time bounds).
-    from triton.runtime import interpreter
-
-    if not getattr(interpreter._patch_lang_tensor, "numpy_index_fix", False):
-        _original = interpreter._patch_lang_tensor
-
-        def _patch_lang_tensor(tensor, scope):
-            _original(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        _patch_lang_tensor.numpy_index_fix = True
-        interpreter._patch_lang_tensor = _patch_lang_tensor
-
 
 @pytest.fixture(scope="module")
 def gloo_world_of_one(tmp_path_factory):
