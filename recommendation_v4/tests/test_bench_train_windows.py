@@ -133,5 +133,21 @@ def test_host_threads_time_inside_ops_by_thread():
         {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "tid": 2, "ts": 0, "dur": 3000},
         {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "tid": 3, "ts": 0, "dur": 1000},
     ]
-    assert bench_train.host_threads(events, steps=2) == {"training_ms": 3.0, "others_ms": 2.0}
+    events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "tid": 1, "ts": 9, "dur": 3000})
+    host = bench_train.host_threads(events, steps=2)
+    assert (host["training_ms"], host["others_ms"]) == (3.0, 2.0)
+    # The training thread's runtime calls only, costliest first, per step and per call.
+    assert host["training_cuda"] == [
+        {"name": "cudaStreamSynchronize", "ms_per_step": 1.5, "us_per_call": 3000.0},
+        {"name": "cudaLaunchKernel", "ms_per_step": 0.001, "us_per_call": 1.0},
+    ]
+    steady = {"steps": [10, 15], "host": host}
+    near = {"steps": [20, 25], "host": {**host, "training_cuda": host["training_cuda"][1:]}}
+    lines = bench_train.cuda_calls_table({"profiled_steady": steady, "profiled_checkpoint": near})
+    assert "| call | steps 10-14 | steps 20-24 |" in lines
+    assert (
+        "| `cudaStreamSynchronize` | 1.5 (3000) | - |" in lines
+        and "| `cudaLaunchKernel` | 0.0 (1) | 0.0 (1) |" in lines
+    )
+    assert bench_train.cuda_calls_table({"profiled_steady": {"steps": [1, 6]}, "profiled_checkpoint": None}) == []
     assert bench_train.host_threads(events[3:], steps=2) is None

@@ -78,6 +78,7 @@ from dlrmv4.train.trainer import build_step
 WARM_STEPS = 5
 PROFILE_STEPS = 5
 TOP_KERNELS = 15
+TOP_CUDA_CALLS = 3  # the training thread's CUDA runtime calls shown beside a checkpoint and in the steady window
 DEVICE_EVENT_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 # The trainer's lines for a save made ("... at step N") and for a background write that ended.
 SAVE_LINE = re.compile(r"\[dlrmv4\] checkpoint step-\d{8}.* at step (\d+)")
@@ -310,9 +311,11 @@ def window_profile(trace: Path, steps: int) -> dict | None:
 
 def host_threads(events: list[dict], steps: int) -> dict | None:
     """Milliseconds a step the host's threads spent inside torch ops: the thread that launched the most
-    kernels (the training's) and the other threads together (the checkpoint writer's among them). A
-    training thread inside ops for less of the step than the device works waits for the GIL or the
-    loader; None where the trace holds no kernel launch."""
+    kernels (the training's) and the other threads together (the checkpoint writer's among them); and
+    what the training thread's CUDA runtime calls took (``training_cuda``: the ``TOP_CUDA_CALLS`` calls
+    by time, milliseconds a step and microseconds a call), which tells time spent launching from waits
+    on the device or on the driver. A training thread inside ops for less of the step than the device
+    works waits for the GIL or the loader; None where the trace holds no kernel launch."""
     launches: dict[int, int] = {}
     for e in events:
         if e.get("cat") == "cuda_runtime" and "LaunchKernel" in e.get("name", ""):
@@ -321,14 +324,48 @@ def host_threads(events: list[dict], steps: int) -> dict | None:
         return None
     training = max(launches, key=lambda tid: launches[tid])
     spans: dict[int, list[tuple[float, float]]] = {}
+    calls: dict[str, list[float]] = {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "cpu_op":
             spans.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+        elif e.get("cat") == "cuda_runtime" and e["tid"] == training:
+            calls.setdefault(e["name"], []).append(e["dur"])
     inside = {tid: union_us(sorted(s)) / 1e3 / steps for tid, s in spans.items()}
+    top = sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:TOP_CUDA_CALLS]
     return {
         "training_ms": inside.pop(training, 0.0),
         "others_ms": sum(inside.values()),
+        "training_cuda": [
+            {"name": name, "ms_per_step": sum(d) / 1e3 / steps, "us_per_call": sum(d) / len(d)} for name, d in top
+        ],
     }
+
+
+def cuda_calls_table(r: dict) -> list[str]:
+    """The training thread's costliest CUDA runtime calls in the steady window and beside the first
+    checkpoint (after the other tables: the docs cite those by their place)."""
+    windows = [
+        w for w in (r["profiled_steady"], r["profiled_checkpoint"]) if w and (w.get("host") or {}).get("training_cuda")
+    ]
+    if not windows:
+        return []
+    names = list(dict.fromkeys(c["name"] for w in windows for c in w["host"]["training_cuda"]))
+    head = " | ".join(f"steps {w['steps'][0]}-{w['steps'][1] - 1}" for w in windows)
+    lines = [
+        "",
+        f"The training thread's costliest CUDA runtime calls, ms a step (microseconds a call), in the steady window"
+        f"{' and beside the first checkpoint' if len(windows) > 1 else ''}:",
+        "",
+        f"| call | {head} |",
+        "|---|" + "---:|" * len(windows),
+    ]
+    for name in names:
+        cells = []
+        for w in windows:
+            c = next((c for c in w["host"]["training_cuda"] if c["name"] == name), None)
+            cells.append("-" if c is None else f"{c['ms_per_step']:.1f} ({c['us_per_call']:.0f})")
+        lines.append(f"| `{name}` | {' | '.join(cells)} |")
+    return lines
 
 
 def union_us(spans: list[tuple[float, float]]) -> float:
@@ -734,6 +771,7 @@ def table(r: dict) -> str:
             f"before RUN_START: `--warm-up {r.get('warm_up', 'auto')}`; Triton kernels compiled / autotuned after "
             f"RUN_START: {kernels_on_the_clock(r)}.",
             *step_parts_tables(r),
+            *cuda_calls_table(r),
         ]
     )
 
