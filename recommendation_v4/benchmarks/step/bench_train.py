@@ -359,11 +359,12 @@ def cuda_calls_table(r: dict) -> list[str]:
         f"| call | {head} |",
         "|---|" + "---:|" * len(windows),
     ]
+    by_name = [{c["name"]: c for c in w["host"]["training_cuda"]} for w in windows]
     for name in names:
-        cells = []
-        for w in windows:
-            c = next((c for c in w["host"]["training_cuda"] if c["name"] == name), None)
-            cells.append("-" if c is None else f"{c['ms_per_step']:.1f} ({c['us_per_call']:.0f})")
+        cells = [
+            "-" if name not in calls else f"{calls[name]['ms_per_step']:.1f} ({calls[name]['us_per_call']:.0f})"
+            for calls in by_name
+        ]
         lines.append(f"| `{name}` | {' | '.join(cells)} |")
     return lines
 
