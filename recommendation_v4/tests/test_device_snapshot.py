@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dlrmv4.checkpoint import writer as checkpoint_writer
-from dlrmv4.checkpoint.device_snapshot import DeviceSnapshot, device_bytes, snapshot_layout, tensor_leaves
+from dlrmv4.checkpoint.device_snapshot import DeviceSnapshot, byte_pieces, device_bytes, snapshot_layout, tensor_leaves
 from dlrmv4.checkpoint.loading import load_checkpoint
 from dlrmv4.checkpoint.state import CheckpointPosition, ModelAndOptimizers
 from dlrmv4.checkpoint.writer import CheckpointWriter
@@ -133,3 +133,30 @@ def test_work_on_the_saved_tensors_runs_on_the_snapshots_copies_in_the_writer_or
         assert seen["thread"].startswith("checkpoint-writer") is snapshot and seen["live"] is not snapshot
         assert torch.equal(seen["values"][0], at_save)
     assert not torch.equal(net[0].weight, at_save)  # the training did move on
+
+
+def test_the_copy_to_host_in_pieces_gives_every_tensor_back_bit_for_bit():
+    """Pieces of 48 bytes cut tensors of every width mid-element and mid-row; 0-d, empty and
+    non-contiguous tensors are copied whole; the host copy equals the state at the take."""
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "f32": torch.randn(37, 5, generator=g),
+        "bf16": torch.randn(3, 50, generator=g).bfloat16(),
+        "i64": torch.randint(-(2**40), 2**40, (29,), generator=g),
+        "flags": torch.rand(101, generator=g) > 0.5,
+        "scalar": torch.tensor(3.25),
+        "empty": torch.zeros(0, 4),
+        "strided": torch.randn(6, 8, generator=g).t(),
+    }
+    at_take = {k: v.clone() for k, v in state.items()}
+    snapshot = DeviceSnapshot(state, CPU, budget=1 << 20, piece_bytes=48)
+    host = snapshot.take(state)
+    for t in state.values():
+        t.bitwise_not_() if t.dtype in (torch.bool, torch.int64) else t.add_(1)
+    snapshot.to_host()
+    for name, value in at_take.items():
+        assert host[name].dtype == value.dtype and torch.equal(host[name], value), name
+    pieces = byte_pieces(torch.empty(37, 5), state["f32"], 48)
+    assert len(pieces) == -(-37 * 5 * 4 // 48) and all(d.numel() <= 48 and d.dtype == torch.uint8 for d, _ in pieces)
+    assert sum(d.numel() for d, _ in pieces) == 37 * 5 * 4
+    assert len(byte_pieces(torch.empty(8, 6), state["strided"], 48)) == 1  # not contiguous: whole

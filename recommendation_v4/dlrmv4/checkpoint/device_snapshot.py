@@ -9,6 +9,10 @@ The snapshot is the state as it was at the save: the copy into it is queued on t
 before the next step's updates, and the next save waits for the write (and so for its copy to host)
 before it overwrites it.
 
+That copy to host goes in pieces of ``PIECE_BYTES``, at most ``PIECES_IN_FLIGHT`` queued at a time: the
+step's own reads of the device (a loss, a length) share the copy engine with it and wait behind what
+is queued there, a whole table at a time when the copy was queued tensor by tensor.
+
 It holds as much device memory again as the tensors it copies, for the whole run, so it is allocated
 before the run's clock starts, in the room left beside the run's peak (the larger of the memory
 plan's and the one the warm-up's steps and evals reached), the memory other libraries hold and a
@@ -30,6 +34,9 @@ _ALIGN = 512  # bytes: every tensor's view starts at a multiple (any dtype's ali
 # the plan's estimates, libraries' buffers made later.
 MARGIN_FRACTION = 0.1
 MARGIN_MIN_BYTES = 4 << 30
+# The copy to host's pieces: a step's read of the device waits behind at most this many of them.
+PIECE_BYTES = 32 << 20  # about 0.6 ms over PCIe 5
+PIECES_IN_FLIGHT = 2  # one copying, one queued: the copy engine never waits for the thread
 
 
 def tensor_leaves(state: Any) -> list[torch.Tensor]:
@@ -110,8 +117,9 @@ class DeviceSnapshot:
     ``budget`` bytes hold), and the host copy (pinned on a GPU) the writer's thread fills from it; the
     state's other tensors are copied straight into the host copy at the save."""
 
-    def __init__(self, state: Any, device: torch.device, budget: int) -> None:
+    def __init__(self, state: Any, device: torch.device, budget: int, piece_bytes: int = PIECE_BYTES) -> None:
         self.device = device = _indexed(device)
+        self.piece_bytes = piece_bytes
         on_gpu = device.type == "cuda"
         self.host = _create_cpu_state_dict(state, pin_memory=on_gpu)  # what the write reads
         sources = tensor_leaves(state)
@@ -154,14 +162,41 @@ class DeviceSnapshot:
 
     def to_host(self) -> None:
         """Copy the snapshot into the host copy and wait for it: on the snapshot's own stream, once the
-        copy into it is done (the writer's thread calls this, beside the steps after the save)."""
-        pairs = [(host, view) for host, view in zip(tensor_leaves(self.host), self.views) if view is not None]
+        copy into it is done, in pieces of ``piece_bytes`` with at most ``PIECES_IN_FLIGHT`` queued (the
+        writer's thread calls this, beside the steps after the save)."""
+        pieces = [
+            piece
+            for host, view in zip(tensor_leaves(self.host), self.views)
+            if view is not None
+            for piece in byte_pieces(host, view, self.piece_bytes)
+        ]
         if self.stream is None or self.taken is None:
-            for host, view in pairs:
+            for host, view in pieces:
                 host.copy_(view)
             return
+        done = [torch.cuda.Event() for _ in range(PIECES_IN_FLIGHT)]
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(self.taken)
-            for host, view in pairs:
+            for i, (host, view) in enumerate(pieces):
+                if i >= PIECES_IN_FLIGHT:
+                    done[i % PIECES_IN_FLIGHT].synchronize()  # the piece queued PIECES_IN_FLIGHT ago
                 host.copy_(view, non_blocking=True)
+                done[i % PIECES_IN_FLIGHT].record(self.stream)
         self.stream.synchronize()
+
+
+def byte_pieces(host: torch.Tensor, view: torch.Tensor, piece_bytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) pairs of at most ``piece_bytes`` each that copy ``view`` into ``host``: their
+    bytes in order, both contiguous; the whole pair where either is not contiguous."""
+    if not (host.is_contiguous() and view.is_contiguous()) or host.numel() == 0:
+        return [(host, view)]
+    host_bytes, view_bytes = _as_bytes(host), _as_bytes(view)
+    return [
+        (host_bytes[start : start + piece_bytes], view_bytes[start : start + piece_bytes])
+        for start in range(0, host_bytes.numel(), piece_bytes)
+    ]
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.reshape(-1)
+    return flat if flat.element_size() == 1 else flat.view(torch.uint8)
