@@ -122,7 +122,8 @@ def test_a_profiled_windows_device_time_by_part_and_kernel(tmp_path):
 
 
 def test_host_threads_time_inside_ops_by_thread():
-    """The training thread is the one that launched the most kernels; nested ops count once."""
+    """The training thread is the one that launched the most kernels; nested ops count once; each of
+    its costliest CUDA calls names the op that made most of its time (outermost > innermost)."""
     events = [
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": 1, "ts": 0, "dur": 1},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": 1, "ts": 5, "dur": 1},
@@ -133,21 +134,42 @@ def test_host_threads_time_inside_ops_by_thread():
         {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "tid": 2, "ts": 0, "dur": 3000},
         {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "tid": 3, "ts": 0, "dur": 1000},
     ]
+    # A record_function label around the first op (not a torch op: not counted inside ops), and the
+    # training thread's waits: one inside both, one outside every op.
+    events.append({"ph": "X", "cat": "user_annotation", "name": "[splits_dist]", "tid": 1, "ts": 0, "dur": 5000})
     events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "tid": 1, "ts": 9, "dur": 3000})
+    events.append(
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "tid": 1, "ts": 9000, "dur": 1000}
+    )
     host = bench_train.host_threads(events, steps=2)
     assert (host["training_ms"], host["others_ms"]) == (3.0, 2.0)
     # The training thread's runtime calls only, costliest first, per step and per call.
     assert host["training_cuda"] == [
-        {"name": "cudaStreamSynchronize", "ms_per_step": 1.5, "us_per_call": 3000.0},
-        {"name": "cudaLaunchKernel", "ms_per_step": 0.001, "us_per_call": 1.0},
+        {
+            "name": "cudaStreamSynchronize",
+            "ms_per_step": 2.0,
+            "us_per_call": 2000.0,
+            "by": "[splits_dist] > aten::mm",
+            "by_share": 0.75,
+        },
+        {
+            "name": "cudaLaunchKernel",
+            "ms_per_step": 0.001,
+            "us_per_call": 1.0,
+            "by": "[splits_dist] > aten::mm",
+            "by_share": 1.0,
+        },
     ]
+    only_outside = bench_train.callers(events[-1:], {"cudaStreamSynchronize"})
+    assert only_outside == {"cudaStreamSynchronize": {"(no op)": 1000}}
     steady = {"steps": [10, 15], "host": host}
     near = {"steps": [20, 25], "host": {**host, "training_cuda": host["training_cuda"][1:]}}
     lines = bench_train.cuda_calls_table({"profiled_steady": steady, "profiled_checkpoint": near})
     assert "| call | steps 10-14 | steps 20-24 |" in lines
+    assert "| `cudaStreamSynchronize` | 2.0 (2000); 75% `[splits_dist] > aten::mm` | - |" in lines
     assert (
-        "| `cudaStreamSynchronize` | 1.5 (3000) | - |" in lines
-        and "| `cudaLaunchKernel` | 0.0 (1) | 0.0 (1) |" in lines
+        "| `cudaLaunchKernel` | 0.0 (1); 100% `[splits_dist] > aten::mm` | 0.0 (1); 100% `[splits_dist] > aten::mm` |"
+        in lines
     )
     assert bench_train.cuda_calls_table({"profiled_steady": {"steps": [1, 6]}, "profiled_checkpoint": None}) == []
-    assert bench_train.host_threads(events[3:], steps=2) is None
+    assert bench_train.host_threads(events[3:8], steps=2) is None

@@ -313,9 +313,10 @@ def host_threads(events: list[dict], steps: int) -> dict | None:
     """Milliseconds a step the host's threads spent inside torch ops: the thread that launched the most
     kernels (the training's) and the other threads together (the checkpoint writer's among them); and
     what the training thread's CUDA runtime calls took (``training_cuda``: the ``TOP_CUDA_CALLS`` calls
-    by time, milliseconds a step and microseconds a call), which tells time spent launching from waits
-    on the device or on the driver. A training thread inside ops for less of the step than the device
-    works waits for the GIL or the loader; None where the trace holds no kernel launch."""
+    by time, milliseconds a step and microseconds a call, and the op that made most of that time,
+    ``by``, with its share), which tells time spent launching from waits on the device or on the
+    driver, and whose waits they are. A training thread inside ops for less of the step than the
+    device works waits for the GIL or the loader; None where the trace holds no kernel launch."""
     launches: dict[int, int] = {}
     for e in events:
         if e.get("cat") == "cuda_runtime" and "LaunchKernel" in e.get("name", ""):
@@ -332,18 +333,50 @@ def host_threads(events: list[dict], steps: int) -> dict | None:
             calls.setdefault(e["name"], []).append(e["dur"])
     inside = {tid: union_us(sorted(s)) / 1e3 / steps for tid, s in spans.items()}
     top = sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:TOP_CUDA_CALLS]
-    return {
-        "training_ms": inside.pop(training, 0.0),
-        "others_ms": sum(inside.values()),
-        "training_cuda": [
-            {"name": name, "ms_per_step": sum(d) / 1e3 / steps, "us_per_call": sum(d) / len(d)} for name, d in top
-        ],
-    }
+    by = callers([e for e in events if e.get("tid") == training], {name for name, _ in top})
+    training_cuda = []
+    for name, durations in top:
+        made_by = max(by[name].items(), key=lambda kv: kv[1])
+        training_cuda.append(
+            {
+                "name": name,
+                "ms_per_step": sum(durations) / 1e3 / steps,
+                "us_per_call": sum(durations) / len(durations),
+                "by": made_by[0],
+                "by_share": made_by[1] / sum(durations) if sum(durations) else 0.0,
+            }
+        )
+    return {"training_ms": inside.pop(training, 0.0), "others_ms": sum(inside.values()), "training_cuda": training_cuda}
+
+
+def callers(events: list[dict], names: set[str]) -> dict[str, dict[str, float]]:
+    """For the CUDA runtime calls named ``names`` among one thread's ``events``: microseconds by the op
+    that made them, named by its outermost and innermost enclosing ops (``record_function`` labels
+    included), ``outer > inner``; ``(no op)`` outside any."""
+    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    wanted = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in names]
+    # Ops before the calls they enclose at one time stamp, the longer (outer) op first.
+    timeline = sorted(
+        [(e["ts"], 0, -e["dur"], e) for e in ops] + [(e["ts"], 1, 0, e) for e in wanted], key=lambda t: t[:3]
+    )
+    by: dict[str, dict[str, float]] = {name: {} for name in names}
+    open_ops: list[dict] = []
+    for ts, is_call, _, e in timeline:
+        while open_ops and open_ops[-1]["ts"] + open_ops[-1]["dur"] <= ts:
+            open_ops.pop()
+        if not is_call:
+            open_ops.append(e)
+            continue
+        chain = [o["name"] for o in open_ops if e["ts"] + e["dur"] <= o["ts"] + o["dur"]]
+        caller = "(no op)" if not chain else chain[0] if len(chain) == 1 else f"{chain[0]} > {chain[-1]}"
+        by[e["name"]][caller] = by[e["name"]].get(caller, 0.0) + e["dur"]
+    return by
 
 
 def cuda_calls_table(r: dict) -> list[str]:
     """The training thread's costliest CUDA runtime calls in the steady window and beside the first
-    checkpoint (after the other tables: the docs cite those by their place)."""
+    checkpoint, each with the op that made most of its time (after the other tables: the docs cite
+    those by their place)."""
     windows = [
         w for w in (r["profiled_steady"], r["profiled_checkpoint"]) if w and (w.get("host") or {}).get("training_cuda")
     ]
@@ -353,8 +386,8 @@ def cuda_calls_table(r: dict) -> list[str]:
     head = " | ".join(f"steps {w['steps'][0]}-{w['steps'][1] - 1}" for w in windows)
     lines = [
         "",
-        f"The training thread's costliest CUDA runtime calls, ms a step (microseconds a call), in the steady window"
-        f"{' and beside the first checkpoint' if len(windows) > 1 else ''}:",
+        f"The training thread's costliest CUDA runtime calls, ms a step (microseconds a call) and the op that made"
+        f" most of that time, in the steady window{' and beside the first checkpoint' if len(windows) > 1 else ''}:",
         "",
         f"| call | {head} |",
         "|---|" + "---:|" * len(windows),
@@ -362,7 +395,10 @@ def cuda_calls_table(r: dict) -> list[str]:
     by_name = [{c["name"]: c for c in w["host"]["training_cuda"]} for w in windows]
     for name in names:
         cells = [
-            "-" if name not in calls else f"{calls[name]['ms_per_step']:.1f} ({calls[name]['us_per_call']:.0f})"
+            "-"
+            if name not in calls
+            else f"{calls[name]['ms_per_step']:.1f} ({calls[name]['us_per_call']:.0f}); "
+            f"{calls[name]['by_share']:.0%} `{calls[name]['by']}`"
             for calls in by_name
         ]
         lines.append(f"| `{name}` | {' | '.join(cells)} |")
