@@ -11,8 +11,8 @@ before it overwrites it.
 
 That copy to host goes in pieces of ``PIECE_BYTES``, at most ``PIECES_IN_FLIGHT`` queued at a time: the
 step's own copies to host (TorchRec's input distribution reads its splits every step) share the copy
-engine with it and wait behind what is queued there, which was the whole snapshot when every
-tensor's copy was queued at once (the five steps beside a save ran at 0.55 of the rate, 0.90 since).
+engine with it and wait behind what is queued there, which would be the whole snapshot with every
+tensor's copy queued at once.
 
 It holds as much device memory again as the tensors it copies, for the whole run, so it is allocated
 before the run's clock starts, in the room left beside the run's peak (the larger of the memory
