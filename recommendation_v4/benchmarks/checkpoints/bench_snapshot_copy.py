@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpe
 import torch
 from harness import command_line, device_facts, device_label, write_results
 
-from dlrmv4.checkpoint.device_snapshot import PIECE_BYTES, DeviceSnapshot, tensor_leaves
+from dlrmv4.checkpoint.device_snapshot import PIECE_BYTES, DeviceSnapshot, device_bytes, tensor_leaves
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -115,7 +115,7 @@ def main() -> None:
         sys.exit("bench_snapshot_copy.py: needs a GPU (the copy to host and the step's reads share its copy engine)")
     device = torch.device("cuda", torch.cuda.current_device())
     state = make_state(args.gib, device)
-    snapshot = DeviceSnapshot(state, device, budget=1 << 62)
+    snapshot = DeviceSnapshot(state, device, budget=device_bytes(state, device))  # the whole state
     steps = Steps(args.dim, args.matmuls, args.reads, device)
     for _ in range(5):
         steps.one("item")  # cuBLAS's handles and the clocks

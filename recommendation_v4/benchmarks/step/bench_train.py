@@ -336,14 +336,15 @@ def host_threads(events: list[dict], steps: int) -> dict | None:
     by = callers([e for e in events if e.get("tid") == training], {name for name, _ in top})
     training_cuda = []
     for name, durations in top:
-        made_by = max(by[name].items(), key=lambda kv: kv[1])
+        total = sum(durations)
+        caller, caller_us = max(by[name].items(), key=lambda kv: kv[1])
         training_cuda.append(
             {
                 "name": name,
-                "ms_per_step": sum(durations) / 1e3 / steps,
-                "us_per_call": sum(durations) / len(durations),
-                "by": made_by[0],
-                "by_share": made_by[1] / sum(durations) if sum(durations) else 0.0,
+                "ms_per_step": total / 1e3 / steps,
+                "us_per_call": total / len(durations),
+                "by": caller,
+                "by_share": caller_us / total if total else 0.0,
             }
         )
     return {"training_ms": inside.pop(training, 0.0), "others_ms": sum(inside.values()), "training_cuda": training_cuda}
